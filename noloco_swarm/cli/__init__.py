@@ -1,0 +1,1 @@
+"""The `noloco` command line and its live terminal view."""

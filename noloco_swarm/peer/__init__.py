@@ -1,0 +1,1 @@
+"""The I/O shell of a peer: hivemind DHT, libp2p transport, the run loop."""

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Set up (if needed), lint, and run the whole test suite. The README's test command.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+.venv/bin/ruff check noloco_swarm tests bench
+.venv/bin/ruff format --check noloco_swarm tests bench
+exec .venv/bin/python -m pytest "$@"

@@ -1,0 +1,98 @@
+"""The import direction of DESIGN.md section 1, and the purity of the protocol core."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "noloco_swarm"
+# Each sub-package may import the project parts listed for it, and nothing else of the project.
+ALLOWED: dict[str, set[str]] = {
+    "protocol": set(),
+    "model": {"protocol"},
+    "data": {"protocol"},
+    "sim": {"protocol", "model", "data"},
+    "peer": {"protocol", "model", "data", "sim"},
+    "cli": {"protocol", "model", "data", "sim", "peer"},
+}
+# The protocol core does no I/O: no sockets, no asyncio, no hivemind, no wall clock, no files.
+PROTOCOL_FORBIDDEN = {
+    "asyncio",
+    "socket",
+    "hivemind",
+    "time",
+    "datetime",
+    "os",
+    "subprocess",
+    "threading",
+    "io",
+}
+
+
+def project_imports(path: Path, root: Path = PACKAGE.parent) -> list[tuple[str, int]]:
+    """(first sub-package name, line) for every import of noloco_swarm.X in a file under root."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package_parts = path.relative_to(root).with_suffix("").parts
+    found = []
+    for node in ast.walk(tree):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative import: resolve against this file's package
+                base = package_parts[: len(package_parts) - node.level]
+                names = [".".join([*base, node.module or ""]).rstrip(".")]
+            else:
+                names = [node.module or ""]
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "noloco_swarm" and len(parts) > 1:
+                found.append((parts[1], node.lineno))
+    return found
+
+
+def all_modules(sub: str) -> list[Path]:
+    return sorted((PACKAGE / sub).rglob("*.py"))
+
+
+@pytest.mark.parametrize("sub", sorted(ALLOWED))
+def test_import_direction(sub: str) -> None:
+    assert all_modules(sub), f"noloco_swarm/{sub} has no modules"
+    bad = [
+        f"{path.relative_to(PACKAGE.parent)}:{line} imports noloco_swarm.{target}"
+        for path in all_modules(sub)
+        for target, line in project_imports(path)
+        if target != sub and target not in ALLOWED[sub]
+    ]
+    assert not bad, "import direction broken (see DESIGN.md section 1):\n" + "\n".join(bad)
+
+
+def test_protocol_core_does_no_io() -> None:
+    bad = []
+    for path in all_modules("protocol"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            modules = []
+            if isinstance(node, ast.Import):
+                modules = [a.name.split(".")[0] for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                modules = [(node.module or "").split(".")[0]]
+            bad += [
+                f"{path.name}:{node.lineno} imports {mod}" for mod in modules if mod in PROTOCOL_FORBIDDEN
+            ]
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "open":
+                bad.append(f"{path.name}:{node.lineno} opens a file")
+    assert not bad, "\n".join(bad)
+
+
+def test_no_top_level_modules_besides_the_package_init() -> None:
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert top == ["__init__.py"], f"put modules in a sub-package, found {top}"
+
+
+def test_checker_catches_a_violation(tmp_path: Path) -> None:
+    probe = tmp_path / "noloco_swarm" / "protocol" / "probe.py"
+    probe.parent.mkdir(parents=True)
+    probe.write_text("from noloco_swarm.peer import something\nfrom ..model import x\nfrom . import gossip\n")
+    assert [t for t, _ in project_imports(probe, root=tmp_path)] == ["peer", "model", "protocol"]
