@@ -1,0 +1,107 @@
+"""Typed, frozen settings of the algorithm: the outer step and the inner optimiser.
+
+These are the parts of the config tree that the protocol core owns. Defaults follow the official
+code's NoLoCo configs (`*_mean_*`: H = 50, group size 2, outer lr 0.7, outer momentum 0.5) and its
+DiLoCo configs (H = 100, outer lr 0.7, momentum 0.3).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
+
+Method = Literal["noloco", "diloco", "allreduce", "local"]
+METHODS: tuple[str, ...] = ("noloco", "diloco", "allreduce", "local")
+
+
+@dataclass(frozen=True)
+class OuterConfig:
+    """How replicas of a stage combine their progress."""
+
+    method: Method = "noloco"
+    """noloco: pairwise groups; diloco: all replicas; allreduce: gradients every step; local: none."""
+    inner_steps: int = 50
+    """H: inner steps between outer steps (50 for NoLoCo, 100 for DiLoCo)."""
+    group_size: int = 2
+    """n: replicas per NoLoCo group (odd replica counts give one larger group)."""
+    outer_momentum: float = 0.5
+    """alpha: outer momentum (0.5 NoLoCo, 0.3 DiLoCo)."""
+    outer_lr: float = 0.7
+    """beta: outer learning rate."""
+    gamma: float | None = None
+    """Local-averaging coefficient; None ties it to outer_lr (the official code), so only theta travels."""
+    nesterov: bool = True
+    """DiLoCo only: the DiLoCo paper's Nesterov step; False is the official code's heavy-ball form."""
+    random_routing: bool = True
+    """Per-sample random routes between stages; False keeps each replica's own chain (ablation)."""
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+        if self.inner_steps < 1:
+            raise ValueError(f"inner_steps (H) must be >= 1, got {self.inner_steps}")
+        if self.group_size < 1:
+            raise ValueError(f"group_size must be >= 1, got {self.group_size}")
+        if not 0.0 <= self.outer_momentum < 1.0:
+            raise ValueError(f"outer_momentum (alpha) must be in [0, 1), got {self.outer_momentum}")
+        if self.outer_lr <= 0.0:
+            raise ValueError(f"outer_lr (beta) must be > 0, got {self.outer_lr}")
+        if self.gamma is not None and self.gamma < 0.0:
+            raise ValueError(f"gamma must be >= 0 or unset, got {self.gamma}")
+
+    @property
+    def effective_gamma(self) -> float:
+        return self.outer_lr if self.gamma is None else self.gamma
+
+    @property
+    def sends_phi(self) -> bool:
+        """True when partners must exchange slow weights too (gamma differs from beta)."""
+        return self.effective_gamma != self.outer_lr
+
+    @classmethod
+    def for_method(cls, method: str, **overrides: object) -> OuterConfig:
+        """The paper's defaults for a method, with overrides."""
+        defaults: dict[str, object] = {
+            "noloco": {"inner_steps": 50, "outer_momentum": 0.5, "outer_lr": 0.7},
+            "diloco": {"inner_steps": 100, "outer_momentum": 0.3, "outer_lr": 0.7},
+            "allreduce": {"inner_steps": 1},
+            "local": {"inner_steps": 50},
+        }.get(method, {})  # an unknown method falls through to __post_init__'s error
+        return dataclasses.replace(cls(), method=method, **{**defaults, **overrides})  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class InnerConfig:
+    """The inner optimiser (AdamW) and its schedule; moments stay local to each replica."""
+
+    batch_size: int = 8
+    """B: samples per replica per inner step."""
+    lr: float = 6e-4
+    """Peak learning rate after warm-up."""
+    min_lr: float = 6e-5
+    """Learning rate at the end of the cosine decay."""
+    warmup_steps: int = 1000
+    """Linear warm-up steps."""
+    total_steps: int = 25_000
+    """Inner steps of the whole run (the cosine reaches min_lr here)."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay (the official code uses none)."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    grad_clip: float = 1.0
+    """Per-stage gradient-norm clip (official: 1.0); 0 disables clipping."""
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if not self.lr > 0.0 or not 0.0 <= self.min_lr <= self.lr:
+            raise ValueError(f"need 0 <= min_lr <= lr and lr > 0, got lr={self.lr}, min_lr={self.min_lr}")
+        if self.warmup_steps < 0 or self.total_steps < 1:
+            raise ValueError(
+                f"warmup_steps >= 0 and total_steps >= 1 please, got {self.warmup_steps}, {self.total_steps}"
+            )
+        if self.weight_decay < 0 or self.grad_clip < 0:
+            raise ValueError("weight_decay and grad_clip must be >= 0")
+        if not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"betas must be in [0, 1), got {self.betas}")

@@ -1,0 +1,78 @@
+"""A frozen per-round view of who serves which stage; a peer's rank is its place in sorted ids.
+
+Peers announce (peer id, stage) in the DHT with an expiry. At each outer-round boundary every peer
+builds this view from the live announcements; routes and groups then address replicas by rank, so
+peers that saw the same announcements derive the same decisions without further messages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class MembershipView:
+    """Replica sets of every stage for one outer round; `stages[s]` is sorted peer ids of stage s."""
+
+    round: int
+    stages: tuple[tuple[str, ...], ...]
+
+    def __post_init__(self) -> None:
+        if self.round < 0:
+            raise ValueError(f"round must be >= 0, got {self.round}")
+        if not self.stages:
+            raise ValueError("a membership view needs at least one stage")
+        seen: set[str] = set()
+        for stage, peers in enumerate(self.stages):
+            if list(peers) != sorted(set(peers)):
+                raise ValueError(f"stage {stage}: peer ids must be sorted and unique, got {peers}")
+            if seen & set(peers):
+                raise ValueError(f"peers {sorted(seen & set(peers))} appear in more than one stage")
+            seen |= set(peers)
+
+    @classmethod
+    def from_announcements(
+        cls, round_: int, num_stages: int, announcements: Iterable[tuple[str, int]]
+    ) -> MembershipView:
+        """Build the view from (peer id, stage) pairs; a peer listed twice must name one stage."""
+        if num_stages < 1:
+            raise ValueError(f"num_stages must be >= 1, got {num_stages}")
+        stage_of: dict[str, int] = {}
+        for peer, stage in announcements:
+            if not isinstance(peer, str) or not peer:
+                raise ValueError(f"peer id must be a non-empty string, got {peer!r}")
+            if not 0 <= stage < num_stages:
+                raise ValueError(f"peer {peer} announced stage {stage}, outside 0..{num_stages - 1}")
+            if stage_of.setdefault(peer, stage) != stage:
+                raise ValueError(f"peer {peer} announced two stages: {stage_of[peer]} and {stage}")
+        stages = tuple(
+            tuple(sorted(p for p, s in stage_of.items() if s == stage)) for stage in range(num_stages)
+        )
+        return cls(round=round_, stages=stages)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    def replica_counts(self) -> list[int]:
+        return [len(peers) for peers in self.stages]
+
+    def is_complete(self) -> bool:
+        """True when every stage has at least one replica (the pipeline can run)."""
+        return all(self.stages)
+
+    def rank_of(self, peer: str) -> tuple[int, int]:
+        """(stage, rank) of a peer; KeyError if it is not a member this round."""
+        for stage, peers in enumerate(self.stages):
+            if peer in peers:
+                return stage, peers.index(peer)
+        raise KeyError(f"peer {peer} is not a member of round {self.round}")
+
+    def peer_at(self, stage: int, rank: int) -> str:
+        return self.stages[stage][rank]
+
+    def least_served_stage(self) -> int:
+        """The stage with the fewest replicas (lowest index on ties): `--stage auto`."""
+        counts = self.replica_counts()
+        return counts.index(min(counts))

@@ -1,0 +1,406 @@
+"""Frozen, versioned message and DHT-record schemas, and their msgpack codec.
+
+Every message is a frozen dataclass registered under a short tag. `encode` writes
+`{"v": PROTOCOL_VERSION, "t": tag, "b": {field: value}}` with msgpack; `decode` checks the
+version, the tag, every field's presence and type (from the annotations), and the class's own
+`__post_init__` rules, and raises `MessageError` for anything else. A peer treats that error as
+"they sent garbage" and drops the message; it never crashes or touches state.
+
+Tensor bytes travel beside these headers (streamed in parts); `TensorMeta` describes them and
+`decode_tensor` checks shape, dtype, size and finiteness before any of them is used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, TypeVar, Union
+
+import msgpack
+import torch
+
+PROTOCOL_VERSION = 1
+MAX_MESSAGE_BYTES = 1 << 20  # headers only; tensor payloads are streamed separately
+MAX_SEQUENCE = 1 << 16
+MAX_STRING = 4096
+MAX_DIMS = 8
+MAX_TENSOR_ELEMENTS = 1 << 34
+
+
+class MessageError(ValueError):
+    """A received message or tensor is malformed: the sender's fault, never ours."""
+
+
+_REGISTRY: dict[str, type[Message]] = {}
+M = TypeVar("M", bound="Message")
+
+
+class Message:
+    """Base of every wire message and DHT record; subclasses are frozen dataclasses with a TAG."""
+
+    TAG: ClassVar[str] = ""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if not cls.TAG:
+            raise TypeError(f"{cls.__name__} needs a TAG")
+        if cls.TAG in _REGISTRY:
+            raise TypeError(f"tag {cls.TAG!r} is used by {_REGISTRY[cls.TAG].__name__}")
+        _REGISTRY[cls.TAG] = cls
+
+
+def encode(message: Message) -> bytes:
+    """Serialise a message with its version and tag."""
+    body = {f.name: _to_wire(getattr(message, f.name)) for f in dataclasses.fields(message)}  # type: ignore[arg-type]
+    return msgpack.packb({"v": PROTOCOL_VERSION, "t": message.TAG, "b": body}, use_bin_type=True)
+
+
+def decode(data: bytes, expected: type[M] | None = None) -> M:
+    """Parse and validate bytes into a message; `expected` narrows the accepted type."""
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise MessageError(f"expected bytes, got {type(data).__name__}")
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise MessageError(f"message of {len(data)} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit")
+    try:
+        raw = msgpack.unpackb(
+            data, raw=False, strict_map_key=True, max_bin_len=MAX_MESSAGE_BYTES, max_array_len=MAX_SEQUENCE
+        )
+    except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
+        raise MessageError(f"not a msgpack message: {e}") from e
+    if not isinstance(raw, dict) or set(raw) != {"v", "t", "b"}:
+        raise MessageError("message must be a map with exactly the keys v, t, b")
+    if raw["v"] != PROTOCOL_VERSION:
+        raise MessageError(
+            f"protocol version {raw['v']!r} is not ours ({PROTOCOL_VERSION}); upgrade one side"
+        )
+    cls = _REGISTRY.get(raw["t"]) if isinstance(raw["t"], str) else None
+    if cls is None:
+        raise MessageError(f"unknown message type {raw['t']!r}")
+    if expected is not None and cls is not expected:
+        raise MessageError(f"expected a {expected.TAG!r} message, got {cls.TAG!r}")
+    return _build(cls, raw["b"])  # type: ignore[return-value]
+
+
+def _build(cls: type, body: object) -> Any:
+    if not isinstance(body, dict):
+        raise MessageError(f"{cls.__name__}: body must be a map")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    if set(body) != set(names):
+        missing, extra = set(names) - set(body), set(body) - set(names)
+        raise MessageError(
+            f"{cls.__name__}: missing fields {sorted(missing)}, unknown fields {sorted(extra)}"
+        )
+    values = {name: _from_wire(body[name], hints[name], f"{cls.__name__}.{name}") for name in names}
+    try:
+        return cls(**values)
+    except (ValueError, TypeError) as e:
+        raise MessageError(f"{cls.__name__}: {e}") from e
+
+
+def _to_wire(value: object) -> object:
+    if dataclasses.is_dataclass(value):
+        return {f.name: _to_wire(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, tuple):
+        return [_to_wire(v) for v in value]
+    return value
+
+
+def _from_wire(value: object, hint: Any, where: str) -> object:
+    origin = typing.get_origin(hint)
+    if origin in (Union, types.UnionType):
+        options = typing.get_args(hint)
+        if value is None and type(None) in options:
+            return None
+        inner = [o for o in options if o is not type(None)]
+        if len(inner) != 1:
+            raise TypeError(f"{where}: only Optional[X] unions are supported")
+        return _from_wire(value, inner[0], where)
+    if origin is tuple:
+        if not isinstance(value, list | tuple) or len(value) > MAX_SEQUENCE:
+            raise MessageError(f"{where}: expected a list")
+        args = typing.get_args(hint)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_from_wire(v, args[0], f"{where}[]") for v in value)
+        if len(value) != len(args):
+            raise MessageError(f"{where}: expected {len(args)} items, got {len(value)}")
+        return tuple(
+            _from_wire(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(value, args, strict=False))
+        )
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise MessageError(f"{where}: expected a bool, got {type(value).__name__}")
+        return value
+    if hint is int:
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise MessageError(f"{where}: expected an int, got {type(value).__name__}")
+        return value
+    if hint is float:
+        if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+            raise MessageError(f"{where}: expected a finite number, got {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str) or len(value) > MAX_STRING:
+            raise MessageError(f"{where}: expected a string of at most {MAX_STRING} characters")
+        return value
+    if hint is bytes:
+        if not isinstance(value, bytes):
+            raise MessageError(f"{where}: expected bytes")
+        return value
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value)
+    raise TypeError(f"{where}: unsupported field type {hint!r}")  # a schema bug, not bad input
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensors
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+}
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Shape and dtype of a tensor whose raw bytes travel beside a header."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(_DTYPES)}")
+        if len(self.shape) > MAX_DIMS or any(d < 0 for d in self.shape):
+            raise ValueError(f"bad shape {self.shape}")
+        if self.numel > MAX_TENSOR_ELEMENTS:
+            raise ValueError(f"tensor of {self.numel} elements is over the limit")
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * _DTYPES[self.dtype].itemsize
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> TensorMeta:
+        name = str(tensor.dtype).removeprefix("torch.")
+        return cls(shape=tuple(tensor.shape), dtype=name)
+
+
+def decode_tensor(
+    meta: TensorMeta, payload: bytes | bytearray | memoryview, *, finite: bool = True
+) -> torch.Tensor:
+    """A tensor from raw bytes, checked against its meta (size) and, for floats, for NaN/inf."""
+    if len(payload) != meta.nbytes:
+        raise MessageError(f"tensor payload has {len(payload)} bytes, {meta} needs {meta.nbytes}")
+    dtype = _DTYPES[meta.dtype]
+    if meta.numel == 0:
+        return torch.empty(meta.shape, dtype=dtype)
+    tensor = torch.frombuffer(bytearray(payload), dtype=dtype).reshape(meta.shape)
+    if finite and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        raise MessageError("tensor holds NaN or infinite values")
+    return tensor
+
+
+def check_tensor(tensor: torch.Tensor, meta: TensorMeta, *, finite: bool = True) -> torch.Tensor:
+    """Check an already-assembled tensor against the meta we expected to receive."""
+    if tuple(tensor.shape) != meta.shape or tensor.dtype != _DTYPES[meta.dtype]:
+        raise MessageError(f"tensor is {tensor.dtype} {tuple(tensor.shape)}, expected {meta}")
+    if finite and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        raise MessageError("tensor holds NaN or infinite values")
+    return tensor
+
+
+# ---------------------------------------------------------------------------------------------
+# DHT records
+
+Scalar = str | int | float | bool | None
+
+
+@dataclass(frozen=True)
+class RunManifest(Message):
+    """A run's identity and configuration, stored in the DHT under the run id.
+
+    `config` is the run's flattened config tree as sorted (key, repr) pairs; `config_hash` is its
+    sha256, so a joining peer compares one string and can print the first differing key.
+    """
+
+    TAG: ClassVar[str] = "manifest"
+    run_id: str
+    config: tuple[tuple[str, str], ...]
+    config_hash: str
+
+    def __post_init__(self) -> None:
+        _check_run_id(self.run_id)
+        keys = [k for k, _ in self.config]
+        if keys != sorted(set(keys)):
+            raise ValueError("config keys must be sorted and unique")
+        if self.config_hash != config_digest(self.config):
+            raise ValueError("config_hash does not match config")
+
+    @classmethod
+    def create(cls, run_id: str, flat_config: dict[str, Scalar]) -> RunManifest:
+        pairs = tuple(sorted((str(k), repr(v)) for k, v in flat_config.items()))
+        return cls(run_id=run_id, config=pairs, config_hash=config_digest(pairs))
+
+    def differences(self, other: RunManifest) -> list[str]:
+        """Human-readable differences, for the error a mismatched peer prints."""
+        mine, theirs = dict(self.config), dict(other.config)
+        return [
+            f"{k}: {mine.get(k, '<absent>')} != {theirs.get(k, '<absent>')}"
+            for k in sorted(set(mine) | set(theirs))
+            if mine.get(k) != theirs.get(k)
+        ]
+
+
+def config_digest(pairs: tuple[tuple[str, str], ...]) -> str:
+    h = hashlib.sha256()
+    for key, value in pairs:
+        h.update(key.encode() + b"\0" + value.encode() + b"\0")
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class PeerAnnouncement(Message):
+    """A peer's heartbeat record: which stage it serves, from which round, and where to reach it."""
+
+    TAG: ClassVar[str] = "announce"
+    run_id: str
+    peer_id: str
+    stage: int
+    joined_round: int
+    addresses: tuple[str, ...] = field(default=())
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        _check_run_id(self.run_id)
+        if not self.peer_id:
+            raise ValueError("peer_id must not be empty")
+        if self.stage < 0 or self.joined_round < 0:
+            raise ValueError("stage and joined_round must be >= 0")
+
+
+# ---------------------------------------------------------------------------------------------
+# RPC headers (named after the protocol verbs: forward, backward, exchange, fetch_state)
+
+
+@dataclass(frozen=True)
+class ForwardHeader(Message):
+    """Activations of `samples` leaving stage `hop` for stage `hop + 1`; token ids ride along."""
+
+    TAG: ClassVar[str] = "forward"
+    run_id: str
+    round: int
+    step: int
+    hop: int
+    sender_rank: int
+    samples: tuple[int, ...]
+    activations: TensorMeta
+    tokens: TensorMeta
+
+    def __post_init__(self) -> None:
+        _check_run_id(self.run_id)
+        _check_counters(self.round, self.step, self.hop, self.sender_rank)
+        _check_samples(self.samples, self.activations, self.tokens)
+
+
+@dataclass(frozen=True)
+class BackwardHeader(Message):
+    """Gradients w.r.t. the activations of `samples`, returning from stage `hop + 1` to `hop`."""
+
+    TAG: ClassVar[str] = "backward"
+    run_id: str
+    round: int
+    step: int
+    hop: int
+    sender_rank: int
+    samples: tuple[int, ...]
+    grad: TensorMeta
+    losses: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        _check_run_id(self.run_id)
+        _check_counters(self.round, self.step, self.hop, self.sender_rank)
+        _check_samples(self.samples, self.grad, None)
+        if self.losses and len(self.losses) != len(self.samples):
+            raise ValueError("losses must have one entry per sample")
+
+
+@dataclass(frozen=True)
+class ExchangeHeader(Message):
+    """Opens an outer exchange: which weights follow (theta, or theta and phi), in parts."""
+
+    TAG: ClassVar[str] = "exchange"
+    run_id: str
+    round: int
+    step: int
+    stage: int
+    sender_rank: int
+    parts: tuple[str, ...]
+    meta: TensorMeta
+    chunk_bytes: int
+
+    def __post_init__(self) -> None:
+        _check_run_id(self.run_id)
+        _check_counters(self.round, self.step, self.stage, self.sender_rank)
+        if self.parts not in (("theta",), ("theta", "phi")):
+            raise ValueError(f"parts must be ('theta',) or ('theta', 'phi'), got {self.parts}")
+        if len(self.meta.shape) != 1:
+            raise ValueError("exchanged weights travel as one flat vector")
+        if not 1 <= self.chunk_bytes <= 64 << 20:
+            raise ValueError(f"chunk_bytes {self.chunk_bytes} is outside 1 B .. 64 MiB")
+
+
+@dataclass(frozen=True)
+class StateRequest(Message):
+    """A joining peer asks a live replica of `stage` for its state at the last round boundary."""
+
+    TAG: ClassVar[str] = "fetch_state"
+    run_id: str
+    stage: int
+
+    def __post_init__(self) -> None:
+        _check_run_id(self.run_id)
+        if self.stage < 0:
+            raise ValueError("stage must be >= 0")
+
+
+@dataclass(frozen=True)
+class ErrorReply(Message):
+    """A refusal with a reason a volunteer can act on."""
+
+    TAG: ClassVar[str] = "error"
+    code: str
+    reason: str
+
+
+def _check_run_id(run_id: str) -> None:
+    if not run_id or len(run_id) > 128 or not all(c.isalnum() or c in "-_." for c in run_id):
+        raise ValueError(f"run id {run_id!r} must be 1-128 characters of letters, digits, '-', '_', '.'")
+
+
+def _check_counters(*counters: int) -> None:
+    if any(c < 0 for c in counters):
+        raise ValueError(f"counters must be >= 0, got {counters}")
+
+
+def _check_samples(samples: tuple[int, ...], data: TensorMeta, tokens: TensorMeta | None) -> None:
+    if not samples or any(s < 0 for s in samples) or len(set(samples)) != len(samples):
+        raise ValueError("samples must be a non-empty list of distinct non-negative indices")
+    if not data.shape or data.shape[0] != len(samples):
+        raise ValueError(f"tensor {data.shape} does not have one row per sample ({len(samples)})")
+    if tokens is not None:
+        if tokens.dtype != "int64" or len(tokens.shape) != 2 or tokens.shape[0] != len(samples):
+            raise ValueError(f"token ids must be int64 (samples, seq), got {tokens}")
+        if len(data.shape) >= 2 and data.shape[1] != tokens.shape[1]:
+            raise ValueError("activations and token ids disagree on sequence length")

@@ -1,0 +1,103 @@
+"""The step clock, the learning-rate schedule and frozen membership views."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from noloco_swarm.protocol.clock import Phase, StepClock, lr_at
+from noloco_swarm.protocol.membership import MembershipView
+
+
+def test_rounds_and_outer_steps() -> None:
+    clock = StepClock(inner_steps=50, batch_size=8)
+    assert clock.round_of(0) == 0 and clock.round_of(49) == 0 and clock.round_of(50) == 1
+    assert not clock.outer_step_due(0) and not clock.outer_step_due(49)
+    assert clock.outer_step_due(50) and clock.outer_step_due(100)
+    assert clock.first_sample(3) == 24
+    assert clock.round_start(2) == 100
+    assert clock.samples_per_round(4) == 50 * 8 * 4
+    assert clock.next_join_round(0) == 0 and clock.next_join_round(1) == 1 and clock.next_join_round(50) == 1
+
+
+@given(h=st.integers(1, 20), steps=st.integers(0, 500))
+def test_position_walks_inner_then_outer(h: int, steps: int) -> None:
+    clock = StepClock(inner_steps=h, batch_size=1)
+    # a replica that has kept up: one outer step per closed round
+    pos = clock.position(steps, steps // h)
+    assert pos.phase is Phase.INNER and pos.round == steps // h and pos.inner == steps % h
+    if steps and steps % h == 0:
+        due = clock.position(steps, steps // h - 1)
+        assert due.phase is Phase.OUTER and due.round == steps // h - 1 and due.inner == h
+
+
+def test_position_rejects_unreachable_states_and_ends() -> None:
+    clock = StepClock(inner_steps=10, batch_size=1, total_steps=30)
+    with pytest.raises(ValueError, match="not a reachable"):
+        clock.position(15, 2)
+    with pytest.raises(ValueError, match="skipped"):
+        clock.position(25, 1)
+    with pytest.raises(ValueError, match="skipped"):
+        clock.position(15, 0)
+    assert clock.position(30, 2).phase is Phase.OUTER
+    assert clock.position(30, 3).phase is Phase.DONE
+    with pytest.raises(ValueError, match="inner_steps"):
+        StepClock(inner_steps=0, batch_size=1)
+
+
+def test_lr_schedule_warmup_then_cosine() -> None:
+    kw = {"base_lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 10, "total_steps": 110}
+    assert lr_at(0, **kw) == pytest.approx(1e-4)
+    assert lr_at(9, **kw) == pytest.approx(1e-3)
+    assert lr_at(10, **kw) == pytest.approx(1e-3)
+    assert lr_at(60, **kw) == pytest.approx(1e-4 + 0.5 * 9e-4 * (1 + math.cos(math.pi * 0.5)))
+    assert lr_at(110, **kw) == pytest.approx(1e-4)
+    assert lr_at(10_000, **kw) == pytest.approx(1e-4)
+    values = [lr_at(s, **kw) for s in range(10, 111)]
+    assert all(a >= b for a, b in itertools.pairwise(values))
+    with pytest.raises(ValueError):
+        lr_at(0, base_lr=1e-4, min_lr=1e-3, warmup_steps=0, total_steps=10)
+
+
+def test_membership_ranks_are_sorted_ids() -> None:
+    view = MembershipView.from_announcements(
+        3, 2, [("peer-c", 0), ("peer-a", 0), ("peer-b", 1), ("peer-a", 0)]
+    )
+    assert view.stages == (("peer-a", "peer-c"), ("peer-b",))
+    assert view.rank_of("peer-c") == (0, 1)
+    assert view.peer_at(1, 0) == "peer-b"
+    assert view.replica_counts() == [2, 1]
+    assert view.least_served_stage() == 1
+    assert view.is_complete()
+    with pytest.raises(KeyError):
+        view.rank_of("peer-z")
+
+
+def test_membership_is_independent_of_announcement_order() -> None:
+    ann = [(f"p{i}", i % 3) for i in range(9)]
+    assert MembershipView.from_announcements(0, 3, ann) == MembershipView.from_announcements(0, 3, ann[::-1])
+
+
+@pytest.mark.parametrize(
+    ("ann", "message"),
+    [
+        ([("a", 2)], "outside"),
+        ([("a", 0), ("a", 1)], "two stages"),
+        ([("", 0)], "non-empty"),
+    ],
+)
+def test_membership_rejects_bad_announcements(ann: list[tuple[str, int]], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        MembershipView.from_announcements(0, 2, ann)
+
+
+def test_membership_view_validates_directly() -> None:
+    with pytest.raises(ValueError, match="sorted"):
+        MembershipView(round=0, stages=(("b", "a"),))
+    with pytest.raises(ValueError, match="more than one stage"):
+        MembershipView(round=0, stages=(("a",), ("a",)))
+    assert not MembershipView(round=0, stages=(("a",), ())).is_complete()
