@@ -1,0 +1,145 @@
+"""`noloco`: the command line of noloco-swarm."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from noloco_swarm.cli.options import ConfigError, build_config, parse_assignments
+
+EPILOG = """Any setting can also be given as --set KEY=VALUE (repeatable), in a TOML file (--config),
+or in NOLOCO_SET="KEY=VALUE;KEY=VALUE". Keys: see `noloco keys`."""
+
+
+def _common(p: argparse.ArgumentParser, *, replicas: int, stages: int, steps: int) -> None:
+    p.add_argument(
+        "--preset", default="tiny", help="model preset: tiny, small, medium, large (default: tiny)"
+    )
+    p.add_argument("--stages", type=int, default=stages, help=f"pipeline stages P (default: {stages})")
+    p.add_argument(
+        "--replicas", type=int, default=replicas, help=f"replicas per stage D (default: {replicas})"
+    )
+    p.add_argument("--steps", type=int, default=steps, help=f"inner steps to train (default: {steps})")
+    p.add_argument(
+        "--seed", type=int, default=0, help="run seed: initial weights and data order (default: 0)"
+    )
+    p.add_argument(
+        "--config", metavar="FILE", help="TOML config file with [model], [data], [inner], [outer] sections"
+    )
+    p.add_argument("--set", dest="assignments", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="noloco", description=__doc__, epilog=EPILOG)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    local = sub.add_parser(
+        "local",
+        help="train the tiny preset on the embedded corpus on this machine (the main job)",
+        description="A whole swarm on this machine: P stages x D replicas of the tiny preset, trained "
+        "on the embedded corpus with NoLoCo, with a live view and a final summary.",
+        epilog=EPILOG,
+    )
+    _common(local, replicas=2, stages=2, steps=300)
+    local.add_argument("--method", default="noloco", choices=["noloco", "diloco", "allreduce", "local"])
+    local.add_argument("--plain", action="store_true", help="print progress lines instead of the live view")
+
+    sim = sub.add_parser(
+        "sim",
+        help="compare methods in the in-process simulator; writes JSON, CSV and a PNG plot",
+        epilog=EPILOG,
+    )
+    _common(sim, replicas=4, stages=2, steps=300)
+    sim.add_argument(
+        "--methods",
+        default="noloco,diloco,allreduce,local",
+        help="comma-separated: noloco, diloco, allreduce, local, noloco-fixed (routing off)",
+    )
+    sim.add_argument("--out", type=Path, default=None, help="output folder (default: runs/sim-<time>)")
+
+    sub.add_parser("presets", help="list model presets and their parameter counts")
+    sub.add_parser("keys", help="list every config key")
+    return p
+
+
+def _assignments(args: argparse.Namespace) -> dict[str, str]:
+    merged: dict[str, str] = {}
+    for item in args.assignments:
+        merged.update(parse_assignments(item))
+    merged.update(
+        {"num_stages": str(args.stages), "num_replicas": str(args.replicas), "seed": str(args.seed)}
+    )
+    return merged
+
+
+def _config(args: argparse.Namespace, method: str):
+    assignments = _assignments(args)
+    routing_off = method == "noloco-fixed"
+    if routing_off:
+        method = "noloco"
+        assignments["outer.random_routing"] = "false"
+    assignments.setdefault("inner.total_steps", str(args.steps))
+    return build_config(args.preset, method, config_file=args.config, assignments=assignments)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        if args.command == "presets":
+            return _presets()
+        if args.command == "keys":
+            from noloco_swarm.cli.options import valid_keys
+
+            print("\n".join(valid_keys()))
+            return 0
+        import torch
+
+        torch.set_num_threads(args.threads or torch.get_num_threads())
+        if args.command == "local":
+            from noloco_swarm.cli.local import run_local
+
+            return run_local(_config(args, args.method), args.steps, plain=args.plain)
+        if args.command == "sim":
+            from noloco_swarm.cli.sim import run_sim
+
+            methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+            configs = {m: _config(args, m) for m in methods}
+            out = args.out or Path("runs") / time.strftime("sim-%Y%m%d-%H%M%S")
+            return run_sim(configs, args.steps, out)
+    except ConfigError as e:
+        print(f"noloco: config error: {e}", file=sys.stderr)
+        return 2
+    return 1  # pragma: no cover - argparse requires a command
+
+
+def _presets() -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from noloco_swarm.model.presets import PRESETS, count_parameters
+
+    table = Table(title="model presets")
+    for column in ("preset", "hidden", "ffn", "heads", "layers", "seq", "vocab", "parameters", "lr"):
+        table.add_column(column, justify="right")
+    for name, cfg in PRESETS.items():
+        table.add_row(
+            name,
+            str(cfg.hidden_size),
+            str(cfg.intermediate_size),
+            str(cfg.num_heads),
+            str(cfg.num_layers),
+            str(cfg.seq_len),
+            f"{cfg.vocab_size:,}",
+            f"{count_parameters(cfg):,}",
+            f"{cfg.lr:g}",
+        )
+    Console().print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
