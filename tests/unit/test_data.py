@@ -5,7 +5,7 @@ from __future__ import annotations
 import ast
 import itertools
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -48,15 +48,6 @@ SAMPLES = [
     "def f(x):\n    return x ** 2  # code too\n",
     "",
 ]
-
-
-@pytest.fixture(scope="session")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """One cache for the session, so the corpus is built and the BPE trained once; never ~/.cache."""
-    path = tmp_path_factory.mktemp("noloco-cache")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("NOLOCO_CACHE", str(path))
-        yield path
 
 
 @pytest.fixture(scope="session")

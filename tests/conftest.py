@@ -1,0 +1,17 @@
+"""Shared fixtures: one data cache per test session, never the user's ~/.cache."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """One cache for the session, so the corpus is built and the BPE trained once."""
+    path = tmp_path_factory.mktemp("noloco-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("NOLOCO_CACHE", str(path))
+        yield path
