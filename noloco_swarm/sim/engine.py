@@ -61,6 +61,7 @@ class Simulator:
         self.step = 0
         self.tokens = 0
         self.outer_steps = 0
+        self.spread_before_outer = 0.0  # weight spread of the fast weights at the last outer step
 
     def _optimizer(self, module: Stage) -> torch.optim.Optimizer:
         inner = self.cfg.inner
@@ -145,8 +146,10 @@ class Simulator:
     def outer_step(self) -> None:
         """The outer step that follows inner step `self.step` (a multiple of H)."""
         o, D = self.cfg.outer, self.cfg.num_replicas
+        all_thetas = [{d: flat_params(m) for d, m in enumerate(row)} for row in self.stages]
+        self.spread_before_outer = _spread([list(t.values()) for t in all_thetas])
         for s, row in enumerate(self.stages):
-            thetas = {d: flat_params(m) for d, m in enumerate(row)}
+            thetas = all_thetas[s]
             if o.method == "noloco":
                 groups = gossip.make_groups(D, self.step, o.group_size)
                 results = {}
@@ -195,12 +198,7 @@ class Simulator:
     @torch.no_grad()
     def weight_spread(self) -> float:
         """RMS distance of every replica's weights to its stage mean (0 when replicas agree)."""
-        total, count = 0.0, 0
-        for row in self.stages:
-            flats = torch.stack([flat_params(m) for m in row]).double()
-            total += float(((flats - flats.mean(dim=0)) ** 2).sum())
-            count += flats.numel()
-        return math.sqrt(total / count)
+        return _spread([[flat_params(m) for m in row] for row in self.stages])
 
     @torch.no_grad()
     def evaluate(self, windows: torch.Tensor, batch_size: int = 16) -> dict[str, float]:
@@ -225,6 +223,16 @@ class Simulator:
             "val_ppl_avg_model": math.exp(avg_loss),
             "val_ppl_best_replica": math.exp(min(per_replica)),
         }
+
+
+def _spread(stages: list[list[torch.Tensor]]) -> float:
+    """RMS distance of each replica's flat weights to the mean of its stage, over all stages."""
+    total, count = 0.0, 0
+    for row in stages:
+        flats = torch.stack(row).double()
+        total += float(((flats - flats.mean(dim=0)) ** 2).sum())
+        count += flats.numel()
+    return math.sqrt(total / count)
 
 
 def _chain_loss(stages: list[Stage], windows: torch.Tensor, batch_size: int) -> float:

@@ -20,6 +20,7 @@ CSV_COLUMNS = [
     "val_ppl_avg_model",
     "val_ppl_best_replica",
     "weight_spread",
+    "spread_before_outer",
     "wall_seconds",
 ]
 

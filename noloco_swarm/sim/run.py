@@ -109,6 +109,7 @@ def run_simulation(
             "lr": last_lr,
             "train_loss": sum(result.train_losses[-10:]) / max(1, len(result.train_losses[-10:])),
             "weight_spread": sim.weight_spread(),
+            "spread_before_outer": sim.spread_before_outer,
             "wall_seconds": time.perf_counter() - start - eval_seconds,
             **metrics,
         }
