@@ -63,7 +63,7 @@ def render(status: RunStatus) -> RenderableType:
     head = Table.grid(padding=(0, 2))
     head.add_column(style="bold")
     head.add_column()
-    head.add_row("run", f"{status.title}  [{status.method}]")
+    head.add_row("run", Text(f"{status.title}  [{status.method}]"))  # Text: no markup parsing of [..]
     done = status.step / status.total_steps if status.total_steps else 0.0
     head.add_row(
         "step", f"{status.step}/{status.total_steps}  outer steps {status.outer_steps}  ({done:.0%})"

@@ -1,0 +1,167 @@
+"""The `noloco` command line: config plumbing, the pure live view, and short real runs."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from noloco_swarm.cli.main import main
+from noloco_swarm.cli.options import (
+    ConfigError,
+    build_config,
+    coerce,
+    load_file,
+    parse_assignments,
+    valid_keys,
+)
+from noloco_swarm.cli.view import ReplicaStatus, RunStatus, render, sparkline
+
+SHORT = [
+    "--set",
+    "model.seq_len=32",
+    "--set",
+    "inner.batch_size=2",
+    "--set",
+    "eval_windows=4",
+    "--threads",
+    "1",
+]
+
+
+def test_precedence_defaults_file_env_flags(tmp_path: Path) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text(
+        'method = "diloco"\nseed = 3\n[outer]\ninner_steps = 30\n[inner]\nlr = 2e-3\nbetas = [0.9, 0.95]\n'
+    )
+    cfg = build_config(
+        config_file=path, env={"NOLOCO_SET": "seed=4;outer.outer_momentum=0.2"}, assignments={"seed": "5"}
+    )
+    assert cfg.outer.method == "diloco" and cfg.outer.inner_steps == 30
+    assert cfg.inner.lr == 2e-3 and cfg.inner.betas == (0.9, 0.95)
+    assert cfg.outer.outer_momentum == 0.2  # env over file/defaults
+    assert cfg.seed == 5  # flags over env
+    assert load_file(path)["outer.inner_steps"] == 30
+
+
+def test_derived_defaults_follow_the_preset() -> None:
+    cfg = build_config(assignments={"model.seq_len": "64"}, env={})
+    assert cfg.data.seq_len == 64 and cfg.inner.lr == cfg.model.lr
+    assert build_config("tiny", "diloco", env={}).outer.inner_steps == 100
+
+
+@pytest.mark.parametrize(
+    ("assignments", "message"),
+    [
+        ({"outer.nope": "1"}, "unknown config key"),
+        ({"model": "1"}, "unknown config key"),
+        ({"inner.lr": "fast"}, "cannot read"),
+        ({"outer.random_routing": "maybe"}, "cannot read"),
+        ({"inner.betas": "0.9"}, "2 comma-separated"),
+        ({"outer.inner_steps": "0"}, "inner_steps"),
+        ({"num_stages": "9"}, "layers"),
+    ],
+)
+def test_bad_config_is_a_clear_error(assignments: dict[str, str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        build_config(assignments=assignments, env={})
+
+
+def test_coercion_and_assignment_parsing() -> None:
+    assert coerce("outer.gamma", "none") is None
+    assert coerce("outer.gamma", "0.5") == 0.5
+    assert coerce("inner.total_steps", "1e3") == 1000
+    assert coerce("outer.random_routing", "off") is False
+    assert parse_assignments("a=1; b = x ;") == {"a": "1", "b": "x"}
+    with pytest.raises(ConfigError):
+        parse_assignments("novalue")
+    assert "outer.inner_steps" in valid_keys() and "num_replicas" in valid_keys()
+
+
+def snapshot() -> RunStatus:
+    return RunStatus(
+        title="local 2 stages x 2 replicas",
+        method="noloco",
+        step=120,
+        total_steps=300,
+        outer_steps=2,
+        train_loss=5.4321,
+        val_ppl=321.5,
+        lr=9.5e-4,
+        tokens=491520,
+        tokens_per_second=4096.0,
+        weight_spread=1.25e-3,
+        elapsed=120.0,
+        loss_history=(8.0, 7.0, 6.0, 5.5),
+        replicas=(ReplicaStatus(0, 0, "1", "abcdef0123456789"), ReplicaStatus(1, 1, "0")),
+    )
+
+
+def test_view_is_a_pure_function_of_the_snapshot() -> None:
+    def text() -> str:
+        console = Console(width=100, color_system=None, record=True, file=io.StringIO())
+        console.print(render(snapshot()))
+        return console.export_text()
+
+    out = text()
+    assert out == text()
+    for expected in (
+        "120/300",
+        "noloco",
+        "5.432",
+        "321.5",
+        "491,520",
+        "4,096 tok/s",
+        "abcdef012345",
+        "40%",
+        "[noloco]",
+    ):
+        assert expected in out, expected
+    assert sparkline((8.0, 7.0, 6.0, 5.5)) == "█▅▂▁"
+    assert sparkline(()) == ""
+
+
+def test_presets_and_keys_commands(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["presets"]) == 0
+    assert "small" in capsys.readouterr().out
+    assert main(["keys"]) == 0
+    assert "outer.gamma" in capsys.readouterr().out
+
+
+def test_config_error_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["local", "--steps", "1", "--set", "outer.inner_steps=0"]) == 2
+    assert "inner_steps" in capsys.readouterr().err
+
+
+def test_local_runs_and_prints_a_summary(cache: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["local", "--steps", "4", "--plain", *SHORT, "--set", "outer.inner_steps=2"]) == 0
+    out = capsys.readouterr().out
+    assert "summary" in out and "validation perplexity" in out and "outer steps" in out
+    assert "MiB each way" in out
+
+
+def test_sim_writes_json_csv_and_png(cache: Path, tmp_path: Path) -> None:
+    out = tmp_path / "sim"
+    argv = [
+        "sim",
+        "--steps",
+        "4",
+        "--replicas",
+        "2",
+        "--methods",
+        "noloco,local,noloco-fixed",
+        "--out",
+        str(out),
+    ]
+    assert main([*argv, *SHORT, "--set", "outer.inner_steps=2", "--set", "eval_every=2"]) == 0
+    data = json.loads((out / "results.json").read_text())
+    assert set(data) == {"noloco", "local", "noloco-fixed"}
+    assert data["noloco-fixed"]["config"]["outer.random_routing"] is False
+    assert len(data["noloco"]["replica_hashes"]) == 2 and data["noloco"]["state_hash"]
+    rows = list(csv.DictReader((out / "results.csv").open()))
+    assert [r["step"] for r in rows if r["method"] == "noloco"] == ["2", "4"]
+    assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
