@@ -10,6 +10,8 @@ from pathlib import Path
 
 from noloco_swarm.cli.options import ConfigError, build_config, parse_assignments
 
+DEFAULT_IDENTITY = Path("~/.config/noloco-swarm/dht.key")
+
 EPILOG = """Any setting can also be given as --set KEY=VALUE (repeatable), in a TOML file (--config),
 or in NOLOCO_SET="KEY=VALUE;KEY=VALUE". Keys: see `noloco keys`."""
 
@@ -31,6 +33,40 @@ def _common(p: argparse.ArgumentParser, *, replicas: int, stages: int, steps: in
     )
     p.add_argument("--set", dest="assignments", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
+
+
+def _network(p: argparse.ArgumentParser, *, identity_default: str | None) -> None:
+    """hivemind's listen/announce/relay/identity options, named as volunteers expect them."""
+    p.add_argument("--initial-peers", nargs="*", default=[], metavar="MADDR", help="multiaddrs of live peers")
+    p.add_argument(
+        "--host-maddrs",
+        nargs="+",
+        default=["/ip4/0.0.0.0/tcp/0"],
+        metavar="MADDR",
+        help="listen addresses (default: all IPv4 interfaces, a random TCP port)",
+    )
+    p.add_argument(
+        "--announce-maddrs", nargs="*", default=[], metavar="MADDR", help="public addresses to announce (NAT)"
+    )
+    p.add_argument(
+        "--identity", default=identity_default, help=f"private key file (default: {identity_default})"
+    )
+    p.add_argument("--no-relay", action="store_true", help="disable libp2p circuit relays")
+    p.add_argument("--auto-relay", action="store_true", help="find relays automatically (behind NAT)")
+
+
+def _network_config(args: argparse.Namespace):
+    from noloco_swarm.peer.node import NetworkConfig
+
+    identity = str(Path(args.identity).expanduser()) if args.identity else None
+    return NetworkConfig(
+        initial_peers=tuple(args.initial_peers),
+        host_maddrs=tuple(args.host_maddrs),
+        announce_maddrs=tuple(args.announce_maddrs),
+        identity_path=identity,
+        use_relay=not args.no_relay,
+        use_auto_relay=args.auto_relay,
+    )
 
 
 def parser() -> argparse.ArgumentParser:
@@ -60,6 +96,9 @@ def parser() -> argparse.ArgumentParser:
         help="comma-separated: noloco, diloco, allreduce, local, noloco-fixed (routing off)",
     )
     sim.add_argument("--out", type=Path, default=None, help="output folder (default: runs/sim-<time>)")
+
+    dht = sub.add_parser("dht", help="run a bootstrap node and print the --initial-peers address to share")
+    _network(dht, identity_default=str(DEFAULT_IDENTITY))
 
     sub.add_parser("presets", help="list model presets and their parameter counts")
     sub.add_parser("keys", help="list every config key")
@@ -96,6 +135,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             print("\n".join(valid_keys()))
             return 0
+        if args.command == "dht":
+            from noloco_swarm.cli.dht import run_dht
+
+            return run_dht(_network_config(args))
         import torch
 
         torch.set_num_threads(args.threads or torch.get_num_threads())

@@ -384,6 +384,49 @@ class ErrorReply(Message):
     reason: str
 
 
+@dataclass(frozen=True)
+class Ack(Message):
+    """A reply with no fields of its own: "done", plus whatever tensors its envelope announces."""
+
+    TAG: ClassVar[str] = "ack"
+    note: str = ""
+
+
+# ---------------------------------------------------------------------------------------------
+# Transport framing
+
+REPLY_VERB = "reply"
+MAX_ENVELOPE_TENSORS = 64
+
+
+@dataclass(frozen=True)
+class Envelope(Message):
+    """Opens one direction of a transport stream: verb, encoded header, and the tensors that follow.
+
+    The receiver checks `tensors` against its byte limit and against the metas the header declares,
+    allocates one buffer per tensor, and then reads exactly `nbytes` raw little-endian bytes into them.
+    """
+
+    TAG: ClassVar[str] = "envelope"
+    verb: str
+    header: bytes
+    tensors: tuple[TensorMeta, ...] = ()
+
+    def __post_init__(self) -> None:
+        name = self.verb.removeprefix("rpc_")
+        if self.verb != REPLY_VERB and (
+            name == self.verb or not name.replace("_", "").isalnum() or not name.isascii()
+        ):
+            raise ValueError(f"verb {self.verb!r} must be {REPLY_VERB!r} or rpc_<name>")
+        if len(self.tensors) > MAX_ENVELOPE_TENSORS:
+            raise ValueError(f"{len(self.tensors)} tensors is over the limit of {MAX_ENVELOPE_TENSORS}")
+
+    @property
+    def nbytes(self) -> int:
+        """Raw tensor bytes that follow this envelope on the stream."""
+        return sum(meta.nbytes for meta in self.tensors)
+
+
 def _check_run_id(run_id: str) -> None:
     if not run_id or len(run_id) > 128 or not all(c.isalnum() or c in "-_." for c in run_id):
         raise ValueError(f"run id {run_id!r} must be 1-128 characters of letters, digits, '-', '_', '.'")

@@ -1,0 +1,43 @@
+"""`noloco dht`: a bootstrap node that other peers join through; prints its --initial-peers address."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from pathlib import Path
+
+from rich.console import Console
+
+from noloco_swarm.peer.node import NetworkConfig, reachability, start_dht
+
+
+def run_dht(net: NetworkConfig, *, refresh: float = 30.0, stop: threading.Event | None = None) -> int:
+    """Run until SIGINT/SIGTERM (or `stop` is set), printing how to join and, periodically, the node's state."""
+    console = Console()
+    if net.identity_path:
+        Path(net.identity_path).expanduser().parent.mkdir(parents=True, exist_ok=True)
+    dht = start_dht(net)
+    stop = stop or threading.Event()
+    try:
+        previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    except ValueError:  # not the main thread (tests): rely on `stop`
+        previous = {}
+    try:
+        addrs = [str(a) for a in dht.get_visible_maddrs()]
+        console.print(f"[bold]noloco dht[/]: bootstrap node {dht.peer_id} is up.")
+        console.print("Other peers join with:")
+        console.print(
+            f"  --initial-peers {addrs[0] if addrs else '<no address>'}", highlight=False, soft_wrap=True
+        )
+        console.print("Reachable as:")
+        for line in reachability(dht):
+            console.print(f"  {line}", highlight=False, soft_wrap=True)
+        if net.identity_path:
+            console.print(f"Identity kept in {net.identity_path} (the peer id survives restarts).")
+        while not stop.wait(refresh):
+            console.print(f"[dim]{len(dht.get_visible_maddrs())} visible addresses; still serving[/]")
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        dht.shutdown()
+    return 0

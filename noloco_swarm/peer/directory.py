@@ -1,0 +1,139 @@
+"""The run's directory in the hivemind DHT: the manifest, and the peers announced per stage.
+
+Keys (all under the run id, so runs never see each other's records):
+  noloco/<run>/manifest           the RunManifest (stored by the peer that starts the run)
+  noloco/<run>/peers  [peer id]   a PeerAnnouncement per peer, re-stored every heartbeat
+Records expire, so a peer that stops heartbeating drops out of the next round's membership.
+Everything read back is decoded with the message codec; a malformed record is skipped (and
+counted), never trusted. The frozen per-round view itself is built by protocol.membership.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hivemind import DHT
+from hivemind.utils import get_dht_time
+
+from noloco_swarm.protocol import messages
+from noloco_swarm.protocol.membership import MembershipView
+
+MANIFEST_TTL = 7 * 24 * 3600.0  # the manifest outlives any one peer; re-stored by every heartbeat
+DEFAULT_HEARTBEAT_TTL = 30.0
+
+
+class ManifestMismatchError(RuntimeError):
+    """This peer's config differs from the run's manifest; the message lists the differences."""
+
+
+def manifest_key(run_id: str) -> str:
+    return f"noloco/{run_id}/manifest"
+
+
+def peers_key(run_id: str) -> str:
+    return f"noloco/{run_id}/peers"
+
+
+@dataclass
+class DirectoryReadout:
+    """What one read of the peers key found."""
+
+    announcements: list[messages.PeerAnnouncement]
+    malformed: int  # records that failed to decode or named another run
+
+
+class RunDirectory:
+    """Publish and read a run's records through a running hivemind DHT."""
+
+    def __init__(self, dht: DHT, run_id: str, *, ttl: float = DEFAULT_HEARTBEAT_TTL) -> None:
+        if ttl <= 0:
+            raise ValueError(f"ttl must be > 0, got {ttl}")
+        messages.RunManifest.create(run_id, {})  # validates the run id early, with a clear message
+        self.dht, self.run_id, self.ttl = dht, run_id, ttl
+
+    # ---------------------------------------------------------------- manifest
+
+    def fetch_manifest(self) -> messages.RunManifest | None:
+        """The run's manifest, or None if nobody published one (or it is unreadable)."""
+        found = self.dht.get(manifest_key(self.run_id), latest=True)
+        if found is None or not isinstance(found.value, bytes):
+            return None
+        try:
+            manifest = messages.decode(found.value, messages.RunManifest)
+        except messages.MessageError:
+            return None
+        return manifest if manifest.run_id == self.run_id else None
+
+    def publish_manifest(self, manifest: messages.RunManifest) -> None:
+        if manifest.run_id != self.run_id:
+            raise ValueError(f"manifest is for run {manifest.run_id!r}, this directory is {self.run_id!r}")
+        ok = self.dht.store(
+            manifest_key(self.run_id), messages.encode(manifest), get_dht_time() + MANIFEST_TTL
+        )
+        if not ok:
+            raise RuntimeError("the DHT did not accept the manifest; is any DHT peer reachable?")
+
+    def join_manifest(self, mine: messages.RunManifest, *, new_run: bool) -> messages.RunManifest:
+        """Check our config against the run's manifest; publish it first if we start the run.
+
+        Raises ManifestMismatchError (listing the differing keys) when the run exists with another
+        config, and LookupError when it does not exist and we were not asked to start it.
+        """
+        existing = self.fetch_manifest()
+        if existing is None:
+            if not new_run:
+                raise LookupError(
+                    f"run {self.run_id!r} has no manifest in the DHT: check --run-id and --initial-peers, "
+                    "or start the run with --new-run"
+                )
+            self.publish_manifest(mine)
+            return mine
+        if existing.config_hash != mine.config_hash:
+            diff = "\n  ".join(existing.differences(mine))
+            raise ManifestMismatchError(
+                f"run {self.run_id!r} was started with another config; differences (run != yours):\n  {diff}"
+            )
+        return existing
+
+    # ---------------------------------------------------------------- peers
+
+    def announce(self, announcement: messages.PeerAnnouncement) -> bool:
+        """Store (or refresh) our announcement; call it every ttl/3 seconds as the heartbeat."""
+        if announcement.run_id != self.run_id:
+            raise ValueError("announcement names another run")
+        return bool(
+            self.dht.store(
+                peers_key(self.run_id),
+                messages.encode(announcement),
+                get_dht_time() + self.ttl,
+                subkey=announcement.peer_id,
+            )
+        )
+
+    def read_peers(self) -> DirectoryReadout:
+        """Every live, well-formed announcement of this run (subkey must equal the peer id)."""
+        found = self.dht.get(peers_key(self.run_id), latest=True)
+        if found is None or not isinstance(found.value, dict):
+            return DirectoryReadout([], 0)
+        good, bad = [], 0
+        for subkey, item in found.value.items():
+            try:
+                ann = messages.decode(item.value, messages.PeerAnnouncement)
+            except messages.MessageError:
+                bad += 1
+                continue
+            if ann.run_id != self.run_id or ann.peer_id != subkey:
+                bad += 1
+                continue
+            good.append(ann)
+        good.sort(key=lambda a: a.peer_id)
+        return DirectoryReadout(good, bad)
+
+    def membership(self, round_: int, num_stages: int) -> MembershipView:
+        """The frozen view of round `round_`: peers announced for a round <= round_, stage in range."""
+        pairs = [
+            (a.peer_id, a.stage)
+            for a in self.read_peers().announcements
+            if a.joined_round <= round_ and a.stage < num_stages
+        ]
+        return MembershipView.from_announcements(round_, num_stages, pairs)

@@ -1,0 +1,83 @@
+"""Process helpers for integration tests: start real daemons, always end them, find leftovers."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from pathlib import Path
+
+MADDR = re.compile(r"(/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+)")
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live descendant of `pid` (from /proc), so tests can prove they leave no daemons."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z":  # zombies are dead already
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
+    found: set[int] = set()
+    stack = [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            if child not in found:
+                found.add(child)
+                stack.append(child)
+    return found
+
+
+def p2pd_descendants(pid: int | None = None) -> set[int]:
+    out = set()
+    for child in descendants(os.getpid() if pid is None else pid):
+        try:
+            if Path(f"/proc/{child}/comm").read_text().strip() == "p2pd":
+                out.add(child)
+        except OSError:
+            continue
+    return out
+
+
+@contextmanager
+def process_group(
+    argv: list[str], *, ready: re.Pattern[str] = MADDR, timeout: float = 60.0
+) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """Start argv in its own process group, wait for `ready` in its output, kill the group at the end."""
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + timeout
+        seen = []
+        match = None
+        while match is None:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise RuntimeError(f"{argv[0]} did not become ready:\n{''.join(seen)}")
+            line = proc.stdout.readline()  # type: ignore[union-attr]
+            seen.append(line)
+            match = ready.search(line)
+        yield proc, match.group(1)
+    finally:
+        end_group(proc)
+
+
+def end_group(proc: subprocess.Popen[str], grace: float = 10.0) -> None:
+    """SIGTERM the whole process group, then SIGKILL what is left; reap the leader."""
+    with suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    with suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=grace)
+    with suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=grace)
+    if proc.stdout:
+        proc.stdout.close()

@@ -1,0 +1,116 @@
+"""The run directory on a real hivemind DHT, entered through hivemind's own `hivemind-dht` CLI."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from hivemind import DHT
+from hivemind.utils import get_dht_time
+
+from noloco_swarm.peer.directory import ManifestMismatchError, RunDirectory, peers_key
+from noloco_swarm.peer.node import NetworkConfig, reachability, start_dht
+from noloco_swarm.protocol import messages
+from noloco_swarm.sim.config import RunConfig
+from tests.integration.helpers import p2pd_descendants, process_group
+
+pytestmark = pytest.mark.integration
+LOOPBACK = ("/ip4/127.0.0.1/tcp/0",)
+
+
+@pytest.fixture(scope="module")
+def bootstrap() -> Iterator[str]:
+    """hivemind's own bootstrap CLI: we must interoperate with the ecosystem, not only ourselves."""
+    exe = shutil.which("hivemind-dht", path=str(Path(sys.executable).parent))
+    assert exe, "hivemind-dht is installed with hivemind"
+    with process_group([exe, "--host_maddrs", *LOOPBACK]) as (_, maddr):
+        yield maddr
+
+
+@pytest.fixture
+def two_peers(bootstrap: str) -> Iterator[tuple[DHT, DHT]]:
+    before = p2pd_descendants()
+    a = start_dht(NetworkConfig(initial_peers=(bootstrap,), host_maddrs=LOOPBACK))
+    b = None
+    try:
+        b = start_dht(NetworkConfig(initial_peers=(bootstrap,), host_maddrs=LOOPBACK))
+        yield a, b
+    finally:
+        for dht in (a, b):
+            if dht is not None:
+                dht.shutdown()
+    time.sleep(0.5)
+    assert p2pd_descendants() <= before, "a DHT left its p2pd running"
+
+
+def manifest(run_id: str, **overrides: object) -> messages.RunManifest:
+    return messages.RunManifest.create(run_id, RunConfig.create("tiny", "noloco", **overrides).flat())
+
+
+def test_manifest_publish_join_and_mismatch(two_peers: tuple[DHT, DHT]) -> None:
+    a, b = two_peers
+    mine = manifest("run-m")
+    starter, joiner = RunDirectory(a, "run-m"), RunDirectory(b, "run-m")
+    with pytest.raises(LookupError, match="--new-run"):
+        joiner.join_manifest(mine, new_run=False)
+    assert starter.join_manifest(mine, new_run=True) == mine
+    assert joiner.join_manifest(mine, new_run=False) == mine
+    other = manifest("run-m", outer={"inner_steps": 20})
+    with pytest.raises(ManifestMismatchError, match=r"outer\.inner_steps: 50 != 20"):
+        joiner.join_manifest(other, new_run=True)
+
+
+def test_announcements_build_the_same_view_everywhere(two_peers: tuple[DHT, DHT]) -> None:
+    a, b = two_peers
+    da, db = RunDirectory(a, "run-v"), RunDirectory(b, "run-v")
+    assert da.announce(messages.PeerAnnouncement("run-v", str(a.peer_id), 1, 0))
+    assert db.announce(messages.PeerAnnouncement("run-v", str(b.peer_id), 0, 0))
+    assert db.announce(messages.PeerAnnouncement("run-v", "late-peer", 0, 3))
+    # garbage under the peers key, and a record whose subkey lies about its peer id
+    a.store(peers_key("run-v"), b"\x00garbage", get_dht_time() + 30, subkey="mallory")
+    a.store(
+        peers_key("run-v"),
+        messages.encode(messages.PeerAnnouncement("run-v", "someone-else", 0, 0)),
+        get_dht_time() + 30,
+        subkey="liar",
+    )
+    view_a, view_b = da.membership(2, 2), db.membership(2, 2)
+    assert view_a == view_b
+    assert view_a.stages == ((str(b.peer_id),), (str(a.peer_id),))  # late-peer joins at round 3
+    assert "late-peer" in da.membership(3, 2).stages[0]
+    assert da.read_peers().malformed == 2
+
+
+def test_announcements_expire(two_peers: tuple[DHT, DHT]) -> None:
+    a, b = two_peers
+    short = RunDirectory(a, "run-x", ttl=2.0)
+    assert short.announce(messages.PeerAnnouncement("run-x", "ephemeral", 0, 0))
+    assert [x.peer_id for x in RunDirectory(b, "run-x").read_peers().announcements] == ["ephemeral"]
+    time.sleep(3.0)
+    assert RunDirectory(b, "run-x").read_peers().announcements == []
+
+
+def test_reachability_reports_loopback(two_peers: tuple[DHT, DHT]) -> None:
+    lines = reachability(two_peers[0])
+    assert any("loopback only" in line for line in lines)
+    assert "cannot reach" in lines[-1]
+
+
+def test_noloco_dht_prints_address_and_keeps_identity(tmp_path: Path, bootstrap: str) -> None:
+    exe = str(Path(sys.executable).parent / "noloco")
+    key = tmp_path / "dht.key"
+    argv = [exe, "dht", "--host-maddrs", *LOOPBACK, "--identity", str(key)]
+    with process_group(argv) as (_, first):
+        # our bootstrap node serves hivemind's plain DHT clients too
+        client = start_dht(NetworkConfig(initial_peers=(first,), host_maddrs=LOOPBACK))
+        try:
+            assert client.store("probe", b"ok", get_dht_time() + 30)
+        finally:
+            client.shutdown()
+    assert key.exists()
+    with process_group(argv) as (_, second):
+        assert second.rsplit("/p2p/", 1)[1] == first.rsplit("/p2p/", 1)[1]  # same peer id after restart
