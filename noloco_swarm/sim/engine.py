@@ -23,10 +23,11 @@ from dataclasses import dataclass
 
 import torch
 
-from noloco_swarm.model import Stage, build_stage, flat_params, load_flat_params_, state_hash
+from noloco_swarm.model import Stage, build_stage, flat_params, load_flat_params_
 from noloco_swarm.protocol import gossip, outer, routing
-from noloco_swarm.protocol.clock import StepClock, lr_at
+from noloco_swarm.protocol.clock import StepClock
 from noloco_swarm.sim.config import RunConfig
+from noloco_swarm.sim.replica import StageReplica
 
 BatchFn = Callable[[int, int], torch.Tensor]
 """(replica, step) -> LongTensor (B, seq_len + 1): the training windows of a stage-0 replica."""
@@ -52,23 +53,19 @@ class Simulator:
         P, D = cfg.num_stages, cfg.num_replicas
         # Every replica starts from the same weights, derived from the run seed (DESIGN.md 2).
         first = [build_stage(cfg.model, s, P, cfg.seed) for s in range(P)]
-        self.stages: list[list[Stage]] = [
-            [first[s]] + [copy.deepcopy(first[s]) for _ in range(D - 1)] for s in range(P)
+        self.replicas: list[list[StageReplica]] = [
+            [StageReplica(cfg, s, first[s] if d == 0 else copy.deepcopy(first[s])) for d in range(D)]
+            for s in range(P)
         ]
-        self.optimizers = [[self._optimizer(m) for m in row] for row in self.stages]
-        self.phi = [[flat_params(m) for m in row] for row in self.stages]
-        self.delta = [[torch.zeros_like(p) for p in row] for row in self.phi]
         self.step = 0
         self.tokens = 0
         self.outer_steps = 0
         self.spread_before_outer = 0.0  # weight spread of the fast weights at the last outer step
 
-    def _optimizer(self, module: Stage) -> torch.optim.Optimizer:
-        inner = self.cfg.inner
-        # foreach: one pass over all tensors; on CPU the default per-tensor loop is much slower.
-        return torch.optim.AdamW(
-            module.parameters(), lr=inner.lr, betas=inner.betas, weight_decay=inner.weight_decay, foreach=True
-        )
+    @property
+    def stages(self) -> list[list[Stage]]:
+        """The stage modules, [stage][replica]."""
+        return [[r.module for r in row] for row in self.replicas]
 
     # ------------------------------------------------------------------ inner step
 
@@ -107,24 +104,13 @@ class Simulator:
 
     def inner_step(self) -> StepStats:
         cfg = self.cfg
-        lr = lr_at(
-            self.step,
-            base_lr=cfg.inner.lr,
-            min_lr=cfg.inner.min_lr,
-            warmup_steps=cfg.inner.warmup_steps,
-            total_steps=cfg.inner.total_steps,
-        )
+        lr = self.replicas[0][0].lr_at(self.step)
         loss = self.forward_backward()
         if cfg.outer.method == "allreduce":
             self._allreduce_gradients()
-        for row, opts in zip(self.stages, self.optimizers, strict=True):
-            for module, opt in zip(row, opts, strict=True):
-                if cfg.inner.grad_clip > 0:  # per stage, as in the official code
-                    torch.nn.utils.clip_grad_norm_(module.parameters(), cfg.inner.grad_clip)
-                for group in opt.param_groups:
-                    group["lr"] = lr
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+        for row in self.replicas:
+            for replica in row:
+                replica.optimizer_step(lr)
         self.step += 1
         self.tokens += cfg.num_replicas * cfg.inner.batch_size * cfg.model.seq_len
         due = cfg.outer.method in ("noloco", "diloco") and self.clock.outer_step_due(self.step)
@@ -146,46 +132,26 @@ class Simulator:
     def outer_step(self) -> None:
         """The outer step that follows inner step `self.step` (a multiple of H)."""
         o, D = self.cfg.outer, self.cfg.num_replicas
-        all_thetas = [{d: flat_params(m) for d, m in enumerate(row)} for row in self.stages]
+        all_thetas = [{d: r.theta() for d, r in enumerate(row)} for row in self.replicas]
         self.spread_before_outer = _spread([list(t.values()) for t in all_thetas])
-        for s, row in enumerate(self.stages):
-            thetas = all_thetas[s]
-            if o.method == "noloco":
-                groups = gossip.make_groups(D, self.step, o.group_size)
-                results = {}
-                for group in groups:
-                    for d in group:
-                        results[d] = outer.noloco_step(
-                            self.phi[s][d],
-                            self.delta[s][d],
-                            {m: thetas[m] for m in group},
-                            alpha=o.outer_momentum,
-                            beta=o.outer_lr,
-                            gamma=o.gamma,
-                            phis={m: self.phi[s][m] for m in group},
-                        )
-            else:
-                results = {
-                    d: outer.diloco_step(
-                        self.phi[s][d],
-                        self.delta[s][d],
-                        thetas,
-                        lr=o.outer_lr,
-                        momentum_coef=o.outer_momentum,
-                        nesterov=o.nesterov,
-                    )
-                    for d in range(D)
-                }
-            for d, res in results.items():
-                self.phi[s][d], self.delta[s][d] = res.phi, res.delta
-                load_flat_params_(row[d], res.phi)
+        for row, thetas in zip(self.replicas, all_thetas, strict=True):
+            if o.method == "diloco":
+                for replica in row:
+                    replica.apply_diloco(thetas)
+                continue
+            # Every member computes its step from the group's values as they were before the
+            # step: phis are read here, before any member of the group updates its own.
+            for group in gossip.make_groups(D, self.step, o.group_size):
+                phis = {m: row[m].phi for m in group}
+                for d in group:
+                    row[d].apply_noloco({m: thetas[m] for m in group}, phis)
         self.outer_steps += 1
 
     # ------------------------------------------------------------------ inspection
 
     def replica_hashes(self) -> list[list[str]]:
         """state_hash of every stage replica, [stage][replica]."""
-        return [[state_hash(m) for m in row] for row in self.stages]
+        return [[r.state_hash() for r in row] for row in self.replicas]
 
     def state_hash(self) -> str:
         """One hash over every replica of every stage, in (stage, replica) order."""
