@@ -1,18 +1,21 @@
 """`noloco local`: a whole swarm on this machine, with a live view and a final summary.
 
-Until the networked peer lands (issue 4) this runs the swarm in one process with the reference
-simulator: the same routes, groups and outer steps the peers will use, without the transport.
+By default it starts a bootstrap DHT node and P x D real peer processes (`noloco join`, each with
+its own p2pd on loopback). `--in-process` runs the same swarm inside this process with the
+reference simulator instead (same routes, groups and outer steps, no transport).
 """
 
 from __future__ import annotations
 
 import math
 import time
+from pathlib import Path
 
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from noloco_swarm.cli.swarm import LocalSwarm, local_swarm, wait
 from noloco_swarm.cli.view import ReplicaStatus, RunStatus, render
 from noloco_swarm.model.state import num_flat
 from noloco_swarm.protocol import gossip
@@ -143,4 +146,137 @@ def _summary(tracker: _Tracker, sim: Simulator | None, result, interrupted: bool
                 table.add_row(f"bytes per outer step, stage {s} peer", f"{mib:.2f} MiB each way")
     if losses and not math.isfinite(losses[-1]):
         table.add_row("warning", "the loss is not finite: lower inner.lr")
+    return table
+
+
+# ---------------------------------------------------------------------------------------------
+# The real swarm: peer processes on loopback
+
+
+def swarm_status(swarm: LocalSwarm, start: float) -> RunStatus:
+    """A view snapshot from what the peers' metrics files say so far (pure given those files)."""
+    cfg = swarm.cfg
+    events = {(p.stage, p.replica): p.events() for p in swarm.peers}
+    steps = [e for (s, _), ev in events.items() if s == 0 for e in ev if e["event"] == "step"]
+    last_stage = [
+        e for (s, _), ev in events.items() if s == cfg.num_stages - 1 for e in ev if e["event"] == "step"
+    ]
+    last_stage.sort(key=lambda e: e["step"])
+    by_step: dict[int, list[float]] = {}
+    for e in last_stage:
+        by_step.setdefault(e["step"], []).append(e["loss"])
+    history = tuple(sum(v) / len(v) for _, v in sorted(by_step.items()))
+    done = min(
+        (max((e["step"] for e in ev if e["event"] == "step"), default=0) for ev in events.values()), default=0
+    )
+    outer = min((sum(e["event"] == "outer" for e in ev) for ev in events.values()), default=0)
+    tokens = sum(
+        max((e["tokens"] for e in ev if e["event"] == "step"), default=0)
+        for (s, _), ev in events.items()
+        if s == 0
+    )
+    elapsed = time.perf_counter() - start
+    replicas = []
+    for (s, d), ev in sorted(events.items()):
+        outers = [e for e in ev if e["event"] == "outer"]
+        final = next((e for e in ev if e["event"] == "final"), None)
+        rank = next((e["rank"] for e in ev if e["event"] == "membership"), d)
+        partner = "-"
+        if outers:
+            others = [str(m) for m in outers[-1]["group"] if m != rank]
+            partner = ",".join(others) or "(alone)"
+        replicas.append(ReplicaStatus(s, rank, partner, final["state_hash"] if final else ""))
+    lr = steps[-1]["lr"] if steps else 0.0
+    return RunStatus(
+        title=f"local swarm {cfg.num_stages} stages x {cfg.num_replicas} replicas, {cfg.model.name} preset",
+        method=cfg.outer.method,
+        step=done,
+        total_steps=swarm.steps,
+        outer_steps=outer,
+        train_loss=sum(history[-10:]) / len(history[-10:]) if history else None,
+        lr=lr,
+        tokens=tokens,
+        tokens_per_second=tokens / elapsed if elapsed else 0.0,
+        elapsed=elapsed,
+        loss_history=history,
+        replicas=tuple(replicas),
+        note=f"{len(swarm.peers)} peer processes on loopback; logs and metrics in {swarm.workdir}",
+    )
+
+
+def run_local_swarm(cfg: RunConfig, steps: int, *, plain: bool = False, keep: Path | None = None) -> int:
+    console = Console()
+    console.print(
+        f"[bold]noloco local[/]: starting a bootstrap node and {cfg.num_stages * cfg.num_replicas} peers "
+        f"({cfg.num_stages} stages x {cfg.num_replicas} replicas, {cfg.outer.method}, H={cfg.outer.inner_steps}, "
+        f"{steps} inner steps, preset {cfg.model.name}, embedded corpus)"
+    )
+    start = time.perf_counter()
+    live = None
+    status: RunStatus | None = None
+    last_print = [0]
+    interrupted = False
+    with local_swarm(cfg, steps, workdir=keep) as swarm:
+
+        def on_poll(sw: LocalSwarm) -> None:
+            nonlocal status
+            status = swarm_status(sw, start)
+            if live is not None:
+                live.update(render(status))
+            elif status.step >= last_print[0] + 10 or (status.step == steps and last_print[0] != steps):
+                last_print[0] = status.step
+                loss = "-" if status.train_loss is None else f"{status.train_loss:.3f}"
+                console.print(f"step {status.step:5d}  loss {loss}  {status.tokens_per_second:,.0f} tok/s")
+
+        live = None if plain else Live(console=console, refresh_per_second=4)
+        try:
+            if live is not None:
+                live.start()
+            wait(swarm, timeout=max(600.0, steps * 10.0), on_poll=on_poll)
+        except KeyboardInterrupt:
+            interrupted = True
+        except (RuntimeError, TimeoutError) as e:
+            if live is not None:
+                live.stop()
+                live = None
+            console.print(f"[red]the swarm failed:[/] {e}")
+            return 1
+        finally:
+            if live is not None:
+                live.stop()
+        summaries = swarm.summaries()
+        events = [e for p in swarm.peers for e in p.events()]
+    console.print(_swarm_summary(status, summaries, events, interrupted))
+    return 130 if interrupted else 0
+
+
+def _swarm_summary(
+    status: RunStatus | None, summaries: list[dict], events: list[dict], interrupted: bool
+) -> Table:
+    table = Table(title="summary (interrupted)" if interrupted else "summary", show_header=False)
+    table.add_column(style="bold")
+    table.add_column(justify="right")
+    if status is not None and status.loss_history:
+        head, tail = status.loss_history[:20], status.loss_history[-20:]
+        table.add_row("train loss (first 20 steps)", f"{sum(head) / len(head):.3f}")
+        table.add_row("train loss (last 20 steps)", f"{sum(tail) / len(tail):.3f}")
+    val = [s["val_loss"] for s in summaries if s.get("val_loss") is not None]
+    if val:
+        mean = sum(val) / len(val)
+        table.add_row("validation loss (each replica's own path)", f"{mean:.3f}")
+        table.add_row("validation perplexity", f"{math.exp(mean):.1f}")
+    if summaries:
+        seconds = max(s["train_seconds"] for s in summaries)
+        tokens = sum(s["tokens"] for s in summaries)
+        table.add_row("tokens/s (training)", f"{tokens / seconds:,.0f}" if seconds else "-")
+        table.add_row("outer steps", str(min(s["outer_steps"] for s in summaries)))
+    outers = [e for e in events if e["event"] == "outer"]
+    if outers:
+        sent = sum(e["sent_bytes"] for e in outers) / len(outers)
+        recv = sum(e["received_bytes"] for e in outers) / len(outers)
+        table.add_row(
+            "bytes per outer step per peer", f"{sent / 2**20:.2f} MiB sent, {recv / 2**20:.2f} MiB received"
+        )
+    for s in sorted(summaries, key=lambda s: (s["stage"], s["rank"])):
+        table.add_row(f"stage {s['stage']} replica {s['rank']} state", s["state_hash"][:16])
     return table

@@ -83,6 +83,32 @@ def parser() -> argparse.ArgumentParser:
     _common(local, replicas=2, stages=2, steps=300)
     local.add_argument("--method", default="noloco", choices=["noloco", "diloco", "allreduce", "local"])
     local.add_argument("--plain", action="store_true", help="print progress lines instead of the live view")
+    local.add_argument(
+        "--in-process",
+        action="store_true",
+        help="run the swarm inside this process (the simulator), no network",
+    )
+    local.add_argument("--keep", type=Path, default=None, help="keep peer logs and metrics in this folder")
+
+    join = sub.add_parser(
+        "join",
+        help="run one peer: host one stage of a run and train with the swarm",
+        description="Join a run through any live peer (--initial-peers), host one pipeline stage, train.",
+        epilog=EPILOG,
+    )
+    _common(join, replicas=2, stages=2, steps=300)
+    _network(join, identity_default=None)
+    join.add_argument("--run-id", required=True, help="the run's name; peers of one run share it")
+    join.add_argument("--stage", default="auto", help="stage to host: a number, or auto (fewest replicas)")
+    join.add_argument("--method", default="noloco", choices=["noloco", "diloco", "allreduce", "local"])
+    join.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where this stage runs")
+    join.add_argument(
+        "--new-run", action="store_true", help="publish the run's manifest if it does not exist"
+    )
+    join.add_argument("--metrics", type=Path, default=None, help="append JSON-lines metrics to this file")
+    join.add_argument("--run-config", type=Path, default=None, help=argparse.SUPPRESS)  # from noloco local
+    join.add_argument("--die-with-parent", action="store_true", help=argparse.SUPPRESS)
+    join.add_argument("--step-timeout", type=float, default=120.0, help="deadline of one pipeline step (s)")
 
     sim = sub.add_parser(
         "sim",
@@ -142,10 +168,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         import torch
 
         torch.set_num_threads(args.threads or torch.get_num_threads())
+        if args.command == "join":
+            return _join(args)
         if args.command == "local":
-            from noloco_swarm.cli.local import run_local
+            from noloco_swarm.cli.local import run_local, run_local_swarm
 
-            return run_local(_config(args, args.method), args.steps, plain=args.plain)
+            cfg = _config(args, args.method)
+            if args.in_process:
+                return run_local(cfg, args.steps, plain=args.plain)
+            if args.keep:
+                args.keep.mkdir(parents=True, exist_ok=True)
+            return run_local_swarm(cfg, args.steps, plain=args.plain, keep=args.keep)
         if args.command == "sim":
             from noloco_swarm.cli.sim import run_sim
 
@@ -157,6 +190,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"noloco: config error: {e}", file=sys.stderr)
         return 2
     return 1  # pragma: no cover - argparse requires a command
+
+
+def _join(args: argparse.Namespace) -> int:
+    from noloco_swarm.cli.join import die_with_parent, load_run_config, run_join
+    from noloco_swarm.peer.runtime import PeerOptions
+
+    if args.die_with_parent:
+        die_with_parent()
+    if args.device == "cuda":
+        print("noloco: --device cuda is not supported yet; peers train on the CPU", file=sys.stderr)
+        return 2
+    cfg = load_run_config(args.run_config) if args.run_config else _config(args, args.method)
+    stage = None if args.stage == "auto" else int(args.stage)
+    opts = PeerOptions(
+        run_id=args.run_id,
+        stage=stage,
+        steps=args.steps,
+        metrics_path=args.metrics,
+        step_timeout=args.step_timeout,
+        exchange_timeout=args.step_timeout,
+    )
+    return run_join(cfg, _network_config(args), opts, new_run=args.new_run)
 
 
 def _presets() -> int:

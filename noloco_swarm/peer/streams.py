@@ -1,4 +1,4 @@
-"""Wire framing of the tensor transport: one envelope, then raw tensor bytes, on a libp2p stream.
+"""Wire framing, limits and errors of the tensor transport: an envelope, then raw tensor bytes.
 
 Each direction of a stream carries exactly one frame:
 
@@ -18,8 +18,9 @@ measures both (docs/transport.md).
 from __future__ import annotations
 
 import asyncio
-import math
+import contextlib
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 import torch
@@ -29,11 +30,10 @@ from noloco_swarm.protocol.messages import Envelope, Message, MessageError, Tens
 
 MAGIC = b"NLS1"
 _PREAMBLE = len(MAGIC) + 4
-# Finiteness is checked in slices of this many elements so the bool mask stays small (16 MiB).
-_CHECK_ELEMENTS = 1 << 24
-# Above this many bytes the finiteness check runs in a worker thread so the event loop keeps serving
-# other streams (torch releases the GIL for it).
-_THREAD_CHECK_BYTES = 8 << 20
+# Finiteness is checked in slices of this many elements as they arrive, overlapping the check with
+# the network, and because torch.isfinite builds an abs() copy and masks of its whole input.
+_CHECK_ELEMENTS = 1 << 20
+_REFUSAL_DEADLINE = 5.0  # seconds to write an ErrorReply and linger for the caller to read it
 
 if sys.byteorder != "little":  # pragma: no cover - every platform torch ships for is little-endian
     raise ImportError("the tensor transport sends raw little-endian bytes; this host is big-endian")
@@ -59,6 +59,36 @@ class StreamTruncated(MessageError, PeerUnavailable):
     """
 
 
+class Refused(Exception):
+    """Raised by a handler to refuse a well-formed request; the caller gets RemoteRefused."""
+
+    def __init__(self, code: str, reason: str) -> None:
+        super().__init__(f"[{code}] {reason}")
+        self.code, self.reason = code, reason
+
+
+@dataclass(frozen=True)
+class TransportConfig:
+    """Limits and part size of the transport; the defaults suit stages of up to ~250M fp32 params."""
+
+    part_bytes: int = 1 << 20
+    """Bytes written per part before waiting for the socket to drain (64 KiB .. 4 MiB)."""
+    max_frame_bytes: int = 1 << 30
+    """Most tensor bytes one received frame may announce; bigger frames are refused unread."""
+    max_inflight_bytes: int = 2 << 30
+    """Most tensor bytes all requests being received at once may hold; beyond it we answer 'busy'."""
+    serve_timeout: float = 300.0
+    """Deadline for serving one inbound request, including an exchange's wait for our own tensor."""
+
+    def __post_init__(self) -> None:
+        if not 64 << 10 <= self.part_bytes <= 4 << 20:
+            raise ValueError(f"part_bytes={self.part_bytes} must be within 64 KiB .. 4 MiB")
+        if not 0 < self.max_frame_bytes <= self.max_inflight_bytes:
+            raise ValueError("need 0 < max_frame_bytes <= max_inflight_bytes")
+        if self.serve_timeout <= 0:
+            raise ValueError("serve_timeout must be > 0 seconds")
+
+
 @dataclass
 class ByteCounts:
     """Bytes moved with one remote peer. `payload` is tensor bytes; `total` adds framing."""
@@ -80,9 +110,74 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
 
 
-def prepare(tensors: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+def prepare(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Tensors as they go on the wire: detached, on CPU, contiguous (copies only where needed)."""
     return [t.detach().cpu().contiguous() for t in tensors]
+
+
+@dataclass
+class InboundStream:
+    """One stream a remote opened to us, being served."""
+
+    peer: str
+    counts: ByteCounts
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
+    part_bytes: int
+    replied: bool = False
+
+
+async def call_frames(
+    peer: str,
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    envelope: Envelope,
+    wire: list[torch.Tensor],
+    counts: ByteCounts,
+    config: TransportConfig,
+    expect: tuple[TensorMeta, ...] | None,
+) -> tuple[Message, list[torch.Tensor]]:
+    """Caller side: write our frame while reading the reply (full duplex); check it before allocating."""
+    part = config.part_bytes
+    sending = asyncio.create_task(write_frame(writer, envelope, wire, part, counts))
+    try:
+        reply_envelope = await read_envelope(reader, counts)
+        header = open_envelope(reply_envelope, config.max_frame_bytes)
+        if isinstance(header, messages.ErrorReply):
+            raise RemoteRefused(peer, header.code, header.reason)
+        if reply_envelope.verb != messages.REPLY_VERB:
+            raise MessageError(f"expected a reply frame, got verb {reply_envelope.verb!r}")
+        if expect is not None and reply_envelope.tensors != expect:
+            raise MessageError(f"reply carries {reply_envelope.tensors}, expected {expect}")
+        tensors = await read_tensors(reader, reply_envelope.tensors, counts, part)
+        await sending  # the remote replied only after reading all of our frame
+        return header, tensors
+    finally:
+        sending.cancel()
+        await asyncio.gather(sending, return_exceptions=True)
+
+
+async def reply(stream: InboundStream, header: Message, tensors: Sequence[torch.Tensor]) -> None:
+    """Server side: write the reply frame."""
+    wire = prepare(tensors)
+    envelope = Envelope(messages.REPLY_VERB, messages.encode(header), tuple(TensorMeta.of(t) for t in wire))
+    stream.replied = True
+    await write_frame(stream.writer, envelope, wire, stream.part_bytes, stream.counts)
+
+
+async def refuse(stream: InboundStream, code: str, reason: str) -> None:
+    """Server side: answer ErrorReply if no reply has started, then linger so the caller can read it.
+
+    Closing at once would make p2pd reset the stream while the caller is still sending, which can
+    discard our answer; so we read and drop the rest of its frame, for a bounded time.
+    """
+    if stream.replied:
+        return
+    with contextlib.suppress(OSError, TimeoutError, PeerUnavailable):
+        async with asyncio.timeout(_REFUSAL_DEADLINE):
+            await reply(stream, messages.ErrorReply(code, reason[: messages.MAX_STRING]), ())
+            while await stream.reader.read(stream.part_bytes):
+                pass
 
 
 async def write_frame(
@@ -127,7 +222,9 @@ def open_envelope(envelope: Envelope, max_bytes: int) -> Message:
     header = messages.decode(envelope.header)
     declared = declared_tensors(header)
     if declared is not None and declared != envelope.tensors:
-        raise MessageError(f"{header.TAG} header declares tensors {declared}, frame carries {envelope.tensors}")
+        raise MessageError(
+            f"{header.TAG} header declares tensors {declared}, frame carries {envelope.tensors}"
+        )
     return header
 
 
@@ -145,11 +242,12 @@ def declared_tensors(header: Message) -> tuple[TensorMeta, ...] | None:
 async def read_tensors(
     reader: asyncio.StreamReader, metas: tuple[TensorMeta, ...], counts: ByteCounts, part_bytes: int
 ) -> list[torch.Tensor]:
-    """Read the raw bytes that follow an envelope into fresh tensors and check them."""
+    """Read the raw bytes that follow an envelope into fresh tensors, checking floats as they land."""
     tensors = []
     for meta in metas:
         tensor = torch.empty(meta.shape, dtype=_dtype(meta))
-        view, filled = tensor_bytes(tensor), 0
+        flat, view, item = tensor.reshape(-1), tensor_bytes(tensor), tensor.element_size()
+        filled = checked = 0  # bytes received; elements checked for finiteness
         while filled < len(view):
             chunk = await reader.read(min(part_bytes, len(view) - filled))
             if not chunk:
@@ -158,17 +256,17 @@ async def read_tensors(
             filled += len(chunk)
             counts.received_payload += len(chunk)
             counts.received_total += len(chunk)
-        if meta.nbytes > _THREAD_CHECK_BYTES:
-            await asyncio.to_thread(check_finite, tensor)
-        else:
-            check_finite(tensor)
+            complete = filled // item
+            if complete - checked >= _CHECK_ELEMENTS or filled == len(view):
+                check_finite(flat[checked:complete])
+                checked = complete
         tensors.append(tensor)
     return tensors
 
 
 def check_finite(tensor: torch.Tensor) -> None:
     """Raise MessageError if a float tensor holds NaN or inf; checked in slices to bound memory."""
-    if not tensor.is_floating_point() or tensor.numel() == 0:
+    if not tensor.is_floating_point():
         return
     flat = tensor.reshape(-1)
     for start in range(0, flat.numel(), _CHECK_ELEMENTS):
@@ -184,9 +282,7 @@ def check_metas(tensors: list[torch.Tensor], expected: tuple[TensorMeta, ...]) -
 
 
 def _dtype(meta: TensorMeta) -> torch.dtype:
-    dtype = getattr(torch, meta.dtype)
-    assert isinstance(dtype, torch.dtype) and math.prod(meta.shape) == meta.numel
-    return dtype
+    return getattr(torch, meta.dtype)  # TensorMeta only admits names of torch dtypes
 
 
 async def _read_exactly(reader: asyncio.StreamReader, n: int, *, at_start: bool = False) -> bytes:

@@ -447,3 +447,42 @@ def _check_samples(samples: tuple[int, ...], data: TensorMeta, tokens: TensorMet
             raise ValueError(f"token ids must be int64 (samples, seq), got {tokens}")
         if len(data.shape) >= 2 and data.shape[1] != tokens.shape[1]:
             raise ValueError("activations and token ids disagree on sequence length")
+
+
+# ---------------------------------------------------------------------------------------------
+# Evaluation along a replica's own fixed path (each stage-s replica q sends to replica q of s+1)
+
+
+@dataclass(frozen=True)
+class EvalHeader(Message):
+    """Validation activations (and their token ids) for the next stage of the same-rank path."""
+
+    TAG: ClassVar[str] = "eval"
+    run_id: str
+    step: int
+    hop: int
+    rank: int
+    batch: int
+    activations: TensorMeta
+    tokens: TensorMeta
+
+    def __post_init__(self) -> None:
+        _check_run_id(self.run_id)
+        _check_counters(self.step, self.hop, self.rank, self.batch)
+        _check_samples(
+            tuple(range(self.activations.shape[0] if self.activations.shape else 0)),
+            self.activations,
+            self.tokens,
+        )
+
+
+@dataclass(frozen=True)
+class EvalReply(Message):
+    """Per-sample mean token losses of an evaluated batch, from the last stage."""
+
+    TAG: ClassVar[str] = "eval_reply"
+    losses: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if not self.losses:
+            raise ValueError("an eval reply needs at least one loss")

@@ -1,0 +1,62 @@
+"""`noloco join`: run one peer that hosts one stage of a run, until the run's steps are done."""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import json
+import signal
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+from noloco_swarm.peer.node import NetworkConfig
+from noloco_swarm.peer.runtime import PeerOptions, run_peer
+from noloco_swarm.sim.config import RunConfig
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """Ask the kernel to SIGTERM us when the process that started us dies (noloco local)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
+
+
+def run_join(
+    cfg: RunConfig, net: NetworkConfig, opts: PeerOptions, *, new_run: bool, quiet: bool = False
+) -> int:
+    console = Console(stderr=True, quiet=quiet)
+    stage = "auto" if opts.stage is None else str(opts.stage)
+    console.print(f"[bold]noloco join[/]: run {opts.run_id}, stage {stage}, {opts.steps} steps")
+
+    async def main() -> dict[str, object]:
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        assert task is not None
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, task.cancel)  # unwind through every finally: no daemon left
+        return await run_peer(cfg, net, opts, new_run=new_run)
+
+    try:
+        summary = asyncio.run(main())
+    except asyncio.CancelledError:
+        console.print("stopped by a signal; shut down cleanly")
+        return 130
+    console.print(
+        f"done: stage {summary['stage']} replica {summary['rank']}, {summary['steps']} steps, "
+        f"{summary['outer_steps']} outer steps, state {str(summary['state_hash'])[:16]}"
+    )
+    if opts.metrics_path is None:
+        print(json.dumps(summary, default=str))
+    return 0
+
+
+def load_run_config(path: str | Path) -> RunConfig:
+    """A RunConfig from the JSON of `RunConfig.flat()` (how `noloco local` hands peers their config)."""
+    from noloco_swarm.cli.options import build_config
+
+    flat = json.loads(Path(path).read_text())
+    preset, method = flat.pop("model.name"), flat.pop("outer.method")
+    return build_config(preset, method, assignments=flat, env={})

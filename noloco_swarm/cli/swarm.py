@@ -1,0 +1,141 @@
+"""A whole swarm on this machine: a bootstrap DHT node and P x D `noloco join` peer processes.
+
+Used by `noloco local` and by the integration tests. Every peer runs in its own process group
+(its p2pd inside it) and with a parent-death signal, so however this process ends, no peer or
+daemon outlives it: on exit each group gets SIGTERM, then SIGKILL.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from noloco_swarm.peer.directory import RunDirectory
+from noloco_swarm.peer.node import NetworkConfig, start_dht
+from noloco_swarm.protocol.messages import RunManifest
+from noloco_swarm.sim.config import RunConfig
+
+LOOPBACK = ("/ip4/127.0.0.1/tcp/0",)
+
+
+@dataclass
+class PeerProcess:
+    stage: int
+    replica: int
+    proc: subprocess.Popen[bytes]
+    metrics: Path
+    log: Path
+
+    def events(self) -> list[dict[str, Any]]:
+        """Metrics lines written so far (a torn last line, mid-write, is skipped)."""
+        out = []
+        if self.metrics.exists():
+            for line in self.metrics.read_text().splitlines():
+                with suppress(json.JSONDecodeError):
+                    out.append(json.loads(line))
+        return out
+
+    def log_tail(self, lines: int = 25) -> str:
+        return (
+            "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:]) if self.log.exists() else ""
+        )
+
+
+@dataclass
+class LocalSwarm:
+    cfg: RunConfig
+    steps: int
+    run_id: str
+    workdir: Path
+    bootstrap: str = ""
+    peers: list[PeerProcess] = field(default_factory=list)
+
+    def failed(self) -> list[PeerProcess]:
+        return [p for p in self.peers if p.proc.poll() not in (None, 0)]
+
+    def finished(self) -> bool:
+        return all(p.proc.poll() == 0 for p in self.peers)
+
+    def summaries(self) -> list[dict[str, Any]]:
+        return [e for p in self.peers for e in p.events() if e["event"] == "final"]
+
+
+@contextmanager
+def local_swarm(
+    cfg: RunConfig, steps: int, *, workdir: Path | None = None, step_timeout: float = 120.0, threads: int = 1
+) -> Iterator[LocalSwarm]:
+    """Start the swarm; yields while the peers run; always ends every process it started."""
+    tmp = None
+    if workdir is None:
+        tmp = tempfile.TemporaryDirectory(prefix="noloco-local-")
+        workdir = Path(tmp.name)
+    run_id = f"local-{os.getpid()}-{int(time.time())}"
+    swarm = LocalSwarm(cfg, steps, run_id, workdir)
+    dht = start_dht(NetworkConfig(host_maddrs=LOOPBACK))
+    try:
+        swarm.bootstrap = str(dht.get_visible_maddrs()[0])
+        RunDirectory(dht, run_id).publish_manifest(RunManifest.create(run_id, cfg.flat()))
+        config_path = workdir / "run-config.json"
+        config_path.write_text(json.dumps(cfg.flat()))
+        for s in range(cfg.num_stages):
+            for d in range(cfg.num_replicas):
+                metrics, log = workdir / f"peer-{s}-{d}.jsonl", workdir / f"peer-{s}-{d}.log"
+                argv = [
+                    sys.executable, "-m", "noloco_swarm.cli.main", "join",
+                    "--initial-peers", swarm.bootstrap, "--host-maddrs", *LOOPBACK,
+                    "--run-id", run_id, "--stage", str(s), "--steps", str(steps),
+                    "--run-config", str(config_path), "--metrics", str(metrics),
+                    "--threads", str(threads), "--step-timeout", str(step_timeout), "--die-with-parent",
+                ]  # fmt: skip
+                with log.open("wb") as out:
+                    proc = subprocess.Popen(
+                        argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+                    )
+                swarm.peers.append(PeerProcess(s, d, proc, metrics, log))
+        yield swarm
+    finally:
+        for peer in swarm.peers:
+            _end_group(peer.proc)
+        dht.shutdown()
+        if tmp is not None:
+            tmp.cleanup()
+
+
+def wait(swarm: LocalSwarm, timeout: float, poll: float = 0.5, on_poll=None) -> None:
+    """Until every peer exited 0; raise with the failing peer's log if one fails or time runs out."""
+    deadline = time.monotonic() + timeout
+    while not swarm.finished():
+        if on_poll is not None:
+            on_poll(swarm)
+        bad = swarm.failed()
+        if bad:
+            p = bad[0]
+            raise RuntimeError(
+                f"peer stage {p.stage} replica {p.replica} exited {p.proc.returncode}:\n{p.log_tail()}"
+            )
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the swarm did not finish in {timeout:.0f} s")
+        time.sleep(poll)
+    if on_poll is not None:
+        on_poll(swarm)
+
+
+def _end_group(proc: subprocess.Popen[bytes], grace: float = 10.0) -> None:
+    """SIGTERM the peer's process group (the peer and its p2pd), then SIGKILL what remains."""
+    with suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    with suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=grace)
+    with suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=grace)

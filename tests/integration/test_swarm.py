@@ -1,0 +1,108 @@
+"""Real peer processes with real p2pd daemons on loopback must reproduce the simulator bit for bit."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from noloco_swarm.cli.options import build_config
+from noloco_swarm.cli.swarm import local_swarm, wait
+from noloco_swarm.model import num_flat
+from noloco_swarm.sim.config import RunConfig
+from noloco_swarm.sim.engine import Simulator
+from noloco_swarm.sim.run import data_batches
+from tests.integration.helpers import descendants, p2pd_descendants
+
+pytestmark = pytest.mark.integration
+STEPS = 7  # H = 3: two outer steps, then one inner step so that replicas differ at the end
+
+
+def small(method: str, **extra: str) -> RunConfig:
+    assignments = {
+        "model.seq_len": "32",
+        "inner.batch_size": "2",
+        "outer.inner_steps": "3",
+        "inner.warmup_steps": "2",
+        "inner.total_steps": "8",
+        "eval_windows": "4",
+        "num_stages": "2",
+        "num_replicas": "2",
+        **extra,
+    }
+    return build_config("tiny", method, assignments=assignments, env={})
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    # The peers run with one torch thread; the reference must too, or float sums may be ordered
+    # differently inside the kernels.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def simulate(cfg: RunConfig, steps: int) -> list[list[str]]:
+    sim = Simulator(cfg, data_batches(cfg))
+    for _ in range(steps):
+        sim.inner_step()
+    return sim.replica_hashes()
+
+
+@pytest.mark.parametrize("method", ["noloco", "diloco"])
+def test_swarm_ends_with_the_simulators_weights(method: str, cache: Path, one_thread: None) -> None:
+    cfg = small(method)
+    before = p2pd_descendants()
+    with local_swarm(cfg, STEPS, step_timeout=60) as swarm:
+        wait(swarm, timeout=400)
+        summaries = swarm.summaries()
+        outers = [(p.stage, e) for p in swarm.peers for e in p.events() if e["event"] == "outer"]
+    assert p2pd_descendants() <= before, "the swarm left p2pd daemons behind"
+    expected = simulate(cfg, STEPS)
+    got = {(s["stage"], s["rank"]): s["state_hash"] for s in summaries}
+    assert len(got) == 4
+    assert all(s["steps"] == STEPS and s["outer_steps"] == 2 for s in summaries)
+    for (stage, rank), digest in got.items():
+        assert digest == expected[stage][rank], f"stage {stage} replica {rank} differs from the simulator"
+    assert expected[0][0] != expected[0][1], "replicas should differ after the last inner step"
+    # Bytes: with gamma == beta a pair exchanges theta only, 1.0x the stage's fp32 bytes each way.
+    theta_bytes = {s: num_flat_stage(cfg, s) * 4 for s in range(2)}
+    assert len(outers) == 8
+    for stage, e in outers:
+        assert theta_bytes[stage] <= e["sent_bytes"] <= theta_bytes[stage] * 1.01 + 4096
+        assert theta_bytes[stage] <= e["received_bytes"] <= theta_bytes[stage] * 1.01 + 4096
+        assert e["failed"] == []
+    assert all(s["val_loss"] is not None for s in summaries if s["stage"] == 0)
+
+
+def num_flat_stage(cfg: RunConfig, stage: int) -> int:
+    from noloco_swarm.model import build_stage
+
+    return num_flat(build_stage(cfg.model, stage, cfg.num_stages, cfg.seed))
+
+
+def test_a_killed_peer_takes_its_daemon_with_it_and_the_swarm_fails_cleanly(cache: Path) -> None:
+    cfg = small("noloco", **{"inner.total_steps": "400"})
+    before = p2pd_descendants()
+    with local_swarm(cfg, 400, step_timeout=15) as swarm:
+        victim = next(p for p in swarm.peers if p.stage == 1)
+        deadline = time.monotonic() + 120
+        while not any(e["event"] == "step" and e["step"] >= 2 for e in victim.events()):
+            assert time.monotonic() < deadline, victim.log_tail()
+            time.sleep(0.5)
+        daemons = p2pd_descendants(victim.proc.pid)
+        assert daemons, "the peer should run its own p2pd"
+        os.kill(victim.proc.pid, signal.SIGKILL)  # no cleanup code of the peer runs
+        deadline = time.monotonic() + 15
+        while any(Path(f"/proc/{pid}").exists() and pid in descendants(os.getpid()) for pid in daemons):
+            assert time.monotonic() < deadline, "p2pd outlived its SIGKILLed peer"
+            time.sleep(0.2)
+        with pytest.raises(RuntimeError, match="exited"):
+            wait(swarm, timeout=120)
+    assert p2pd_descendants() <= before
