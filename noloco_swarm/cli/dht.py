@@ -30,7 +30,7 @@ def run_dht(net: NetworkConfig, *, refresh: float = 30.0, stop: threading.Event 
             f"  --initial-peers {addrs[0] if addrs else '<no address>'}", highlight=False, soft_wrap=True
         )
         console.print("Reachable as:")
-        for line in reachability(dht):
+        for line in reachability(addrs):
             console.print(f"  {line}", highlight=False, soft_wrap=True)
         if net.identity_path:
             console.print(f"Identity kept in {net.identity_path} (the peer id survives restarts).")

@@ -30,6 +30,10 @@ def run_join(
     console = Console(stderr=True, quiet=quiet)
     stage = "auto" if opts.stage is None else str(opts.stage)
     console.print(f"[bold]noloco join[/]: run {opts.run_id}, stage {stage}, {opts.steps} steps")
+    if net.announce_maddrs:
+        console.print(f"announcing {', '.join(net.announce_maddrs)} to other peers")
+    if not net.use_relay:
+        console.print("circuit relays are off: peers that cannot dial us directly cannot reach us")
 
     async def main() -> dict[str, object]:
         loop = asyncio.get_running_loop()

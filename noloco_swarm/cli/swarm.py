@@ -72,18 +72,28 @@ class LocalSwarm:
 
 @contextmanager
 def local_swarm(
-    cfg: RunConfig, steps: int, *, workdir: Path | None = None, step_timeout: float = 120.0, threads: int = 1
+    cfg: RunConfig,
+    steps: int,
+    *,
+    workdir: Path | None = None,
+    step_timeout: float = 120.0,
+    threads: int = 1,
+    initial_peers: tuple[str, ...] = (),
 ) -> Iterator[LocalSwarm]:
-    """Start the swarm; yields while the peers run; always ends every process it started."""
+    """Start the swarm; yields while the peers run; always ends every process it started.
+
+    With `initial_peers` (e.g. a `hivemind-dht` node) our own node joins through them and the peers
+    are given the first of them as their entry point; otherwise our node is the bootstrap.
+    """
     tmp = None
     if workdir is None:
         tmp = tempfile.TemporaryDirectory(prefix="noloco-local-")
         workdir = Path(tmp.name)
     run_id = f"local-{os.getpid()}-{int(time.time())}"
     swarm = LocalSwarm(cfg, steps, run_id, workdir)
-    dht = start_dht(NetworkConfig(host_maddrs=LOOPBACK))
+    dht = start_dht(NetworkConfig(initial_peers=initial_peers, host_maddrs=LOOPBACK))
     try:
-        swarm.bootstrap = str(dht.get_visible_maddrs()[0])
+        swarm.bootstrap = initial_peers[0] if initial_peers else str(dht.get_visible_maddrs()[0])
         RunDirectory(dht, run_id).publish_manifest(RunManifest.create(run_id, cfg.flat()))
         config_path = workdir / "run-config.json"
         config_path.write_text(json.dumps(cfg.flat()))

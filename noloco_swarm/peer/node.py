@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from hivemind import DHT
@@ -47,16 +48,15 @@ def start_dht(net: NetworkConfig) -> DHT:
     return DHT(initial_peers=list(net.initial_peers), start=True, **net.dht_kwargs())
 
 
-def reachability(dht: DHT) -> list[str]:
-    """Human-readable lines: how others can reach this node (direct or relayed addresses)."""
-    addrs = [str(a) for a in dht.get_visible_maddrs()]
+def reachability(addresses: Sequence[str]) -> list[str]:
+    """Human-readable lines: how others can reach a node at these addresses (direct or relayed)."""
     lines = []
-    for addr in addrs:
+    for addr in addresses:
         kind = (
             "relayed" if "/p2p-circuit" in addr else ("loopback only" if "/127.0.0.1/" in addr else "direct")
         )
         lines.append(f"{addr}  ({kind})")
-    if addrs and all("/127.0.0.1/" in a or "/::1/" in a for a in addrs):
+    if addresses and all("/127.0.0.1/" in a or "/::1/" in a for a in addresses):
         lines.append(
             "only loopback addresses: peers on other machines cannot reach this node; set --host-maddrs"
         )

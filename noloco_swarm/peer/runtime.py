@@ -33,7 +33,7 @@ from hivemind import DHT
 
 from noloco_swarm.data.stream import embedded_stream, validation_windows
 from noloco_swarm.peer.directory import RunDirectory
-from noloco_swarm.peer.node import NetworkConfig
+from noloco_swarm.peer.node import NetworkConfig, reachability
 from noloco_swarm.peer.pipeline import Arrival, StepCollector, expected_rows, outgoing
 from noloco_swarm.peer.streams import PeerUnavailable, RemoteRefused
 from noloco_swarm.peer.transport import Transport
@@ -507,6 +507,8 @@ async def run_peer(
         announcement = messages.PeerAnnouncement(
             opts.run_id, transport.peer_id, stage, 0, tuple(await transport.visible_addresses())
         )
+        for line in reachability(announcement.addresses):
+            logger.warning("reachable as %s", line)  # warning: shown by default, once, at start
         heartbeat = asyncio.create_task(_heartbeat(directory, announcement, opts.heartbeat_ttl / 3))
         try:
             return await peer.run()

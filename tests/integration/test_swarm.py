@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +19,7 @@ from noloco_swarm.model import num_flat
 from noloco_swarm.sim.config import RunConfig
 from noloco_swarm.sim.engine import Simulator
 from noloco_swarm.sim.run import data_batches
-from tests.integration.helpers import descendants, p2pd_descendants
+from tests.integration.helpers import descendants, p2pd_descendants, process_group
 
 pytestmark = pytest.mark.integration
 STEPS = 7  # H = 3: two outer steps, then one inner step so that replicas differ at the end
@@ -106,3 +108,16 @@ def test_a_killed_peer_takes_its_daemon_with_it_and_the_swarm_fails_cleanly(cach
         with pytest.raises(RuntimeError, match="exited"):
             wait(swarm, timeout=120)
     assert p2pd_descendants() <= before
+
+
+def test_hivemind_dht_cli_is_a_working_entry_point(cache: Path) -> None:
+    """Peers find each other through hivemind's own bootstrap tool, not only through ours."""
+    exe = shutil.which("hivemind-dht", path=str(Path(sys.executable).parent))
+    assert exe
+    cfg = small("noloco", num_replicas="1", **{"outer.inner_steps": "2", "inner.total_steps": "4"})
+    with process_group([exe, "--host_maddrs", "/ip4/127.0.0.1/tcp/0"]) as (_, bootstrap):  # noqa: SIM117
+        with local_swarm(cfg, 4, step_timeout=60, initial_peers=(bootstrap,)) as swarm:
+            wait(swarm, timeout=300)
+            assert all(f"--initial-peers {bootstrap}" in " ".join(p.proc.args) for p in swarm.peers)  # type: ignore[arg-type]
+            summaries = swarm.summaries()
+    assert sorted((s["stage"], s["steps"]) for s in summaries) == [(0, 4), (1, 4)]

@@ -1,0 +1,89 @@
+"""The cost of real transport: a 2x2 swarm of peer processes on loopback against the simulator.
+
+Same config, same 2 cores: the swarm runs P x D `noloco join` processes with one torch thread
+each (plus their p2pd daemons); the simulator runs the same replicas in one process with 2
+threads. Reports tokens/s of each and their ratio (alternating runs, medians), and the bytes each
+peer sends per outer step against the model-size floor (the stage's fp32 weights: 1.0x; the
+official code sends slow weights and their difference, 2x).
+
+    python bench/swarm_throughput.py                 # 2x2, tiny, seq 64, batch 4, 60 steps, H=10
+    python bench/swarm_throughput.py --rounds 1 --steps 30
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from noloco_swarm.cli.options import build_config
+from noloco_swarm.cli.swarm import local_swarm, wait
+from noloco_swarm.model import build_stage, num_flat
+from noloco_swarm.sim.engine import Simulator
+from noloco_swarm.sim.run import data_batches
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--stages", type=int, default=2)
+    ap.add_argument("--replicas", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--inner-steps", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args()
+    cfg = build_config(
+        "tiny",
+        "noloco",
+        assignments={
+            "num_stages": str(args.stages),
+            "num_replicas": str(args.replicas),
+            "model.seq_len": str(args.seq_len),
+            "inner.batch_size": str(args.batch_size),
+            "outer.inner_steps": str(args.inner_steps),
+            "eval_windows": "4",
+        },
+        env={},
+    )
+    tokens_per_step = args.replicas * args.batch_size * args.seq_len
+    swarm_tps, sim_tps, sent_ratio, recv_ratio = [], [], [], []
+    floor = {
+        s: num_flat(build_stage(cfg.model, s, cfg.num_stages, cfg.seed)) * 4 for s in range(cfg.num_stages)
+    }
+    for _ in range(args.rounds):
+        with local_swarm(cfg, args.steps, step_timeout=120) as swarm:
+            wait(swarm, timeout=1800)
+            summaries = swarm.summaries()
+            outers = [(p.stage, e) for p in swarm.peers for e in p.events() if e["event"] == "outer"]
+        seconds = max(s["train_seconds"] for s in summaries if s["stage"] == 0)
+        swarm_tps.append(args.steps * tokens_per_step / seconds)
+        sent_ratio += [e["sent_bytes"] / floor[s] for s, e in outers]
+        recv_ratio += [e["received_bytes"] / floor[s] for s, e in outers]
+
+        torch.set_num_threads(2)
+        sim = Simulator(cfg, data_batches(cfg))
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            sim.inner_step()
+        sim_tps.append(args.steps * tokens_per_step / (time.perf_counter() - start))
+    ratio = [a / b for a, b in zip(swarm_tps, sim_tps, strict=True)]
+    print(
+        f"config: {args.stages} stages x {args.replicas} replicas, tiny, seq {args.seq_len}, batch {args.batch_size}, "
+        f"H={args.inner_steps}, {args.steps} steps, {args.rounds} alternating rounds"
+    )
+    print(f"swarm (processes, loopback): {statistics.median(swarm_tps):8.0f} tokens/s")
+    print(f"simulator (one process)    : {statistics.median(sim_tps):8.0f} tokens/s")
+    print(
+        f"ratio swarm/simulator      : {statistics.median(ratio):.3f} (rounds: {', '.join(f'{r:.3f}' for r in ratio)})"
+    )
+    print(
+        f"bytes per outer step per peer / stage fp32 bytes: sent {statistics.median(sent_ratio):.4f}x, "
+        f"received {statistics.median(recv_ratio):.4f}x ({len(sent_ratio)} exchanges; official code: 2x)"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,345 @@
+"""The tensor transport over real p2pd daemons on loopback: round trips, exchange, bad input, errors."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Coroutine, Iterator
+from typing import Any, TypeVar
+
+import pytest
+import torch
+from hivemind.p2p import PeerID
+
+from noloco_swarm.peer import streams
+from noloco_swarm.peer.transport import (
+    PROTOCOL,
+    PeerUnavailable,
+    Refused,
+    RemoteRefused,
+    Transport,
+    TransportConfig,
+)
+from noloco_swarm.protocol import messages as m
+from tests.integration.helpers import p2pd_descendants
+
+pytestmark = pytest.mark.integration
+LIMIT = 64 << 20  # tensor bytes one frame may announce, in these tests
+CONFIG = TransportConfig(max_frame_bytes=LIMIT, max_inflight_bytes=2 * LIMIT, serve_timeout=20)
+T = TypeVar("T")
+
+
+@pytest.fixture(scope="module")
+def loop() -> Iterator[asyncio.AbstractEventLoop]:
+    """One loop for the module, so the two daemons start once (about a second each on 2 cores)."""
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def pair(loop: asyncio.AbstractEventLoop) -> Iterator[tuple[Transport, Transport]]:
+    """Caller `a` and server `b`, connected; always shut down, and no p2pd of ours may remain."""
+    before = p2pd_descendants()
+    started: list[Transport] = []
+    try:
+        a = loop.run_until_complete(Transport.create(config=CONFIG))
+        started.append(a)
+        peers = loop.run_until_complete(a.visible_addresses())
+        b = loop.run_until_complete(Transport.create(initial_peers=peers, config=CONFIG))
+        started.append(b)
+        for verb, handler in HANDLERS.items():
+            b.register(verb, handler)
+        yield a, b
+    finally:
+        for transport in reversed(started):
+            loop.run_until_complete(transport.shutdown())
+            loop.run_until_complete(transport.shutdown())  # idempotent
+    assert wait_until(lambda: p2pd_descendants() <= before), "a transport left its p2pd running"
+
+
+def run(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, T], limit: float = 30) -> T:
+    return loop.run_until_complete(asyncio.wait_for(coro, limit))
+
+
+def wait_until(condition: Callable[[], bool], timeout: float = 10) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+async def eventually(condition: Callable[[], bool], timeout: float = 5) -> bool:
+    """Like wait_until, while the loop runs (the server side of a test needs it to make progress)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.05)
+    return True
+
+
+# -- server handlers -----------------------------------------------------------------------
+
+
+async def echo(peer: str, header: m.Message, tensors: list[torch.Tensor]) -> tuple[m.Message, list]:
+    return m.Ack(note=header.TAG), tensors
+
+
+async def fetch_state(peer: str, header: m.Message, tensors: list[torch.Tensor]) -> tuple[m.Message, list]:
+    """Misbehaves on purpose, by stage: refuse, blame the input, send NaN, send too much."""
+    assert isinstance(header, m.StateRequest)
+    if header.stage == 0:
+        raise Refused("not_ready", "no state before the first round")
+    if header.stage == 1:
+        raise m.MessageError("stage 1 is not served here")
+    if header.stage == 2:
+        return m.Ack(), [torch.tensor([1.0, float("nan")])]
+    return m.Ack(), [torch.zeros(LIMIT // 4 + 1)]
+
+
+HANDLERS = {"rpc_echo": echo, "rpc_forward": echo, "rpc_fetch_state": fetch_state}
+
+
+def bits(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.contiguous().view(-1).view(torch.uint8)
+
+
+def healthy(loop: asyncio.AbstractEventLoop, a: Transport, b: Transport) -> None:
+    """b still answers a normal request."""
+    x = torch.randn(1000)
+    header, (y,) = run(loop, a.call(b.peer_id, "rpc_echo", m.StateRequest("run", 0), [x], timeout=10))
+    assert header == m.Ack(note="fetch_state") and torch.equal(x, y)
+
+
+# -- tests ---------------------------------------------------------------------------------
+
+
+def test_round_trip_is_bitwise_for_small_large_and_bf16(
+    loop: asyncio.AbstractEventLoop, pair: tuple[Transport, Transport]
+) -> None:
+    a, b = pair
+    sent = [
+        torch.randn(3, 4),
+        torch.randn(6 << 20 >> 2),  # 6 MiB: above the 4 MiB that unary hivemind calls carry
+        torch.randn(5, 7).to(torch.bfloat16),
+        torch.randn(3 << 20).to(torch.bfloat16),  # 6 MiB of bf16
+        torch.randn(9).half(),
+        torch.arange(-5, 5),
+        torch.empty(0, 4),
+        torch.randn(4, 6).t(),  # not contiguous: sent as its contiguous copy
+    ]
+    header, got = run(loop, a.call(b.peer_id, "rpc_echo", m.StateRequest("run", 0), sent, timeout=20))
+    assert header == m.Ack(note="fetch_state")
+    assert len(got) == len(sent)
+    for x, y in zip(sent, got, strict=True):
+        assert y.dtype == x.dtype and y.shape == x.shape
+        assert torch.equal(bits(x), bits(y))
+
+    acts, tokens = torch.randn(2, 16, 32), torch.randint(0, 100, (2, 16))
+    forward = m.ForwardHeader("run", 0, 3, 0, 1, (6, 7), m.TensorMeta.of(acts), m.TensorMeta.of(tokens))
+    _, (acts2, tokens2) = run(loop, a.call(b.peer_id, "rpc_forward", forward, [acts, tokens], timeout=10))
+    assert torch.equal(acts, acts2) and torch.equal(tokens, tokens2)
+    with pytest.raises(ValueError, match="declares"):  # our own mistake, caught before sending
+        run(loop, a.call(b.peer_id, "rpc_forward", forward, [tokens, acts], timeout=10))
+
+
+def test_exchange_16mib_both_ways_bitwise_with_1x_bytes(
+    loop: asyncio.AbstractEventLoop, pair: tuple[Transport, Transport]
+) -> None:
+    a, b = pair
+    ours, theirs = torch.randn(4 << 20), torch.randn(4 << 20)  # 16 MiB of fp32 each
+    key = (1, 50)
+    header = m.ExchangeHeader("run", *key, 0, 0, ("theta",), m.TensorMeta.of(ours), CONFIG.part_bytes)
+    before_a, before_b = a.byte_counts().get(b.peer_id, {}), b.byte_counts().get(a.peer_id, {})
+
+    async def higher_rank() -> tuple[torch.Tensor, ...]:
+        await asyncio.sleep(0.3)  # the caller arrives first and the server waits for our tensor
+        b.provide_exchange(key, theirs)
+        return await b.received_exchange(key, a.peer_id, timeout=20)
+
+    async def both() -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        return await asyncio.gather(a.exchange(b.peer_id, header, ours, timeout=20), higher_rank())
+
+    got_a, (got_b,) = run(loop, both())
+    assert torch.equal(got_a, theirs) and torch.equal(got_b, ours)
+
+    nbytes = ours.numel() * 4
+    after_a, after_b = a.byte_counts()[b.peer_id], b.byte_counts()[a.peer_id]
+    for counts, before in ((after_a, before_a), (after_b, before_b)):
+        for direction in ("sent", "received"):
+            payload = counts[f"{direction}_payload"] - before.get(f"{direction}_payload", 0)
+            total = counts[f"{direction}_total"] - before.get(f"{direction}_total", 0)
+            assert payload == nbytes
+            assert nbytes < total < nbytes + 4096  # framing is a few hundred bytes
+
+    # A replay of the same exchange, a shape that is not ours, and a stale key are all refused.
+    with pytest.raises(RemoteRefused) as refused:
+        run(loop, a.exchange(b.peer_id, header, ours, timeout=10))
+    assert refused.value.code == "duplicate"
+    small = torch.randn(10)
+    b.provide_exchange((1, 100), torch.randn(11))
+    wrong = m.ExchangeHeader("run", 1, 100, 0, 0, ("theta",), m.TensorMeta.of(small), 1 << 20)
+    with pytest.raises(RemoteRefused) as refused:
+        run(loop, a.exchange(b.peer_id, wrong, small, timeout=10))
+    assert refused.value.code == "mismatch"
+    with pytest.raises(RemoteRefused) as refused:
+        run(loop, a.exchange(b.peer_id, header, ours, timeout=10))
+    assert refused.value.code == "stale"
+    b.forget_exchange((1, 100))
+
+
+def test_exchange_partner_that_never_provides_times_out(
+    loop: asyncio.AbstractEventLoop, pair: tuple[Transport, Transport]
+) -> None:
+    a, b = pair
+    x = torch.randn(10)
+    header = m.ExchangeHeader("run", 2, 50, 0, 0, ("theta",), m.TensorMeta.of(x), 1 << 20)
+    start = time.monotonic()
+    with pytest.raises(PeerUnavailable, match="within"):
+        run(loop, a.exchange(b.peer_id, header, x, timeout=1.0))
+    with pytest.raises(PeerUnavailable, match="within"):
+        run(loop, b.received_exchange((2, 50), a.peer_id, timeout=0.2))
+    assert time.monotonic() - start < 5
+    b.forget_exchange((2, 50))
+    healthy(loop, a, b)
+
+
+def test_handler_errors_are_remote_refused_and_the_server_keeps_serving(
+    loop: asyncio.AbstractEventLoop, pair: tuple[Transport, Transport]
+) -> None:
+    a, b = pair
+    cases = [
+        ("rpc_fetch_state", 0, "not_ready"),
+        ("rpc_fetch_state", 1, "bad_request"),
+        ("rpc_nope", 0, "unknown_verb"),
+    ]
+    for verb, stage, code in cases:
+        with pytest.raises(RemoteRefused) as refused:
+            run(loop, a.call(b.peer_id, verb, m.StateRequest("run", stage), timeout=10))
+        assert refused.value.code == code and refused.value.peer_id == b.peer_id
+        healthy(loop, a, b)
+
+
+def test_nan_and_oversize_are_message_errors_on_the_receiving_side(
+    loop: asyncio.AbstractEventLoop, pair: tuple[Transport, Transport]
+) -> None:
+    a, b = pair
+    bad_before = b.byte_counts()[a.peer_id]["bad_messages"]
+    nan = torch.randn(3 << 20)
+    nan[-1] = float("nan")  # in the last part: the server has read everything before it finds it
+    with pytest.raises(RemoteRefused) as refused:  # b received garbage: it refuses, counts it
+        run(loop, a.call(b.peer_id, "rpc_echo", m.StateRequest("run", 0), [nan], timeout=10))
+    assert refused.value.code == "bad_request" and "NaN" in refused.value.reason
+    assert b.byte_counts()[a.peer_id]["bad_messages"] == bad_before + 1
+    with pytest.raises(m.MessageError, match="NaN"):  # a received garbage
+        run(loop, a.call(b.peer_id, "rpc_fetch_state", m.StateRequest("run", 2), timeout=10))
+    with pytest.raises(m.MessageError, match="over our limit"):  # a would have to allocate too much
+        run(loop, a.call(b.peer_id, "rpc_fetch_state", m.StateRequest("run", 3), timeout=10))
+    healthy(loop, a, b)
+
+
+def frame(envelope: m.Envelope) -> bytes:
+    encoded = m.encode(envelope)
+    return streams.MAGIC + len(encoded).to_bytes(4, "big") + encoded
+
+
+HEADER = m.encode(m.StateRequest("run", 0))
+RAW_CASES = {
+    "garbage": b"GET / HTTP/1.1\r\n\r\n" + os.urandom(64),
+    "bad_length": streams.MAGIC + (1 << 30).to_bytes(4, "big"),
+    "garbage_header": frame(m.Envelope("rpc_echo", b"\x93\x01\x02")),
+    "oversize": frame(m.Envelope("rpc_echo", HEADER, (m.TensorMeta((1 << 34,), "float32"),))),
+    "truncated": frame(m.Envelope("rpc_echo", HEADER, (m.TensorMeta((1 << 18,), "float32"),))) + b"\0" * 5000,
+}
+
+
+@pytest.mark.parametrize("case", list(RAW_CASES))
+def test_malformed_request_is_rejected_and_the_server_keeps_serving(
+    loop: asyncio.AbstractEventLoop, pair: tuple[Transport, Transport], case: str
+) -> None:
+    a, b = pair
+    bad_before = b.byte_counts().get(a.peer_id, {}).get("bad_messages", 0)
+
+    async def send_raw() -> m.Message | None:
+        _, reader, writer = await a.p2p.call_binary_stream_handler(PeerID.from_base58(b.peer_id), PROTOCOL)
+        try:
+            writer.write(RAW_CASES[case])
+            await writer.drain()
+            if case == "truncated":
+                return None  # we hang up mid-tensor; b has nobody to answer
+            envelope = await streams.read_envelope(reader, streams.ByteCounts())
+            return m.decode(envelope.header)
+        finally:
+            writer.close()
+
+    reply = run(loop, send_raw())
+    if reply is not None:
+        assert isinstance(reply, m.ErrorReply) and reply.code == "bad_request"
+    counted = eventually(lambda: b.byte_counts()[a.peer_id]["bad_messages"] == bad_before + 1)
+    assert run(loop, counted), "b did not count the malformed request against a"
+    healthy(loop, a, b)
+
+
+def test_shut_down_peer_is_unavailable_within_the_deadline(
+    loop: asyncio.AbstractEventLoop, pair: tuple[Transport, Transport]
+) -> None:
+    a, _ = pair
+    peers = run(loop, a.visible_addresses())
+    c = run(loop, Transport.create(initial_peers=peers, config=CONFIG))
+    daemon = c.p2p._child.pid
+    try:
+        c.register("rpc_echo", echo)
+        run(loop, a.call(c.peer_id, "rpc_echo", m.StateRequest("run", 0), timeout=10))
+    finally:
+        run(loop, c.shutdown())
+    assert daemon not in p2pd_descendants()
+    start = time.monotonic()
+    with pytest.raises(PeerUnavailable):
+        run(loop, a.call(c.peer_id, "rpc_echo", m.StateRequest("run", 0), timeout=3))
+    assert time.monotonic() - start < 4
+    with pytest.raises(RuntimeError, match="shut down"):
+        run(loop, c.call(a.peer_id, "rpc_echo", m.StateRequest("run", 0), timeout=3))
+
+
+DAEMON_CHILD = """
+import asyncio, sys
+from noloco_swarm.peer.transport import Transport
+async def main():
+    t = await Transport.create()
+    print(t.p2p._child.pid, flush=True)
+    await asyncio.sleep(60)
+asyncio.run(main())
+"""
+
+
+def test_p2pd_dies_with_a_sigkilled_owner() -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", DAEMON_CHILD], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        daemon = int(proc.stdout.readline())  # type: ignore[union-attr]
+        assert os.path.exists(f"/proc/{daemon}")
+        proc.kill()  # SIGKILL: no cleanup code of ours runs
+        proc.wait(timeout=10)
+        assert wait_until(lambda: not os.path.exists(f"/proc/{daemon}") or _zombie(daemon), 10)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # the session we started, daemon included
+        proc.wait(timeout=10)
+        proc.stdout.close()  # type: ignore[union-attr]
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
