@@ -74,6 +74,10 @@ class StepCollector:
         if {(i, a.sender) for a in self.arrivals.values() for i in a.positions} == self.expected:
             self.complete.set()
 
+    def missing_senders(self) -> list[int]:
+        """Senders we expect rows from and have not heard from."""
+        return sorted({s for _, s in self.expected} - set(self.arrivals))
+
     def batch(self) -> tuple[torch.Tensor, torch.Tensor, list[tuple[Arrival, list[int]]]]:
         """Inputs and targets in (position, sender) order, and where each arrival's rows landed."""
         order = sorted((i, a.sender, j) for a in self.arrivals.values() for j, i in enumerate(a.positions))

@@ -110,6 +110,8 @@ class Peer:
         self.outer_steps = 0
         self.dropped_partners = 0
         self._seen_bytes: dict[str, tuple[int, int]] = {}
+        self.dead: set[tuple[int, int]] = set()  # (stage, rank) of replicas that failed us
+        self.dropped_samples = 0
         transport.register("rpc_forward", self.rpc_forward)
         transport.register("rpc_eval", self.rpc_eval)
 
@@ -177,7 +179,7 @@ class Peer:
         out = await asyncio.to_thread(self.replica.module, x)
         grad, losses = await self._send_forward(t, 0, out.detach(), y)
         await asyncio.to_thread(out.backward, grad)
-        return sum(losses) / len(losses)
+        return sum(losses) / len(losses) if losses else math.nan
 
     async def _send_forward(
         self, t: int, hop: int, out: torch.Tensor, tokens: torch.Tensor
@@ -212,28 +214,49 @@ class Peer:
                 )
             return positions, tensors[0], reply.losses
 
-        results = await asyncio.gather(*(call(r, pos) for r, pos in sorted(plan.items())))
+        async def call_or_drop(receiver: int, positions: list[int]):
+            if (hop + 1, receiver) in self.dead:
+                return None
+            try:
+                return await call(receiver, positions)
+            except (PeerUnavailable, RemoteRefused, MessageError) as e:
+                self._mark_dead(hop + 1, receiver, f"forward of step {t} failed: {e}")
+                return None
+
+        results = await asyncio.gather(*(call_or_drop(r, pos) for r, pos in sorted(plan.items())))
+        # Rows whose gradient never came back are dropped from this step: their gradient stays 0.
         grad = torch.zeros_like(out)
         losses: list[float] = []
-        for positions, rows, sample_losses in results:
+        for result in results:
+            if result is None:
+                continue
+            positions, rows, sample_losses = result
             grad[positions] = rows
             losses.extend(sample_losses)
+        dropped = out.shape[0] - len(losses)
+        if dropped:
+            self.dropped_samples += dropped
+            self.metrics.write("dropped", step=t, hop=hop, samples=dropped)
         return grad, losses
 
     def _collector(self, t: int) -> StepCollector:
         if t not in self.collectors:
             expected = expected_rows(t, self.B, self.stage - 1, self.counts, self.rank)
-            self.collectors[t] = StepCollector(t, expected)
+            alive = [(i, sender) for i, sender in expected if (self.stage - 1, sender) not in self.dead]
+            self.collectors[t] = StepCollector(t, alive)
         return self.collectors[t]
 
     async def _receiving_step(self, t: int) -> float:
         collector = self._collector(t)
         try:
             await asyncio.wait_for(collector.complete.wait(), self.opts.step_timeout)
-        except TimeoutError as e:
-            error = PeerUnavailable(f"stage {self.stage - 1} did not send all of step {t} in time")
-            collector.fail(error)
-            raise error from e
+        except TimeoutError:
+            for sender in collector.missing_senders():
+                self._mark_dead(self.stage - 1, sender, f"sent nothing for step {t} within the deadline")
+        del self.collectors[t]
+        if not collector.arrivals:  # nobody alive routes to us this step: nothing to compute
+            self.metrics.write("dropped", step=t, hop=self.stage - 1, samples=len(collector.expected))
+            return math.nan
         acts, toks, placement = collector.batch()
         x = acts.requires_grad_(True)
         if self.is_last:
@@ -251,9 +274,9 @@ class Peer:
             await asyncio.to_thread(out.backward, grad)
         assert x.grad is not None
         for arrival, rows in placement:
-            arrival.result.set_result((x.grad[rows].contiguous(), [sample_losses[r] for r in rows]))
-        del self.collectors[t]
-        return sum(sample_losses) / len(sample_losses)
+            if not arrival.result.done():  # the sender may have given up on us meanwhile
+                arrival.result.set_result((x.grad[rows].contiguous(), [sample_losses[r] for r in rows]))
+        return sum(sample_losses) / len(sample_losses) if sample_losses else math.nan
 
     async def rpc_forward(
         self, peer_id: str, header: messages.Message, tensors: list[torch.Tensor]
@@ -285,6 +308,13 @@ class Peer:
             losses=tuple(losses),
         )
         return reply, [grad]
+
+    def _mark_dead(self, stage: int, rank: int, why: str) -> None:
+        """Stop waiting for, and sending to, a replica that failed us (until the end of the run)."""
+        if (stage, rank) not in self.dead:
+            self.dead.add((stage, rank))
+            logger.warning("stage %d replica %d is gone (%s); continuing without it", stage, rank, why)
+            self.metrics.write("peer_gone", stage=stage, rank=rank, reason=why)
 
     async def _await_frozen(self) -> None:
         """A sender may freeze the view a moment before we do; wait for ours rather than refuse."""
@@ -328,6 +358,8 @@ class Peer:
 
         async def with_member(m: int) -> tuple[int, tuple[torch.Tensor, ...] | BaseException]:
             peer = self.peer(self.stage, m)
+            if (self.stage, m) in self.dead:
+                return m, PeerUnavailable(f"replica {m} is gone")
             try:
                 if m > self.rank:
                     got = await self.transport.exchange(
@@ -347,7 +379,7 @@ class Peer:
         for m, got in results:
             if isinstance(got, BaseException):
                 failed.append(m)
-                logger.warning("outer step %d: partner %d failed (%s); stepping without it", t, m, got)
+                self._mark_dead(self.stage, m, f"outer exchange at step {t} failed: {got}")
                 continue
             thetas[m] = got[0]
             if o.sends_phi:
@@ -392,14 +424,25 @@ class Peer:
     async def evaluate(self) -> float | None:
         """Stage 0 runs the validation windows along its own fixed path; returns the mean loss."""
         windows = validation_windows(self.cfg.data)[: self.cfg.eval_windows]
+        path_gone = [s for s, r in self.dead if r == self.rank]
+        if path_gone:
+            logger.warning("no evaluation: this replica's fixed path is broken at stage %d", min(path_gone))
+            return None
         if not self.is_first:
-            for _ in range(math.ceil(len(windows) / EVAL_BATCH)):
-                await asyncio.wait_for(self.eval_queue.get(), self.opts.step_timeout * 4)
+            try:
+                for _ in range(math.ceil(len(windows) / EVAL_BATCH)):
+                    await asyncio.wait_for(self.eval_queue.get(), self.opts.step_timeout * 4)
+            except TimeoutError:
+                logger.warning("the previous stage did not run its evaluation; finishing without it")
             return None
         total, count = 0.0, 0
         for b, start in enumerate(range(0, len(windows), EVAL_BATCH)):
             w = windows[start : start + EVAL_BATCH]
-            losses = await self._eval_batch(b, w[:, :-1], w[:, 1:])
+            try:
+                losses = await self._eval_batch(b, w[:, :-1], w[:, 1:])
+            except (PeerUnavailable, RemoteRefused, MessageError) as e:
+                logger.warning("evaluation failed on this replica's path: %s", e)
+                return None
             total += sum(losses)
             count += len(losses)
         return total / count
@@ -459,6 +502,8 @@ class Peer:
             "steps": self.step,
             "outer_steps": self.outer_steps,
             "dropped_partners": self.dropped_partners,
+            "dropped_samples": self.dropped_samples,
+            "gone": sorted(self.dead),
             "train_seconds": seconds,
             "tokens": self.tokens,
             "val_loss": val_loss,

@@ -89,15 +89,18 @@ def num_flat_stage(cfg: RunConfig, stage: int) -> int:
     return num_flat(build_stage(cfg.model, stage, cfg.num_stages, cfg.seed))
 
 
-def test_a_killed_peer_takes_its_daemon_with_it_and_the_swarm_fails_cleanly(cache: Path) -> None:
-    cfg = small("noloco", **{"inner.total_steps": "400"})
+def test_a_killed_peer_takes_its_daemon_and_the_rest_of_the_swarm_finishes(cache: Path) -> None:
+    """Failure is normal control flow: samples routed to a dead replica are dropped, its partner
+    steps alone, and everyone else finishes the run."""
+    steps = 12
+    cfg = small("noloco", **{"inner.total_steps": str(steps)})
     before = p2pd_descendants()
-    with local_swarm(cfg, 400, step_timeout=15) as swarm:
-        victim = next(p for p in swarm.peers if p.stage == 1)
+    with local_swarm(cfg, steps, step_timeout=10) as swarm:
+        victim = next(p for p in swarm.peers if p.stage == 1 and p.replica == 1)
         deadline = time.monotonic() + 120
         while not any(e["event"] == "step" and e["step"] >= 2 for e in victim.events()):
             assert time.monotonic() < deadline, victim.log_tail()
-            time.sleep(0.5)
+            time.sleep(0.2)
         daemons = p2pd_descendants(victim.proc.pid)
         assert daemons, "the peer should run its own p2pd"
         os.kill(victim.proc.pid, signal.SIGKILL)  # no cleanup code of the peer runs
@@ -105,9 +108,19 @@ def test_a_killed_peer_takes_its_daemon_with_it_and_the_swarm_fails_cleanly(cach
         while any(Path(f"/proc/{pid}").exists() and pid in descendants(os.getpid()) for pid in daemons):
             assert time.monotonic() < deadline, "p2pd outlived its SIGKILLed peer"
             time.sleep(0.2)
-        with pytest.raises(RuntimeError, match="exited"):
-            wait(swarm, timeout=120)
+        survivors = [p for p in swarm.peers if p is not victim]
+        deadline = time.monotonic() + 300
+        while not all(p.proc.poll() is not None for p in survivors):
+            assert time.monotonic() < deadline, "\n".join(p.log_tail() for p in survivors)
+            time.sleep(0.5)
+        assert [p.proc.returncode for p in survivors] == [0, 0, 0], "\n".join(p.log_tail() for p in survivors)
+        summaries = {(s["stage"], s["rank"]): s for s in swarm.summaries()}
     assert p2pd_descendants() <= before
+    victim_rank = next(rank for (stage, rank) in [(1, 0), (1, 1)] if (stage, rank) not in summaries)
+    assert all(s["steps"] == steps for s in summaries.values())
+    assert sum(s["dropped_samples"] for s in summaries.values() if s["stage"] == 0) > 0
+    partner = summaries[(1, 1 - victim_rank)]
+    assert [1, victim_rank] in partner["gone"] and partner["outer_steps"] == steps // 3
 
 
 def test_hivemind_dht_cli_is_a_working_entry_point(cache: Path) -> None:
