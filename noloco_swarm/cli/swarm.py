@@ -115,7 +115,7 @@ def local_swarm(
         yield swarm
     finally:
         for peer in swarm.peers:
-            _end_group(peer.proc)
+            end_group(peer.proc)
         dht.shutdown()
         if tmp is not None:
             tmp.cleanup()
@@ -140,8 +140,8 @@ def wait(swarm: LocalSwarm, timeout: float, poll: float = 0.5, on_poll=None) -> 
         on_poll(swarm)
 
 
-def _end_group(proc: subprocess.Popen[bytes], grace: float = 10.0) -> None:
-    """SIGTERM the peer's process group (the peer and its p2pd), then SIGKILL what remains."""
+def end_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
+    """SIGTERM a process group (a peer and its p2pd), then SIGKILL what remains; reap the leader."""
     with suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGTERM)
     with suppress(subprocess.TimeoutExpired):
@@ -149,3 +149,5 @@ def _end_group(proc: subprocess.Popen[bytes], grace: float = 10.0) -> None:
     with suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=grace)
+    if proc.stdout:
+        proc.stdout.close()

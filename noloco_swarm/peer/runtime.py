@@ -289,11 +289,7 @@ class Peer:
         if not self.step <= header.step < self.step + 2:
             raise MessageError(f"forward for step {header.step}, this replica is at step {self.step}")
         positions = [k - header.step * self.B for k in header.samples]
-        acts, toks = tensors
-        if int(toks.min()) < 0 or int(toks.max()) >= self.cfg.model.vocab_size:
-            raise MessageError("token ids outside the vocabulary")
-        if acts.shape[1:] != (self.cfg.model.seq_len, self.cfg.model.hidden_size):
-            raise MessageError(f"activations of shape {tuple(acts.shape)} do not fit this model")
+        acts, toks = self._checked_rows(tensors)
         arrival = Arrival(header.sender_rank, positions, acts, toks)
         self._collector(header.step).add(arrival)
         grad, losses = await asyncio.wait_for(arrival.result, self.opts.step_timeout * 2)
@@ -308,6 +304,22 @@ class Peer:
             losses=tuple(losses),
         )
         return reply, [grad]
+
+    def _checked_rows(self, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Activations and token ids from another peer, checked against this model before use.
+
+        (The transport already checked them against the header's metas and for NaN/inf.)"""
+        if len(tensors) != 2:
+            raise MessageError(f"expected activations and token ids, got {len(tensors)} tensors")
+        acts, toks = tensors
+        if acts.dtype != torch.float32 or acts.shape[1:] != (
+            self.cfg.model.seq_len,
+            self.cfg.model.hidden_size,
+        ):
+            raise MessageError(f"activations {acts.dtype} {tuple(acts.shape)} do not fit this model")
+        if toks.dtype != torch.int64 or int(toks.min()) < 0 or int(toks.max()) >= self.cfg.model.vocab_size:
+            raise MessageError("token ids must be int64 within the vocabulary")
+        return acts, toks
 
     def _mark_dead(self, stage: int, rank: int, why: str) -> None:
         """Stop waiting for, and sending to, a replica that failed us (until the end of the run)."""
@@ -476,11 +488,7 @@ class Peer:
         self._check_sender(peer_id, header.run_id, header.hop, header.rank)
         if header.rank != self.rank:
             raise MessageError("evaluation follows the fixed path: same rank at every stage")
-        acts, toks = tensors
-        if acts.shape[1:] != (self.cfg.model.seq_len, self.cfg.model.hidden_size):
-            raise MessageError(f"activations of shape {tuple(acts.shape)} do not fit this model")
-        if int(toks.min()) < 0 or int(toks.max()) >= self.cfg.model.vocab_size:
-            raise MessageError("token ids outside the vocabulary")
+        acts, toks = self._checked_rows(tensors)
         losses = await self._eval_batch(header.batch, acts, toks)
         self.eval_queue.put_nowait(None)
         return EvalReply(tuple(losses)), []

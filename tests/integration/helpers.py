@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from pathlib import Path
+
+from noloco_swarm.cli.swarm import end_group
 
 MADDR = re.compile(r"(/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+)")
 
@@ -68,16 +69,3 @@ def process_group(
         yield proc, match.group(1)
     finally:
         end_group(proc)
-
-
-def end_group(proc: subprocess.Popen[str], grace: float = 10.0) -> None:
-    """SIGTERM the whole process group, then SIGKILL what is left; reap the leader."""
-    with suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    with suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=grace)
-    with suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=grace)
-    if proc.stdout:
-        proc.stdout.close()
