@@ -1,0 +1,71 @@
+"""`noloco local` as a user runs it: real peers, Ctrl-C stops everything, nothing is left behind."""
+
+from __future__ import annotations
+
+import glob
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.integration.helpers import descendants, p2pd_descendants
+
+pytestmark = pytest.mark.integration
+SMALL = [
+    "--set",
+    "model.seq_len=32",
+    "--set",
+    "inner.batch_size=2",
+    "--set",
+    "eval_windows=4",
+    "--threads",
+    "1",
+]
+
+
+def local_dirs() -> set[str]:
+    return set(glob.glob(str(Path(tempfile.gettempdir()) / "noloco-local-*")))
+
+
+def test_ctrl_c_stops_the_swarm_cleanly(cache: Path) -> None:
+    before_dirs, before_daemons = local_dirs(), p2pd_descendants()
+    argv = [sys.executable, "-m", "noloco_swarm.cli.main", "local", "--plain", "--steps", "1000", *SMALL]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        seen = []
+        while not any(line.startswith("step") for line in seen):
+            assert time.monotonic() < deadline and proc.poll() is None, "".join(seen)
+            seen.append(proc.stdout.readline())  # type: ignore[union-attr]
+        assert p2pd_descendants(proc.pid), "the peers should be running their daemons"
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, out
+    assert "summary (interrupted)" in out
+    assert not descendants(proc.pid)
+    assert p2pd_descendants() <= before_daemons
+    assert local_dirs() <= before_dirs, "noloco local left its temporary folder behind"
+
+
+def test_local_swarm_run_to_the_end(cache: Path, tmp_path: Path) -> None:
+    argv = [sys.executable, "-m", "noloco_swarm.cli.main", "local", "--plain", "--steps", "6", *SMALL]
+    argv += ["--set", "outer.inner_steps=3", "--keep", str(tmp_path / "run")]
+    done = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stdout + done.stderr
+    for expected in (
+        "validation perplexity",
+        "tokens/s",
+        "bytes per outer step per peer",
+        "stage 1 replica 1 state",
+    ):
+        assert expected in done.stdout, expected
+    metrics = sorted(p.name for p in (tmp_path / "run").glob("peer-*.jsonl"))
+    assert metrics == ["peer-0-0.jsonl", "peer-0-1.jsonl", "peer-1-0.jsonl", "peer-1-1.jsonl"]
