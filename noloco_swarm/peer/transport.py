@@ -331,7 +331,9 @@ class Transport:
         try:
             with self._reserve(envelope.nbytes):
                 receiving = asyncio.create_task(
-                    streams.read_tensors(stream.reader, envelope.tensors, stream.counts, part)
+                    streams.read_tensors(
+                        stream.reader, envelope.tensors, stream.counts, part, stream.writer.transport
+                    )
                 )
                 try:
                     waiting = asyncio.create_task(self._our_tensors(key))
@@ -412,7 +414,7 @@ class Transport:
             raise Refused("unknown_verb", f"this peer does not serve {envelope.verb}")
         with self._reserve(envelope.nbytes):
             tensors = await streams.read_tensors(
-                stream.reader, envelope.tensors, stream.counts, self.config.part_bytes
+                stream.reader, envelope.tensors, stream.counts, stream.part_bytes, stream.writer.transport
             )
             reply_header, reply_tensors = await handler(stream.peer, header, tensors)
         await streams.reply(stream, reply_header, reply_tensors)
