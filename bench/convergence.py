@@ -169,7 +169,11 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         ax_spread.set(xlabel="inner step", ylabel="weight spread before outer step")
         ax_ppl.grid(alpha=0.3)
         ax_spread.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=8)
+    handles = {}
+    for ax in axes[0]:
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            handles.setdefault(label, handle)  # noloco-fixed only appears in the P >= 2 panels
+    fig.legend(handles.values(), handles.keys(), loc="outside right upper", fontsize=8)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
