@@ -153,7 +153,7 @@ def _summary(tracker: _Tracker, sim: Simulator | None, result, interrupted: bool
 # The real swarm: peer processes on loopback
 
 
-def swarm_status(swarm: LocalSwarm, start: float) -> RunStatus:
+def swarm_status(swarm: LocalSwarm, start: float, *, keep: bool = False) -> RunStatus:
     """A view snapshot from what the peers' metrics files say so far (pure given those files)."""
     cfg = swarm.cfg
     events = {(p.stage, p.replica): p.events() for p in swarm.peers}
@@ -186,7 +186,11 @@ def swarm_status(swarm: LocalSwarm, start: float) -> RunStatus:
             others = [str(m) for m in outers[-1]["group"] if m != rank]
             partner = ",".join(others) or "(alone)"
         replicas.append(ReplicaStatus(s, rank, partner, final["state_hash"] if final else ""))
+    replicas.sort(key=lambda r: (r.stage, r.replica))
     lr = steps[-1]["lr"] if steps else 0.0
+    finals = [
+        e["val_loss"] for ev in events.values() for e in ev if e["event"] == "final" and e.get("val_loss")
+    ]
     return RunStatus(
         title=f"local swarm {cfg.num_stages} stages x {cfg.num_replicas} replicas, {cfg.model.name} preset",
         method=cfg.outer.method,
@@ -194,13 +198,15 @@ def swarm_status(swarm: LocalSwarm, start: float) -> RunStatus:
         total_steps=swarm.steps,
         outer_steps=outer,
         train_loss=sum(history[-10:]) / len(history[-10:]) if history else None,
+        val_ppl=math.exp(sum(finals) / len(finals)) if finals else None,  # evaluated at the end
         lr=lr,
         tokens=tokens,
         tokens_per_second=tokens / elapsed if elapsed else 0.0,
         elapsed=elapsed,
         loss_history=history,
         replicas=tuple(replicas),
-        note=f"{len(swarm.peers)} peer processes on loopback; logs and metrics in {swarm.workdir}",
+        note=f"{len(swarm.peers)} peer processes on loopback; logs and metrics in {swarm.workdir}"
+        + ("" if keep else " (removed at exit; keep them with --keep DIR)"),
     )
 
 
@@ -220,7 +226,7 @@ def run_local_swarm(cfg: RunConfig, steps: int, *, plain: bool = False, keep: Pa
 
         def on_poll(sw: LocalSwarm) -> None:
             nonlocal status
-            status = swarm_status(sw, start)
+            status = swarm_status(sw, start, keep=keep is not None)
             if live is not None:
                 live.update(render(status))
             elif status.step >= last_print[0] + 10 or (status.step == steps and last_print[0] != steps):

@@ -74,10 +74,8 @@ def render(status: RunStatus) -> RenderableType:
     head.add_row("tokens", f"{status.tokens:,}  ({status.tokens_per_second:,.0f} tok/s)")
     head.add_row("spread", _fmt(status.weight_spread, ".2e"))
     head.add_row("elapsed", f"{status.elapsed:.0f} s")
-    parts: list[RenderableType] = [
-        head,
-        ProgressBar(total=max(1, status.total_steps), completed=status.step, width=60),
-    ]
+    head.add_row("progress", ProgressBar(total=max(1, status.total_steps), completed=status.step, width=50))
+    parts: list[RenderableType] = [head]
     if status.replicas:
         table = Table(title="replicas", title_justify="left", expand=False)
         for column in ("stage", "replica", "last partners", "state hash"):
