@@ -138,7 +138,10 @@ def test_config_error_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_local_in_process_runs_and_prints_a_summary(cache: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["local", "--in-process", "--steps", "4", "--plain", *SHORT, "--set", "outer.inner_steps=2"]) == 0
+    assert (
+        main(["local", "--in-process", "--steps", "4", "--plain", *SHORT, "--set", "outer.inner_steps=2"])
+        == 0
+    )
     out = capsys.readouterr().out
     assert "summary" in out and "validation perplexity" in out and "outer steps" in out
     assert "MiB each way" in out
