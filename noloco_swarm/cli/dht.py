@@ -11,7 +11,13 @@ from rich.console import Console
 from noloco_swarm.peer.node import NetworkConfig, reachability, start_dht
 
 
-def run_dht(net: NetworkConfig, *, refresh: float = 30.0, stop: threading.Event | None = None) -> int:
+def run_dht(
+    net: NetworkConfig,
+    *,
+    refresh: float = 30.0,
+    stop: threading.Event | None = None,
+    address_file: Path | None = None,
+) -> int:
     """Run until SIGINT/SIGTERM (or `stop` is set), printing how to join and, periodically, the node's state."""
     console = Console()
     if net.identity_path:
@@ -24,6 +30,11 @@ def run_dht(net: NetworkConfig, *, refresh: float = 30.0, stop: threading.Event 
         previous = {}
     try:
         addrs = [str(a) for a in dht.get_visible_maddrs()]
+        if address_file is not None and addrs:
+            # for scripted peers (docker-compose): written whole, then renamed, so never read half-done
+            tmp = address_file.with_suffix(".tmp")
+            tmp.write_text(addrs[0] + "\n")
+            tmp.replace(address_file)
         console.print(f"[bold]noloco dht[/]: bootstrap node {dht.peer_id} is up.")
         console.print("Other peers join with:")
         console.print(

@@ -125,6 +125,9 @@ def parser() -> argparse.ArgumentParser:
 
     dht = sub.add_parser("dht", help="run a bootstrap node and print the --initial-peers address to share")
     _network(dht, identity_default=str(DEFAULT_IDENTITY))
+    dht.add_argument(
+        "--address-file", type=Path, default=None, help="also write the --initial-peers address here"
+    )
 
     sub.add_parser("presets", help="list model presets and their parameter counts")
     sub.add_parser("keys", help="list every config key")
@@ -164,7 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "dht":
             from noloco_swarm.cli.dht import run_dht
 
-            return run_dht(_network_config(args))
+            return run_dht(_network_config(args), address_file=args.address_file)
         import torch
 
         torch.set_num_threads(args.threads or torch.get_num_threads())

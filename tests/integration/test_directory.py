@@ -103,8 +103,10 @@ def test_reachability_reports_loopback(two_peers: tuple[DHT, DHT]) -> None:
 def test_noloco_dht_prints_address_and_keeps_identity(tmp_path: Path, bootstrap: str) -> None:
     exe = str(Path(sys.executable).parent / "noloco")
     key = tmp_path / "dht.key"
-    argv = [exe, "dht", "--host-maddrs", *LOOPBACK, "--identity", str(key)]
+    address = tmp_path / "bootstrap.addr"
+    argv = [exe, "dht", "--host-maddrs", *LOOPBACK, "--identity", str(key), "--address-file", str(address)]
     with process_group(argv) as (_, first):
+        assert address.read_text().strip() == first
         # our bootstrap node serves hivemind's plain DHT clients too
         client = start_dht(NetworkConfig(initial_peers=(first,), host_maddrs=LOOPBACK))
         try:
