@@ -179,6 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             cfg = _config(args, args.method)
             if args.in_process:
                 return run_local(cfg, args.steps, plain=args.plain)
+            _check_swarm_method(cfg.outer.method)
             if args.keep:
                 args.keep.mkdir(parents=True, exist_ok=True)
             return run_local_swarm(cfg, args.steps, plain=args.plain, keep=args.keep)
@@ -195,6 +196,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 1  # pragma: no cover - argparse requires a command
 
 
+def _check_swarm_method(method: str) -> None:
+    # Peers average gradients only through outer steps; per-step all-reduce exists in the simulator.
+    if method == "allreduce":
+        raise ConfigError(
+            "method allreduce runs only in the simulator: use noloco sim or noloco local --in-process"
+        )
+
+
 def _join(args: argparse.Namespace) -> int:
     from noloco_swarm.cli.join import die_with_parent, load_run_config, run_join
     from noloco_swarm.peer.runtime import PeerOptions
@@ -205,6 +214,7 @@ def _join(args: argparse.Namespace) -> int:
         print("noloco: --device cuda is not supported yet; peers train on the CPU", file=sys.stderr)
         return 2
     cfg = load_run_config(args.run_config) if args.run_config else _config(args, args.method)
+    _check_swarm_method(cfg.outer.method)
     stage = None if args.stage == "auto" else int(args.stage)
     opts = PeerOptions(
         run_id=args.run_id,

@@ -135,6 +135,8 @@ def test_presets_and_keys_commands(capsys: pytest.CaptureFixture[str]) -> None:
 def test_config_error_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["local", "--steps", "1", "--set", "outer.inner_steps=0"]) == 2
     assert "inner_steps" in capsys.readouterr().err
+    assert main(["local", "--steps", "1", "--method", "allreduce"]) == 2  # simulator-only
+    assert "--in-process" in capsys.readouterr().err
 
 
 def test_local_in_process_runs_and_prints_a_summary(cache: Path, capsys: pytest.CaptureFixture[str]) -> None:
