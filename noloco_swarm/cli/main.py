@@ -170,7 +170,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_dht(_network_config(args), address_file=args.address_file)
         import torch
 
-        torch.set_num_threads(args.threads or torch.get_num_threads())
+        default_threads = torch.get_num_threads()
+        if args.command == "join":
+            # Leave a core to the transport: torch compute slows sharply when p2pd and the
+            # stream handlers compete with it for every core (measured with hivemind 1.1.12).
+            default_threads = max(1, default_threads - 1)
+        torch.set_num_threads(args.threads or default_threads)
         if args.command == "join":
             return _join(args)
         if args.command == "local":
