@@ -159,8 +159,10 @@ class Peer:
                 step=self.step,
                 loss=loss,
                 lr=lr,
-                seconds=time.perf_counter() - start,
+                seconds=(seconds := time.perf_counter() - start),
                 tokens=self.tokens,
+                # every replica serves B samples of T tokens per step, whatever its stage
+                tokens_per_second=self.B * self.cfg.model.seq_len / seconds,
             )
             if self.cfg.outer.method in ("noloco", "diloco") and self.clock.outer_step_due(self.step):
                 await self.outer_step()
@@ -408,10 +410,12 @@ class Peer:
             "outer",
             step=t,
             group=sorted(group),
+            partners=[self.peer(self.stage, m) for m in group if m != self.rank],
             failed=failed,
             sent_bytes=sent,
             received_bytes=received,
             seconds=time.perf_counter() - start,
+            state_hash=await asyncio.to_thread(self.replica.state_hash),  # comparable with the simulator
         )
 
     def _exchange_bytes(self, members: list[str]) -> tuple[int, int]:

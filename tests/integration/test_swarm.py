@@ -50,11 +50,14 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
-def simulate(cfg: RunConfig, steps: int) -> list[list[str]]:
+def simulate(cfg: RunConfig, steps: int) -> tuple[list[list[str]], dict[int, list[list[str]]]]:
+    """Final replica hashes, and the hashes right after every outer step (keyed by step)."""
     sim = Simulator(cfg, data_batches(cfg))
+    after_outer = {}
     for _ in range(steps):
-        sim.inner_step()
-    return sim.replica_hashes()
+        if sim.inner_step().outer_step:
+            after_outer[sim.step] = sim.replica_hashes()
+    return sim.replica_hashes(), after_outer
 
 
 @pytest.mark.parametrize("method", ["noloco", "diloco"])
@@ -64,9 +67,13 @@ def test_swarm_ends_with_the_simulators_weights(method: str, cache: Path, one_th
     with local_swarm(cfg, STEPS, step_timeout=60) as swarm:
         wait(swarm, timeout=400)
         summaries = swarm.summaries()
-        outers = [(p.stage, e) for p in swarm.peers for e in p.events() if e["event"] == "outer"]
+        outers = []
+        for p in swarm.peers:
+            events = p.events()
+            rank = next(e["rank"] for e in events if e["event"] == "membership")
+            outers += [(p.stage, rank, e) for e in events if e["event"] == "outer"]
     assert p2pd_descendants() <= before, "the swarm left p2pd daemons behind"
-    expected = simulate(cfg, STEPS)
+    expected, after_outer = simulate(cfg, STEPS)
     got = {(s["stage"], s["rank"]): s["state_hash"] for s in summaries}
     assert len(got) == 4
     assert all(s["steps"] == STEPS and s["outer_steps"] == 2 for s in summaries)
@@ -76,10 +83,11 @@ def test_swarm_ends_with_the_simulators_weights(method: str, cache: Path, one_th
     # Bytes: with gamma == beta a pair exchanges theta only, 1.0x the stage's fp32 bytes each way.
     theta_bytes = {s: num_flat_stage(cfg, s) * 4 for s in range(2)}
     assert len(outers) == 8
-    for stage, e in outers:
+    for stage, rank, e in outers:
+        assert e["state_hash"] == after_outer[e["step"]][stage][rank], f"outer step {e['step']} differs"
         assert theta_bytes[stage] <= e["sent_bytes"] <= theta_bytes[stage] * 1.01 + 4096
         assert theta_bytes[stage] <= e["received_bytes"] <= theta_bytes[stage] * 1.01 + 4096
-        assert e["failed"] == []
+        assert e["failed"] == [] and len(e["partners"]) == 1 and len(e["state_hash"]) == 64
     assert all(s["val_loss"] is not None for s in summaries if s["stage"] == 0)
 
 
