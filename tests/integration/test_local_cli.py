@@ -13,18 +13,9 @@ from pathlib import Path
 import pytest
 
 from tests.integration.helpers import descendants, p2pd_descendants
+from tests.small import SMALL_RUN
 
 pytestmark = pytest.mark.integration
-SMALL = [
-    "--set",
-    "model.seq_len=32",
-    "--set",
-    "inner.batch_size=2",
-    "--set",
-    "eval_windows=4",
-    "--threads",
-    "1",
-]
 
 
 def local_dirs() -> set[str]:
@@ -33,7 +24,7 @@ def local_dirs() -> set[str]:
 
 def test_ctrl_c_stops_the_swarm_cleanly(cache: Path) -> None:
     before_dirs, before_daemons = local_dirs(), p2pd_descendants()
-    argv = [sys.executable, "-m", "noloco_swarm.cli.main", "local", "--plain", "--steps", "1000", *SMALL]
+    argv = [sys.executable, "-m", "noloco_swarm.cli.main", "local", "--plain", "--steps", "1000", *SMALL_RUN]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 180
@@ -56,7 +47,7 @@ def test_ctrl_c_stops_the_swarm_cleanly(cache: Path) -> None:
 
 
 def test_local_swarm_run_to_the_end(cache: Path, tmp_path: Path) -> None:
-    argv = [sys.executable, "-m", "noloco_swarm.cli.main", "local", "--plain", "--steps", "6", *SMALL]
+    argv = [sys.executable, "-m", "noloco_swarm.cli.main", "local", "--plain", "--steps", "6", *SMALL_RUN]
     argv += ["--set", "outer.inner_steps=3", "--keep", str(tmp_path / "run")]
     done = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stdout + done.stderr

@@ -20,17 +20,7 @@ from noloco_swarm.cli.options import (
     valid_keys,
 )
 from noloco_swarm.cli.view import ReplicaStatus, RunStatus, render, sparkline
-
-SHORT = [
-    "--set",
-    "model.seq_len=32",
-    "--set",
-    "inner.batch_size=2",
-    "--set",
-    "eval_windows=4",
-    "--threads",
-    "1",
-]
+from tests.small import SMALL_RUN
 
 
 def test_precedence_defaults_file_env_flags(tmp_path: Path) -> None:
@@ -141,7 +131,7 @@ def test_config_error_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_local_in_process_runs_and_prints_a_summary(cache: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert (
-        main(["local", "--in-process", "--steps", "4", "--plain", *SHORT, "--set", "outer.inner_steps=2"])
+        main(["local", "--in-process", "--steps", "4", "--plain", *SMALL_RUN, "--set", "outer.inner_steps=2"])
         == 0
     )
     out = capsys.readouterr().out
@@ -162,7 +152,7 @@ def test_sim_writes_json_csv_and_png(cache: Path, tmp_path: Path) -> None:
         "--out",
         str(out),
     ]
-    assert main([*argv, *SHORT, "--set", "outer.inner_steps=2", "--set", "eval_every=2"]) == 0
+    assert main([*argv, *SMALL_RUN, "--set", "outer.inner_steps=2", "--set", "eval_every=2"]) == 0
     data = json.loads((out / "results.json").read_text())
     assert set(data) == {"noloco", "local", "noloco-fixed"}
     assert data["noloco-fixed"]["config"]["outer.random_routing"] is False
