@@ -37,7 +37,7 @@ from noloco_swarm.peer.node import NetworkConfig, reachability
 from noloco_swarm.peer.pipeline import Arrival, StepCollector, expected_rows, outgoing
 from noloco_swarm.peer.streams import PeerUnavailable, RemoteRefused
 from noloco_swarm.peer.transport import Transport
-from noloco_swarm.protocol import gossip, messages
+from noloco_swarm.protocol import gossip, messages, routing
 from noloco_swarm.protocol.clock import StepClock
 from noloco_swarm.protocol.membership import MembershipView
 from noloco_swarm.protocol.messages import (
@@ -199,7 +199,7 @@ class Peer:
                 step=t,
                 hop=hop,
                 sender_rank=self.rank,
-                samples=tuple(routing_samples(t, self.B, positions)),
+                samples=tuple(routing.sample_index(t, i, self.B) for i in positions),
                 activations=TensorMeta.of(acts),
                 tokens=TensorMeta.of(toks),
             )
@@ -526,10 +526,6 @@ class Peer:
         if not self.is_first:
             await asyncio.sleep(1.0)  # let the last eval reply leave before the transport closes
         return summary
-
-
-def routing_samples(step: int, batch: int, positions: list[int]) -> list[int]:
-    return [step * batch + i for i in positions]
 
 
 async def run_peer(
