@@ -7,7 +7,8 @@ peers that saw the same announcements derive the same decisions without further 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import hashlib
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 
@@ -72,7 +73,63 @@ class MembershipView:
     def peer_at(self, stage: int, rank: int) -> str:
         return self.stages[stage][rank]
 
+    def digest(self) -> str:
+        """Short fingerprint of round and stages: peers put it on requests to detect disagreement."""
+        text = f"{self.round}|" + "|".join(",".join(peers) for peers in self.stages)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def members(self) -> set[str]:
+        return {p for peers in self.stages for p in peers}
+
     def least_served_stage(self) -> int:
         """The stage with the fewest replicas (lowest index on ties): `--stage auto`."""
         counts = self.replica_counts()
         return counts.index(min(counts))
+
+
+@dataclass(frozen=True)
+class Listing:
+    """One live announcement as the view transition sees it."""
+
+    peer: str
+    stage: int
+    joined_round: int
+
+
+def next_view(
+    current: MembershipView, listings: Iterable[Listing], gone: Mapping[str, int]
+) -> MembershipView:
+    """The view of round `current.round + 1`, from this round's view and what the DHT lists now.
+
+    - A member stays unless a report put it gone at a round at or after the round it joined
+      (`gone[peer]`), or it now lists another stage (it would have to join again). Being absent
+      from one read is not enough: a busy DHT returns partial reads, and evicting a live peer on
+      one of them would split the swarm's views. Crashed peers are reported by the peers they fail.
+    - A listed non-member enters exactly at the round it announced (`joined_round == next`), so
+      peers that read the DHT at slightly different moments still agree: joiners announce two
+      rounds ahead and are visible to everyone long before their round. A peer that rejoins after
+      a report announces a round after the report's.
+    Pure: peers that saw the same listings and reports build the same view.
+    """
+    nxt = current.round + 1
+    listed: dict[str, Listing] = {}
+    for item in listings:
+        listed.setdefault(item.peer, item)
+
+    def reported(peer: str, joined_round: int) -> bool:
+        return peer in gone and gone[peer] >= joined_round
+
+    pairs = []
+    for stage, peers in enumerate(current.stages):
+        for peer in peers:
+            item = listed.get(peer)
+            if item is not None and (item.stage != stage or item.joined_round > current.round):
+                continue  # it announced a new membership: it re-enters only through that
+            if not reported(peer, item.joined_round if item is not None else 0):
+                pairs.append((peer, stage))
+    members = current.members()
+    for item in listed.values():
+        joins_now = item.peer not in members and item.joined_round == nxt
+        if joins_now and 0 <= item.stage < current.num_stages and not reported(item.peer, item.joined_round):
+            pairs.append((item.peer, item.stage))
+    return MembershipView.from_announcements(nxt, current.num_stages, pairs)

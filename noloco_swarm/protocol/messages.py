@@ -281,13 +281,35 @@ class PeerAnnouncement(Message):
     joined_round: int
     addresses: tuple[str, ...] = field(default=())
     device: str = "cpu"
+    step: int = 0  # inner steps this peer has completed (refreshed by every heartbeat)
 
     def __post_init__(self) -> None:
         _check_run_id(self.run_id)
         if not self.peer_id:
             raise ValueError("peer_id must not be empty")
-        if self.stage < 0 or self.joined_round < 0:
-            raise ValueError("stage and joined_round must be >= 0")
+        if self.stage < 0 or self.joined_round < 0 or self.step < 0:
+            raise ValueError("stage, joined_round and step must be >= 0")
+
+
+@dataclass(frozen=True)
+class GoneReport(Message):
+    """A member's note in the DHT that `peer_id` failed it in `round`: it leaves the next view.
+
+    A peer that is reported gone but alive finds itself outside the next view and joins again,
+    announcing a later round (a report only removes memberships that began at or before its round).
+    """
+
+    TAG: ClassVar[str] = "gone"
+    run_id: str
+    peer_id: str
+    reporter: str
+    round: int
+
+    def __post_init__(self) -> None:
+        _check_run_id(self.run_id)
+        if not self.peer_id or not self.reporter:
+            raise ValueError("peer_id and reporter must not be empty")
+        _check_counters(self.round)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -307,6 +329,7 @@ class ForwardHeader(Message):
     samples: tuple[int, ...]
     activations: TensorMeta
     tokens: TensorMeta
+    view: str = ""  # digest of the sender's membership view of `round`; a mismatch is refused
 
     def __post_init__(self) -> None:
         _check_run_id(self.run_id)
@@ -363,16 +386,84 @@ class ExchangeHeader(Message):
 
 @dataclass(frozen=True)
 class StateRequest(Message):
-    """A joining peer asks a live replica of `stage` for its state at the last round boundary."""
+    """A joining peer asks a live replica of `stage` for its state at the start of `round`."""
 
     TAG: ClassVar[str] = "fetch_state"
     run_id: str
     stage: int
+    round: int = 0
+    part: str = "phi"  # one of STATE_PARTS per request, so no reply is bigger than one stage
 
     def __post_init__(self) -> None:
         _check_run_id(self.run_id)
-        if self.stage < 0:
-            raise ValueError("stage must be >= 0")
+        _check_counters(self.stage, self.round)
+        if self.part not in STATE_PARTS:
+            raise ValueError(f"part {self.part!r} is not one of {STATE_PARTS}")
+
+
+STATE_PARTS = ("phi", "delta", "exp_avg", "exp_avg_sq")
+
+
+@dataclass(frozen=True)
+class StateReply(Message):
+    """One part of a replica's state at the start of `round` (after the outer step), for a joiner.
+
+    One flat fp32 tensor of `meta`'s shape follows: `part` is phi (the weights, = theta at a
+    boundary), delta (outer momentum) or an AdamW moment. `view` is the server's membership of
+    `round` (sorted peer ids per stage), `state_hash` the hash of the weights phi loads into.
+    """
+
+    TAG: ClassVar[str] = "state"
+    run_id: str
+    stage: int
+    round: int
+    step: int
+    view: tuple[tuple[str, ...], ...]
+    adam_step: int
+    state_hash: str
+    part: str
+    meta: TensorMeta
+
+    def __post_init__(self) -> None:
+        _check_run_id(self.run_id)
+        _check_counters(self.stage, self.round, self.step, self.adam_step)
+        if len(self.meta.shape) != 1 or self.meta.dtype != "float32":
+            raise ValueError(f"state tensors must be flat float32, got {self.meta}")
+        if self.part not in STATE_PARTS:
+            raise ValueError(f"part {self.part!r} is not one of {STATE_PARTS}")
+        if not 0 <= self.stage < len(self.view):
+            raise ValueError(f"stage {self.stage} is outside the view's {len(self.view)} stages")
+
+
+@dataclass(frozen=True)
+class StatusRequest(Message):
+    """Ask a peer where it is: answered with a PeerStatus."""
+
+    TAG: ClassVar[str] = "status"
+    run_id: str
+
+    def __post_init__(self) -> None:
+        _check_run_id(self.run_id)
+
+
+@dataclass(frozen=True)
+class PeerStatus(Message):
+    """A peer's progress, for joiners picking their round and for `noloco status`."""
+
+    TAG: ClassVar[str] = "peer_status"
+    run_id: str
+    peer_id: str
+    stage: int
+    step: int
+    round: int
+    rank: int
+    outer_steps: int
+    tokens: int
+    loss: float | None = None
+
+    def __post_init__(self) -> None:
+        _check_run_id(self.run_id)
+        _check_counters(self.stage, self.step, self.round, self.outer_steps, self.tokens)
 
 
 @dataclass(frozen=True)

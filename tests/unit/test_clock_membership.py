@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from noloco_swarm.protocol.clock import Phase, StepClock, lr_at
-from noloco_swarm.protocol.membership import MembershipView
+from noloco_swarm.protocol.membership import Listing, MembershipView, next_view
 
 
 def test_rounds_and_outer_steps() -> None:
@@ -101,3 +101,70 @@ def test_membership_view_validates_directly() -> None:
     with pytest.raises(ValueError, match="more than one stage"):
         MembershipView(round=0, stages=(("a",), ("a",)))
     assert not MembershipView(round=0, stages=(("a",), ())).is_complete()
+
+
+def _round3() -> MembershipView:
+    return MembershipView(round=3, stages=(("a", "c"), ("b", "d")))
+
+
+def test_next_view_keeps_listed_members_and_admits_joiners_at_their_round() -> None:
+    listings = [
+        Listing("a", 0, 0),
+        Listing("b", 1, 0),
+        Listing("c", 0, 2),
+        Listing("d", 1, 0),
+        Listing("e", 1, 4),  # joins now
+        Listing("f", 0, 5),  # joins a round later: not yet
+        Listing("g", 0, 2),  # announced an earlier round but was never admitted: stays out
+    ]
+    view = next_view(_round3(), listings, gone={})
+    assert view.round == 4
+    assert view.stages == (("a", "c"), ("b", "d", "e"))
+    later = next_view(view, [*listings, Listing("e", 1, 4)], gone={})
+    assert later.stages == (("a", "c", "f"), ("b", "d", "e"))
+
+
+def test_next_view_drops_reported_members_only_and_readmits_a_rejoin() -> None:
+    listings = [Listing("a", 0, 0), Listing("b", 1, 0), Listing("d", 1, 1)]
+    # c is missing from this read (a partial DHT answer is no evidence): it stays; d was reported
+    assert next_view(_round3(), listings, gone={"d": 3}).stages == (("a", "c"), ("b",))
+    view = next_view(_round3(), listings, gone={"c": 2, "d": 3})
+    assert view.stages == (("a",), ("b",))
+    assert not next_view(view, listings, gone={"c": 2, "d": 3}).members() & {"c", "d"}
+    # d, reported gone in round 3 but alive, announces round 6 and is admitted there
+    rejoin = [*listings[:2], Listing("d", 1, 6)]
+    v5 = next_view(view, rejoin, gone={"d": 3})
+    assert v5.round == 5 and "d" not in v5.members()
+    assert next_view(v5, rejoin, gone={"d": 3}).stages == (("a",), ("b", "d"))
+
+
+def test_next_view_ignores_stage_changes_and_out_of_range_stages() -> None:
+    listings = [
+        Listing("a", 1, 0),
+        Listing("b", 1, 0),
+        Listing("c", 0, 0),
+        Listing("d", 1, 0),
+        Listing("x", 9, 4),
+    ]
+    # a member must keep its stage; a listing claiming another one drops it (it would have to rejoin)
+    assert next_view(_round3(), listings, gone={}).stages == (("c",), ("b", "d"))
+
+
+@given(
+    st.lists(st.tuples(st.sampled_from("abcdefgh"), st.integers(0, 2), st.integers(0, 6)), max_size=12),
+    st.dictionaries(st.sampled_from("abcdefgh"), st.integers(0, 6), max_size=4),
+)
+def test_next_view_is_order_independent_and_never_admits_the_reported(
+    raw: list[tuple[str, int, int]], gone: dict[str, int]
+) -> None:
+    first = {}
+    for peer, stage, joined in raw:
+        first.setdefault(peer, Listing(peer, stage, joined))
+    listings = list(first.values())
+    a = next_view(_round3(), listings, gone)
+    assert a == next_view(_round3(), listings[::-1], gone)
+    for peer in a.members():
+        item = first.get(peer, Listing(peer, _round3().rank_of(peer)[0] if peer in "abcd" else -1, 0))
+        assert item.stage == a.rank_of(peer)[0]
+        assert not (peer in gone and gone[peer] >= item.joined_round)
+    assert a.digest() != _round3().digest()

@@ -23,6 +23,14 @@ EXAMPLES: list[m.Message] = [
     m.BackwardHeader("run-1", 2, 117, 0, 1, (936, 937), ACT, (3.5, 4.25)),
     m.ExchangeHeader("run-1", 2, 150, 1, 0, ("theta",), m.TensorMeta((1000,), "float32"), 1 << 20),
     m.StateRequest("run-1", 1),
+    m.StateRequest("run-1", 1, 7, "exp_avg_sq"),
+    m.GoneReport("run-1", "12D3KooWabc", "12D3KooWdef", 3),
+    m.StateReply(
+        "run-1", 1, 7, 70, (("a", "b"), ("c",)), 70, "f" * 64, "delta", m.TensorMeta((9,), "float32")
+    ),
+    m.StatusRequest("run-1"),
+    m.PeerStatus("run-1", "12D3KooWabc", 0, 71, 7, 1, 7, 9088, 4.5),
+    m.PeerStatus("run-1", "12D3KooWabc", 0, 0, 0, 0, 0, 0, None),
     m.ErrorReply("busy", "try again next round"),
 ]
 
