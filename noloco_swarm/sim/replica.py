@@ -86,3 +86,50 @@ class StageReplica:
 
     def state_hash(self) -> str:
         return state_hash(self.module)
+
+    @torch.no_grad()
+    def state_parts(self) -> tuple[dict[str, torch.Tensor], int]:
+        """Everything a new replica needs to continue as this one from a round boundary.
+
+        Flat fp32 copies keyed by `messages.STATE_PARTS` (phi, delta and the AdamW moments, laid
+        out as `flat_params`), and AdamW's step count. Taken at a boundary, where theta == phi.
+        """
+        params = list(self.module.parameters())
+        state = [self.optimizer.state.get(p, {}) for p in params]
+
+        def moment(name: str) -> torch.Tensor:
+            return torch.cat(
+                [
+                    s[name].reshape(-1) if name in s else torch.zeros(p.numel())
+                    for s, p in zip(state, params, strict=True)
+                ]
+            )
+
+        adam_step = int(state[0]["step"]) if state and "step" in state[0] else 0
+        parts = {
+            "phi": self.phi.clone(),
+            "delta": self.delta.clone(),
+            "exp_avg": moment("exp_avg"),
+            "exp_avg_sq": moment("exp_avg_sq"),
+        }
+        return parts, adam_step
+
+    @torch.no_grad()
+    def load_state_parts(self, parts: Mapping[str, torch.Tensor], adam_step: int) -> None:
+        """Become the replica `state_parts` was taken from (weights = phi, moments, step count)."""
+        n = self.phi.numel()
+        if set(parts) != {"phi", "delta", "exp_avg", "exp_avg_sq"} or any(
+            t.shape != (n,) for t in parts.values()
+        ):
+            raise ValueError(f"state parts must be phi, delta, exp_avg, exp_avg_sq of {n} elements each")
+        load_flat_params_(self.module, parts["phi"])
+        self.phi, self.delta = parts["phi"].clone(), parts["delta"].clone()
+        offset = 0
+        for p in self.module.parameters():
+            k = p.numel()
+            self.optimizer.state[p] = {
+                "step": torch.tensor(float(adam_step)),
+                "exp_avg": parts["exp_avg"][offset : offset + k].view_as(p).clone(),
+                "exp_avg_sq": parts["exp_avg_sq"][offset : offset + k].view_as(p).clone(),
+            }
+            offset += k

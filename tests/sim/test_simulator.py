@@ -12,6 +12,7 @@ from noloco_swarm.model import build_model, flat_params, state_hash
 from noloco_swarm.protocol.clock import lr_at
 from noloco_swarm.sim.config import RunConfig
 from noloco_swarm.sim.engine import Simulator
+from noloco_swarm.sim.replica import StageReplica
 from noloco_swarm.sim.run import data_batches, run_simulation
 
 SEQ = 32
@@ -164,3 +165,29 @@ def test_embedded_data_shards_are_disjoint_per_replica(cache: Path) -> None:
     rows = [tuple(batches(d, 0)[i].tolist()) for d in range(3) for i in range(cfg.inner.batch_size)]
     assert len(set(rows)) == len(rows)
     assert torch.equal(batches(1, 5), data_batches(cfg)(1, 5))
+
+
+def test_a_replica_loaded_from_state_parts_continues_exactly_like_its_source() -> None:
+    """What a joining peer downloads (phi, delta, AdamW moments and step) is the whole replica:
+    after the same next steps, the copy and its source hold bit-identical weights."""
+    cfg = config()
+    sim = train(cfg, 8)  # two outer steps: phi, delta and the moments are all non-trivial
+    source = sim.replicas[1][0]  # stage 1, replica 0
+    parts, adam_step = source.state_parts()
+    assert adam_step == 8 and float(parts["delta"].abs().sum()) > 0
+    copy = StageReplica(cfg, 1)
+    assert copy.state_hash() != source.state_hash()
+    copy.load_state_parts({k: v.clone() for k, v in parts.items()}, adam_step)
+    assert copy.state_hash() == source.state_hash()
+    g = torch.Generator().manual_seed(3)
+    grads = [torch.randn(p.shape, generator=g) for p in source.module.parameters()]
+    for replica in (source, copy):
+        for _ in range(3):
+            for p, grad in zip(replica.module.parameters(), grads, strict=True):
+                p.grad = grad.clone()
+            replica.optimizer_step(1e-3)
+        replica.apply_noloco({0: replica.theta()})
+    assert copy.state_hash() == source.state_hash()
+    assert torch.equal(copy.delta, source.delta)
+    with pytest.raises(ValueError, match="state parts"):
+        copy.load_state_parts({"phi": parts["phi"]}, 1)
