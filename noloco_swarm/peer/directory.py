@@ -3,7 +3,9 @@
 Keys (all under the run id, so runs never see each other's records):
   noloco/<run>/manifest           the RunManifest (stored by the peer that starts the run)
   noloco/<run>/peers  [peer id]   a PeerAnnouncement per peer, re-stored every heartbeat
-Records expire, so a peer that stops heartbeating drops out of the next round's membership.
+  noloco/<run>/gone   [peer id]   a GoneReport: a member that failed another member in some round
+Records expire, so a peer that stops heartbeating drops out of the next round's membership; a
+gone report takes a crashed peer out sooner, at the next round boundary.
 Everything read back is decoded with the message codec; a malformed record is skipped (and
 counted), never trusted. The frozen per-round view itself is built by protocol.membership.
 """
@@ -16,10 +18,11 @@ from hivemind import DHT
 from hivemind.utils import get_dht_time
 
 from noloco_swarm.protocol import messages
-from noloco_swarm.protocol.membership import MembershipView
+from noloco_swarm.protocol.membership import Listing, MembershipView
 
 MANIFEST_TTL = 7 * 24 * 3600.0  # the manifest outlives any one peer; re-stored by every heartbeat
 DEFAULT_HEARTBEAT_TTL = 30.0
+GONE_TTL = 3600.0  # long enough to outlast any announcement the gone peer left behind
 
 
 class ManifestMismatchError(RuntimeError):
@@ -32,6 +35,10 @@ def manifest_key(run_id: str) -> str:
 
 def peers_key(run_id: str) -> str:
     return f"noloco/{run_id}/peers"
+
+
+def gone_key(run_id: str) -> str:
+    return f"noloco/{run_id}/gone"
 
 
 @dataclass
@@ -137,3 +144,41 @@ class RunDirectory:
             if a.joined_round <= round_ and a.stage < num_stages
         ]
         return MembershipView.from_announcements(round_, num_stages, pairs)
+
+    def listings(self) -> list[Listing]:
+        """The live announcements as the round-boundary view transition reads them."""
+        return [Listing(a.peer_id, a.stage, a.joined_round) for a in self.read_peers().announcements]
+
+    # ---------------------------------------------------------------- failures
+
+    def report_gone(self, report: messages.GoneReport) -> bool:
+        """Tell the swarm a member failed us, so that everyone drops it at the next boundary."""
+        if report.run_id != self.run_id:
+            raise ValueError("report names another run")
+        return bool(
+            self.dht.store(
+                gone_key(self.run_id),
+                messages.encode(report),
+                get_dht_time() + GONE_TTL,
+                subkey=report.peer_id,
+            )
+        )
+
+    def read_gone(self, members: set[str] | None = None) -> dict[str, int]:
+        """peer id -> the round it was reported gone in; reports by non-members are ignored when
+        `members` is given (a stranger cannot evict anyone)."""
+        found = self.dht.get(gone_key(self.run_id), latest=True)
+        if found is None or not isinstance(found.value, dict):
+            return {}
+        gone: dict[str, int] = {}
+        for subkey, item in found.value.items():
+            try:
+                report = messages.decode(item.value, messages.GoneReport)
+            except messages.MessageError:
+                continue
+            if report.run_id != self.run_id or report.peer_id != subkey:
+                continue
+            if members is not None and report.reporter not in members:
+                continue
+            gone[report.peer_id] = max(gone.get(report.peer_id, -1), report.round)
+        return gone

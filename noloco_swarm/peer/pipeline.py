@@ -74,6 +74,14 @@ class StepCollector:
         if {(i, a.sender) for a in self.arrivals.values() for i in a.positions} == self.expected:
             self.complete.set()
 
+    def drop_sender(self, sender: int) -> None:
+        """Stop expecting rows from a sender that is gone; the step runs with the rest."""
+        if sender in self.arrivals:
+            return
+        self.expected = {(i, s) for i, s in self.expected if s != sender}
+        if {(i, a.sender) for a in self.arrivals.values() for i in a.positions} == self.expected:
+            self.complete.set()
+
     def missing_senders(self) -> list[int]:
         """Senders we expect rows from and have not heard from."""
         return sorted({s for _, s in self.expected} - set(self.arrivals))

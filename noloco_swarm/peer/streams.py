@@ -240,6 +240,8 @@ def declared_tensors(header: Message) -> tuple[TensorMeta, ...] | None:
         return (header.grad,)
     if isinstance(header, messages.ExchangeHeader):
         return (header.meta,) * len(header.parts)
+    if isinstance(header, messages.StateReply):
+        return (header.meta,)
     return None
 
 

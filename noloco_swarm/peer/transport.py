@@ -25,7 +25,8 @@ from typing import Any, overload
 import torch
 from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
-from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
+from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure, P2PDaemonError
+from hivemind.utils.multiaddr import Multiaddr
 
 from noloco_swarm.peer import streams
 from noloco_swarm.peer.streams import (
@@ -174,6 +175,24 @@ class Transport:
                 await self._p2p.remove_binary_stream_handler(PROTOCOL)
 
     # -- calling ----------------------------------------------------------------------------
+
+    async def connect(self, peer_id: str, addresses: Sequence[str], *, timeout: float) -> bool:
+        """Dial `peer_id` at the addresses it announced, so that calls to it need no lookup.
+
+        A fresh daemon knows only the peers it has talked to; without this, the first call to a
+        peer found through the run's directory can fail with "Connect failed". False if it fails.
+        """
+        maddrs = []
+        for address in addresses:
+            with contextlib.suppress(ValueError, TypeError):  # an announcement's address is untrusted
+                maddrs.append(Multiaddr(address))
+        try:
+            async with asyncio.timeout(timeout):
+                await self._p2p._client.connect(PeerID.from_base58(peer_id), maddrs)
+        except (ControlFailure, P2PDaemonError, OSError, TimeoutError, ValueError) as e:
+            logger.debug("could not connect to %s: %s", peer_id, e)
+            return False
+        return True
 
     async def call(
         self,

@@ -12,7 +12,7 @@ import pytest
 from hivemind import DHT
 from hivemind.utils import get_dht_time
 
-from noloco_swarm.peer.directory import ManifestMismatchError, RunDirectory, peers_key
+from noloco_swarm.peer.directory import ManifestMismatchError, RunDirectory, gone_key, peers_key
 from noloco_swarm.peer.node import NetworkConfig, reachability, start_dht
 from noloco_swarm.protocol import messages
 from noloco_swarm.sim.config import RunConfig
@@ -83,6 +83,17 @@ def test_announcements_build_the_same_view_everywhere(two_peers: tuple[DHT, DHT]
     assert view_a.stages == ((str(b.peer_id),), (str(a.peer_id),))  # late-peer joins at round 3
     assert "late-peer" in da.membership(3, 2).stages[0]
     assert da.read_peers().malformed == 2
+
+
+def test_gone_reports_are_shared_and_only_members_count(two_peers: tuple[DHT, DHT]) -> None:
+    a, b = two_peers
+    da, db = RunDirectory(a, "run-g"), RunDirectory(b, "run-g")
+    assert da.report_gone(messages.GoneReport("run-g", "crashed", str(a.peer_id), 4))
+    assert da.report_gone(messages.GoneReport("run-g", "framed", "stranger", 4))
+    a.store(gone_key("run-g"), b"\x01junk", get_dht_time() + 30, subkey="junk")
+    assert db.read_gone() == {"crashed": 4, "framed": 4}
+    assert db.read_gone(members={str(a.peer_id), "crashed"}) == {"crashed": 4}
+    assert [(x.peer, x.stage, x.joined_round) for x in db.listings()] == []
 
 
 def test_announcements_expire(two_peers: tuple[DHT, DHT]) -> None:
