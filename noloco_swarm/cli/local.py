@@ -180,7 +180,8 @@ def swarm_status(swarm: LocalSwarm, start: float, *, keep: bool = False) -> RunS
     for (s, d), ev in sorted(events.items()):
         outers = [e for e in ev if e["event"] == "outer"]
         final = next((e for e in ev if e["event"] == "final"), None)
-        rank = next((e["rank"] for e in ev if e["event"] == "membership"), d)
+        ranks = [e["rank"] for e in ev if e["event"] == "membership"]  # the view changes per round
+        rank = ranks[-1] if ranks else d
         partner = "-"
         if outers:
             others = [str(m) for m in outers[-1]["group"] if m != rank]

@@ -59,6 +59,30 @@ class LocalSwarm:
     workdir: Path
     bootstrap: str = ""
     peers: list[PeerProcess] = field(default_factory=list)
+    step_timeout: float = 120.0
+    threads: int = 1
+
+    @property
+    def config_path(self) -> Path:
+        return self.workdir / "run-config.json"
+
+    def start_peer(self, stage: int) -> PeerProcess:
+        """Start one `noloco join` peer of `stage`; once round 0 is full it joins the running
+        swarm two rounds ahead, so this also adds a peer to a swarm that is training."""
+        d = sum(1 for p in self.peers if p.stage == stage)
+        metrics, log = self.workdir / f"peer-{stage}-{d}.jsonl", self.workdir / f"peer-{stage}-{d}.log"
+        argv = [
+            sys.executable, "-m", "noloco_swarm.cli.main", "join",
+            "--initial-peers", self.bootstrap, "--host-maddrs", *LOOPBACK,
+            "--run-id", self.run_id, "--stage", str(stage),
+            "--steps", str(self.steps), "--run-config", str(self.config_path), "--metrics", str(metrics),
+            "--threads", str(self.threads), "--step-timeout", str(self.step_timeout), "--die-with-parent",
+        ]  # fmt: skip
+        with log.open("wb") as out:
+            proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        peer = PeerProcess(stage, d, proc, metrics, log)
+        self.peers.append(peer)
+        return peer
 
     def failed(self) -> list[PeerProcess]:
         return [p for p in self.peers if p.proc.poll() not in (None, 0)]
@@ -90,28 +114,15 @@ def local_swarm(
         tmp = tempfile.TemporaryDirectory(prefix="noloco-local-")
         workdir = Path(tmp.name)
     run_id = f"local-{os.getpid()}-{int(time.time())}"
-    swarm = LocalSwarm(cfg, steps, run_id, workdir)
+    swarm = LocalSwarm(cfg, steps, run_id, workdir, step_timeout=step_timeout, threads=threads)
     dht = start_dht(NetworkConfig(initial_peers=initial_peers, host_maddrs=LOOPBACK))
     try:
         swarm.bootstrap = initial_peers[0] if initial_peers else str(dht.get_visible_maddrs()[0])
         RunDirectory(dht, run_id).publish_manifest(RunManifest.create(run_id, cfg.flat()))
-        config_path = workdir / "run-config.json"
-        config_path.write_text(json.dumps(cfg.flat()))
+        swarm.config_path.write_text(json.dumps(cfg.flat()))
         for s in range(cfg.num_stages):
-            for d in range(cfg.num_replicas):
-                metrics, log = workdir / f"peer-{s}-{d}.jsonl", workdir / f"peer-{s}-{d}.log"
-                argv = [
-                    sys.executable, "-m", "noloco_swarm.cli.main", "join",
-                    "--initial-peers", swarm.bootstrap, "--host-maddrs", *LOOPBACK,
-                    "--run-id", run_id, "--stage", str(s), "--steps", str(steps),
-                    "--run-config", str(config_path), "--metrics", str(metrics),
-                    "--threads", str(threads), "--step-timeout", str(step_timeout), "--die-with-parent",
-                ]  # fmt: skip
-                with log.open("wb") as out:
-                    proc = subprocess.Popen(
-                        argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-                    )
-                swarm.peers.append(PeerProcess(s, d, proc, metrics, log))
+            for _ in range(cfg.num_replicas):
+                swarm.start_peer(s)
         yield swarm
     finally:
         for peer in swarm.peers:

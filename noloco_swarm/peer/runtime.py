@@ -12,14 +12,19 @@ PyTorch (StageReplica, shared with the simulator); routing and averaging plug in
   every H      each replica exchanges theta with its group (lower rank calls higher rank) and
                applies the NoLoCo (or DiLoCo) outer step with the same code as the simulator.
 
-Membership is frozen for the run once every stage has `num_replicas` announced peers (joining and
-leaving mid-run is not handled yet). Every network wait has a deadline; a partner that does not
-deliver its theta leaves this replica to step with the rest of its group (alone, for a pair).
+Membership is frozen per round. Round 0 starts once every stage has `num_replicas` announced
+peers; at every later boundary each peer builds the next view from the DHT with the same pure rule
+(protocol.membership.next_view): members reported gone leave, peers that announced this round
+join. A joiner announces a round two ahead of the swarm and downloads its stage's state at that
+boundary from a live replica (rpc_fetch_state). Every network wait has a deadline, and a peer we
+wait on is probed (rpc_status), so that a crash costs seconds and slowness is never taken for
+death; a partner that does not deliver leaves this replica to step with the rest of its group.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import math
@@ -32,6 +37,7 @@ import torch
 from hivemind import DHT
 
 from noloco_swarm.data.stream import embedded_stream, validation_windows
+from noloco_swarm.model import num_flat
 from noloco_swarm.peer.directory import RunDirectory
 from noloco_swarm.peer.node import NetworkConfig, reachability
 from noloco_swarm.peer.pipeline import Arrival, StepCollector, expected_rows, outgoing
@@ -39,14 +45,16 @@ from noloco_swarm.peer.streams import PeerUnavailable, RemoteRefused
 from noloco_swarm.peer.transport import Transport
 from noloco_swarm.protocol import gossip, messages, routing
 from noloco_swarm.protocol.clock import StepClock
-from noloco_swarm.protocol.membership import MembershipView
+from noloco_swarm.protocol.membership import Listing, MembershipView, next_view
 from noloco_swarm.protocol.messages import (
+    STATE_PARTS,
     BackwardHeader,
     EvalHeader,
     EvalReply,
     ExchangeHeader,
     ForwardHeader,
     MessageError,
+    StateReply,
     TensorMeta,
 )
 from noloco_swarm.sim.config import RunConfig
@@ -54,6 +62,12 @@ from noloco_swarm.sim.replica import StageReplica
 
 logger = logging.getLogger(__name__)
 EVAL_BATCH = 16
+# What a hivemind DHT call raises when peers are unreachable or slow (it is best effort for us).
+DHT_ERRORS = (OSError, RuntimeError, TimeoutError, EOFError)
+# A peer we wait on longer than this is probed (rpc_status): a slow peer answers, a dead one does
+# not, so a crash costs seconds rather than a whole deadline, and slowness is never taken for death.
+PROBE_PERIOD = 2.0
+PROBE_TIMEOUT = 5.0
 
 
 @dataclass(frozen=True)
@@ -67,6 +81,7 @@ class PeerOptions:
     step_timeout: float = 120.0  # deadline for one pipeline round trip or one collected batch
     exchange_timeout: float = 120.0  # deadline for an outer exchange with one partner
     start_timeout: float = 120.0  # deadline for the manifest and a complete membership to appear
+    join_timeout: float = 280.0  # deadline for joining a running swarm (waiting for our round, fetching)
     heartbeat_ttl: float = 30.0
 
 
@@ -86,52 +101,125 @@ class MetricsLog:
             self.file.close()
 
 
+class PeerExcluded(RuntimeError):
+    """The swarm's next view leaves this (live) peer out, e.g. after a gone report: join again."""
+
+
+@dataclass
+class Snapshot:
+    """A replica's state at the start of a round, kept for the peers that join at that round."""
+
+    view: MembershipView
+    step: int
+    adam_step: int
+    state_hash: str
+    parts: dict[str, torch.Tensor]
+
+
 class Peer:
     """One replica of one stage in a running swarm."""
 
     def __init__(
-        self, cfg: RunConfig, opts: PeerOptions, transport: Transport, directory: RunDirectory, stage: int
+        self,
+        cfg: RunConfig,
+        opts: PeerOptions,
+        transport: Transport,
+        directory: RunDirectory,
+        stage: int,
+        addresses: tuple[str, ...] = (),
     ) -> None:
         self.cfg, self.opts, self.transport, self.directory = cfg, opts, transport, directory
-        self.stage = stage
+        self.stage, self.addresses = stage, addresses
+        self.me = transport.peer_id
         self.P, self.B = cfg.num_stages, cfg.inner.batch_size
         self.is_first, self.is_last = stage == 0, stage == cfg.num_stages - 1
         self.clock = StepClock(cfg.outer.inner_steps, self.B, cfg.inner.total_steps)
         self.replica = StageReplica(cfg, stage)
         self.metrics = MetricsLog(opts.metrics_path)
-        self.view: MembershipView | None = None
-        self.frozen = asyncio.Event()  # set once the view is frozen; early requests wait for it
-        self.counts: list[int] = []
-        self.rank = -1
+        self.views: dict[int, MembershipView] = {}  # round -> frozen view (the last few rounds)
+        self._view_ready: dict[int, asyncio.Event] = {}
+        self.joined_round = 0
+        self.announced = False
         self.step = 0  # inner steps completed
         self.collectors: dict[int, StepCollector] = {}
+        self._consumed = -1  # the last step whose rows were taken out of its collector
+        self.snapshots: dict[int, Snapshot] = {}  # round -> state served to that round's joiners
         self.eval_queue: asyncio.Queue[None] = asyncio.Queue()
+        self.trained = asyncio.Event()
         self.tokens = 0
         self.outer_steps = 0
+        self.last_loss: float | None = None
         self.dropped_partners = 0
         self._seen_bytes: dict[str, tuple[int, int]] = {}
-        self.dead: set[tuple[int, int]] = set()  # (stage, rank) of replicas that failed us
+        self.dead: set[str] = set()  # peer ids that failed us; reported in the DHT
         self.dropped_samples = 0
+        self._streams: dict[tuple[int, int], Any] = {}
+        self._background: set[asyncio.Task[Any]] = set()
+        self._addresses: dict[str, tuple[str, ...]] = {}  # peer id -> announced addresses
+        self._dialled: set[str] = set()
         transport.register("rpc_forward", self.rpc_forward)
         transport.register("rpc_eval", self.rpc_eval)
+        transport.register("rpc_fetch_state", self.rpc_fetch_state)
+        transport.register("rpc_status", self.rpc_status)
 
     # ------------------------------------------------------------------ membership
 
-    async def freeze_membership(self) -> None:
-        """Wait until every stage has num_replicas peers announced, then freeze the view."""
+    def announcement(self) -> messages.PeerAnnouncement:
+        """Our heartbeat record, with the round we (re)joined at and our progress."""
+        return messages.PeerAnnouncement(
+            self.opts.run_id, self.me, self.stage, self.joined_round, self.addresses, "cpu", self.step
+        )
+
+    def _view_event(self, round_: int) -> asyncio.Event:
+        return self._view_ready.setdefault(round_, asyncio.Event())
+
+    def _set_view(self, view: MembershipView) -> None:
+        self.views[view.round] = view
+        for old in [r for r in self.views if r < view.round - 2]:
+            del self.views[old]
+            self._view_ready.pop(old, None)
+        rank = view.rank_of(self.me)[1]
+        self.metrics.write(
+            "membership", round=view.round, stages=[list(s) for s in view.stages], rank=rank, peer_id=self.me
+        )
+        self._view_event(view.round).set()
+
+    async def _view(self, round_: int, timeout: float) -> MembershipView:
+        """The view of `round_`, waiting (up to `timeout`) if we have not reached that round yet."""
+        if round_ not in self.views:
+            try:
+                await asyncio.wait_for(self._view_event(round_).wait(), timeout)
+            except TimeoutError as e:
+                raise MessageError(
+                    f"this peer has no view of round {round_} yet (it is at step {self.step})"
+                ) from e
+        if round_ not in self.views:
+            raise MessageError(f"round {round_} is over for this peer (it is at step {self.step})")
+        return self.views[round_]
+
+    def view_at(self, t: int) -> MembershipView:
+        return self.views[self.clock.round_of(t)]
+
+    def rank_at(self, t: int) -> int:
+        return self.view_at(t).rank_of(self.me)[1]
+
+    async def freeze_round_zero(self) -> None:
+        """Wait until every stage has num_replicas peers announced for round 0, then freeze the view."""
         deadline = time.monotonic() + self.opts.start_timeout
         want = self.cfg.num_replicas
         while True:
-            view = await asyncio.to_thread(self.directory.membership, 0, self.P)
+            announcements = await asyncio.to_thread(self._read_peers)
+            view = MembershipView.from_announcements(
+                0,
+                self.P,
+                [(a.peer_id, a.stage) for a in announcements if a.joined_round == 0 and a.stage < self.P],
+            )
             counts = view.replica_counts()
             if all(c >= want for c in counts):
                 if any(c > want for c in counts):
                     raise RuntimeError(f"more peers than num_replicas={want} announced for round 0: {counts}")
-                self.view = view
-                self.rank = view.rank_of(self.transport.peer_id)[1]
-                self.counts = counts
-                self.metrics.write("membership", stages=[list(s) for s in view.stages], rank=self.rank)
-                self.frozen.set()
+                self._set_view(view)
+                await self._connect(view)
                 return
             if time.monotonic() > deadline:
                 raise TimeoutError(
@@ -139,19 +227,296 @@ class Peer:
                 )
             await asyncio.sleep(0.5)
 
-    def peer(self, stage: int, rank: int) -> str:
-        assert self.view is not None
-        return self.view.peer_at(stage, rank)
+    def _run_in_progress(self, announcements: list[messages.PeerAnnouncement]) -> bool:
+        """True when round 0 is already complete (or past): a newcomer must join a later round."""
+        others = [a for a in announcements if a.peer_id != self.me]
+        if any(a.step > 0 or a.joined_round > 0 for a in others):
+            return True
+        counts = [sum(1 for a in others if a.stage == s and a.joined_round == 0) for s in range(self.P)]
+        return all(c >= self.cfg.num_replicas for c in counts)
+
+    async def advance_view(self) -> None:
+        """At a round boundary: build the next round's view from the DHT (same rule on every peer)."""
+        current = self.view_at(self.step - 1)
+        listings: list[Listing] = []
+        gone: dict[str, int] = {}
+        for attempt in range(2):
+            try:
+                listings, gone = await asyncio.to_thread(self._read_directory, current)
+                break
+            except DHT_ERRORS as e:  # the DHT is best effort: keep this round's members if it fails
+                logger.warning(
+                    "could not read the run's directory (%s)%s", e, "; retrying" if not attempt else ""
+                )
+        # A member missing from the read is only suspect: check it before telling everyone it is gone.
+        listed = {item.peer for item in listings}
+        suspects = sorted(current.members() - listed - self.dead - {self.me})
+        await asyncio.gather(*(self._suspect(p, "its announcement expired") for p in suspects))
+        listings.insert(0, Listing(self.me, self.stage, self.joined_round))
+        for peer in self.dead:
+            gone[peer] = max(gone.get(peer, -1), current.round)
+        view = next_view(current, listings, gone)
+        if self.me not in view.members():
+            raise PeerExcluded(f"the view of round {view.round} leaves this peer out (reported gone?)")
+        if not view.is_complete():
+            empty = [s for s, peers in enumerate(view.stages) if not peers]
+            raise RuntimeError(
+                f"stage(s) {empty} have no live replica in round {view.round}; the run cannot go on"
+            )
+        joiners = [p for p in view.stages[self.stage] if p not in current.members()]
+        if joiners:  # they fetch this state, taken right after the outer step that closed the round
+            self.snapshots[view.round] = await asyncio.to_thread(self._snapshot, view)
+            self.metrics.write("joiners", round=view.round, peers=joiners)
+        for old in [r for r in self.snapshots if r < view.round]:
+            del self.snapshots[old]
+        self._set_view(view)
+        await self._connect(view)
+
+    async def _alive(self, peer: str) -> bool:
+        """Does `peer` answer a status request? (Refusing one counts: it is running.) If not, dial
+        it once at its announced addresses and ask again."""
+        for attempt in range(2):
+            try:
+                await self.transport.call(
+                    peer, "rpc_status", messages.StatusRequest(self.opts.run_id), timeout=PROBE_TIMEOUT
+                )
+            except PeerUnavailable:
+                if attempt or not await self.transport.connect(
+                    peer, self._addresses.get(peer, ()), timeout=PROBE_TIMEOUT
+                ):
+                    return False
+                continue
+            except (RemoteRefused, MessageError):
+                pass
+            return True
+        return False
+
+    async def _suspect(self, peer: str, why: str) -> bool:
+        """`peer` failed us in a way a slow peer could too: it is gone only if it does not answer."""
+        if peer in self.dead:
+            return True
+        if await self._alive(peer):
+            self.metrics.write("slow_peer", peer=peer, reason=why)
+            return False
+        self._mark_dead(peer, why)
+        return True
+
+    def _read_peers(self) -> list[messages.PeerAnnouncement]:
+        """Live announcements; remembers where each peer said it can be reached."""
+        announcements = self.directory.read_peers().announcements
+        for a in announcements:
+            self._addresses[a.peer_id] = a.addresses
+        return announcements
+
+    def _read_directory(self, current: MembershipView) -> tuple[list[Listing], dict[str, int]]:
+        listings = [Listing(a.peer_id, a.stage, a.joined_round) for a in self._read_peers()]
+        return listings, self.directory.read_gone(members=current.members())
+
+    async def _connect(self, view: MembershipView) -> None:
+        """Dial the peers this one talks to (previous, own and next stage) that it has not dialled."""
+        near = [p for s in range(max(self.stage - 1, 0), min(self.stage + 2, self.P)) for p in view.stages[s]]
+        todo = [p for p in near if p != self.me and p not in self._dialled and p in self._addresses]
+        ok = await asyncio.gather(
+            *(self.transport.connect(p, self._addresses[p], timeout=PROBE_TIMEOUT) for p in todo)
+        )
+        self._dialled.update(p for p, good in zip(todo, ok, strict=True) if good)
+
+    def _mark_dead(self, peer: str, why: str) -> None:
+        """Stop waiting for, and sending to, a peer that failed us; tell the swarm through the DHT."""
+        if peer in self.dead:
+            return
+        self.dead.add(peer)
+        round_ = self.clock.round_of(self.step)
+        logger.warning("peer %s is gone (%s); continuing without it", peer, why)
+        self.metrics.write("peer_gone", peer=peer, round=round_, reason=why)
+        report = messages.GoneReport(self.opts.run_id, peer, self.me, round_)
+        task = asyncio.get_running_loop().create_task(asyncio.to_thread(self._report, report))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _report(self, report: messages.GoneReport) -> None:
+        try:
+            if not self.directory.report_gone(report):
+                logger.warning("the DHT did not store our report that %s is gone", report.peer_id)
+        except DHT_ERRORS as e:  # best effort: the next view drops the peer when its record expires
+            logger.warning("could not report %s gone: %s", report.peer_id, e)
+
+    # ------------------------------------------------------------------ joining a running swarm
+
+    async def join_late(self) -> None:
+        """Announce a round two ahead of the swarm, fetch our stage's state at it, and enter there."""
+        deadline = time.monotonic() + self.opts.join_timeout
+        while True:
+            target = await self._pick_join_round()
+            self.joined_round = target
+            self.collectors.clear()
+            await asyncio.to_thread(self.directory.announce, self.announcement())
+            self.announced = True
+            self.metrics.write("joining", round=target, step=target * self.clock.inner_steps)
+            logger.warning(
+                "joining the running swarm at round %d (step %d)", target, target * self.clock.inner_steps
+            )
+            servers = [
+                a.peer_id
+                for a in await asyncio.to_thread(self._read_peers)
+                if a.stage == self.stage and a.joined_round < target and a.peer_id != self.me
+            ]
+            # Spread joiners over the servers; each joiner tries them all in its own order.
+            if not servers:
+                raise RuntimeError(
+                    f"no live replica of stage {self.stage} holds its state; this peer cannot join the run"
+                )
+            servers.sort(key=lambda p: hashlib.sha256(f"{self.me}/{p}".encode()).digest())
+            for server in servers:
+                try:
+                    await self._fetch_state(server, target)
+                    return
+                except (PeerUnavailable, RemoteRefused, MessageError) as e:
+                    logger.warning("state fetch from %s for round %d failed: %s", server, target, e)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"could not join the run within {self.opts.join_timeout:.0f} s")
+            await asyncio.sleep(1.0)
+
+    async def _pick_join_round(self) -> int:
+        """Two rounds after the furthest step any live peer reports, so every member sees us first."""
+        announcements = await asyncio.to_thread(self._read_peers)
+        others = [a for a in announcements if a.peer_id != self.me]
+        steps = [a.step for a in others]
+        await asyncio.gather(
+            *(self.transport.connect(a.peer_id, a.addresses, timeout=PROBE_TIMEOUT) for a in others)
+        )
+
+        async def ask(peer: str) -> int:
+            reply, _ = await self.transport.call(
+                peer, "rpc_status", messages.StatusRequest(self.opts.run_id), timeout=10.0
+            )
+            return reply.step if isinstance(reply, messages.PeerStatus) else 0
+
+        answers = await asyncio.gather(*(ask(a.peer_id) for a in others), return_exceptions=True)
+        steps += [a for a in answers if isinstance(a, int)]
+        target = self.clock.round_of(max(steps, default=0)) + 2
+        if target * self.clock.inner_steps >= self.opts.steps:
+            raise RuntimeError(
+                f"the run ends at step {self.opts.steps}, before round {target} (step "
+                f"{target * self.clock.inner_steps}) where this peer could join"
+            )
+        return target
+
+    async def _fetch_state(self, server: str, round_: int) -> None:
+        """Download our stage's state at the start of `round_` from `server`, check it, load it."""
+        parts: dict[str, torch.Tensor] = {}
+        first: StateReply | None = None
+        n = num_flat(self.replica.module)
+        for part in STATE_PARTS:
+            request = messages.StateRequest(self.opts.run_id, self.stage, round_, part)
+            reply, tensors = await self.transport.call(
+                server, "rpc_fetch_state", request, timeout=self.opts.join_timeout
+            )
+            if not isinstance(reply, StateReply) or reply.part != part or len(tensors) != 1:
+                raise MessageError(f"{server} answered the state request for {part} with something else")
+            if reply.stage != self.stage or reply.round != round_ or reply.meta.shape != (n,):
+                raise MessageError(
+                    f"{server} sent state for stage {reply.stage} round {reply.round}, {reply.meta}"
+                )
+            if first is not None and (reply.view, reply.state_hash, reply.adam_step) != (
+                first.view,
+                first.state_hash,
+                first.adam_step,
+            ):
+                raise MessageError(f"{server} changed its snapshot between parts")
+            first = first or reply
+            parts[part] = tensors[0]
+        assert first is not None
+        view = MembershipView(round=round_, stages=first.view)
+        if len(view.stages) != self.P or self.me not in view.stages[self.stage]:
+            raise MessageError(f"{server}'s view of round {round_} does not admit this peer")
+        await asyncio.to_thread(self.replica.load_state_parts, parts, first.adam_step)
+        if self.replica.state_hash() != first.state_hash:
+            raise MessageError(f"state from {server} does not hash to what it announced")
+        self.step = first.step
+        self._seen_bytes = {}
+        self._exchange_bytes(list(self.transport.byte_counts()))  # the fetch is not an outer exchange
+        self.metrics.write(
+            "joined",
+            round=round_,
+            step=self.step,
+            server=server,
+            state_hash=first.state_hash,
+            peer_id=self.me,
+        )
+        self._set_view(view)
+        await self._connect(view)
+
+    def _snapshot(self, view: MembershipView) -> Snapshot:
+        parts, adam_step = self.replica.state_parts()
+        return Snapshot(view, self.step, adam_step, self.replica.state_hash(), parts)
+
+    async def rpc_fetch_state(
+        self, peer_id: str, header: messages.Message, tensors: list[torch.Tensor]
+    ) -> tuple[messages.Message, list[torch.Tensor]]:
+        """A peer joining our stage at a round boundary downloads our state at that boundary."""
+        if not isinstance(header, messages.StateRequest):
+            raise MessageError("expected a state request")
+        if header.run_id != self.opts.run_id or header.stage != self.stage:
+            raise MessageError(f"this is stage {self.stage} of {self.opts.run_id!r}")
+        if header.round > self.clock.round_of(self.step) + 3:
+            raise MessageError(f"round {header.round} is too far ahead (this peer is at step {self.step})")
+        wait = min(self.opts.join_timeout, self.transport.config.serve_timeout - 5.0)
+        view = await self._view(header.round, timeout=wait)
+        snapshot = self.snapshots.get(header.round)
+        if snapshot is None or peer_id not in snapshot.view.stages[self.stage]:
+            raise MessageError(f"peer {peer_id} is not admitted at round {header.round} by this peer's view")
+        assert snapshot.view == view
+        tensor = snapshot.parts[header.part]
+        reply = StateReply(
+            run_id=self.opts.run_id,
+            stage=self.stage,
+            round=header.round,
+            step=snapshot.step,
+            view=view.stages,
+            adam_step=snapshot.adam_step,
+            state_hash=snapshot.state_hash,
+            part=header.part,
+            meta=TensorMeta.of(tensor),
+        )
+        self.metrics.write("served_state", round=header.round, peer=peer_id, part=header.part)
+        # Keep the state we serve out of the next outer step's byte count with this peer.
+        seen = self._seen_bytes.get(peer_id, (0, 0))
+        self._seen_bytes[peer_id] = (seen[0] + tensor.numel() * 4, seen[1])
+        return reply, [tensor]
+
+    async def rpc_status(
+        self, peer_id: str, header: messages.Message, tensors: list[torch.Tensor]
+    ) -> tuple[messages.Message, list[torch.Tensor]]:
+        """Where this peer is: for joiners choosing their round, and for `noloco status`."""
+        if not isinstance(header, messages.StatusRequest) or header.run_id != self.opts.run_id:
+            raise MessageError(f"expected a status request for run {self.opts.run_id!r}")
+        view = self.views.get(self.clock.round_of(max(self.step - 1, 0))) if self.views else None
+        rank = view.rank_of(self.me)[1] if view is not None and self.me in view.members() else 0
+        status = messages.PeerStatus(
+            self.opts.run_id,
+            self.me,
+            self.stage,
+            self.step,
+            self.clock.round_of(self.step),
+            rank,
+            self.outer_steps,
+            self.tokens,
+            self.last_loss if self.last_loss is not None and math.isfinite(self.last_loss) else None,
+        )
+        return status, []
 
     # ------------------------------------------------------------------ inner steps
 
     async def train(self) -> None:
-        for t in range(self.opts.steps):
+        while self.step < self.opts.steps:
+            t = self.step
             start = time.perf_counter()
             lr = self.replica.lr_at(t)
             loss = await (self._first_stage_step(t) if self.is_first else self._receiving_step(t))
             await asyncio.to_thread(self.replica.optimizer_step, lr)
             self.step = t + 1
+            self.last_loss = loss
             if self.is_first:
                 self.tokens += self.B * self.cfg.model.seq_len
             self.metrics.write(
@@ -164,11 +529,22 @@ class Peer:
                 # every replica serves B samples of T tokens per step, whatever its stage
                 tokens_per_second=self.B * self.cfg.model.seq_len / seconds,
             )
-            if self.cfg.outer.method in ("noloco", "diloco") and self.clock.outer_step_due(self.step):
-                await self.outer_step()
+            if self.clock.outer_step_due(self.step):
+                if self.cfg.outer.method in ("noloco", "diloco"):
+                    await self.outer_step()
+                if self.step < self.opts.steps:
+                    await self.advance_view()
+
+    def _batch(self, t: int) -> torch.Tensor:
+        """Stage 0's data: shard `rank` of this round's stage-0 replica count, indexed by step."""
+        view = self.view_at(t)
+        key = (view.rank_of(self.me)[1], view.replica_counts()[0])
+        if key not in self._streams:  # a new shard layout after a membership change
+            self._streams = {key: embedded_stream(self.cfg.data, key[0], key[1], self.B, self.cfg.seed)}
+        return self._streams[key].batch(t)
 
     async def _first_stage_step(self, t: int) -> float:
-        window = self.stream.batch(t)
+        window = await asyncio.to_thread(self._batch, t)  # a new shard layout loads the corpus
         x, y = window[:, :-1], window[:, 1:]
         if self.P == 1:
 
@@ -187,45 +563,50 @@ class Peer:
         self, t: int, hop: int, out: torch.Tensor, tokens: torch.Tensor
     ) -> tuple[torch.Tensor, list[float]]:
         """Send each row to the replica its route names; return the gradient rows and losses."""
-        plan = outgoing(t, out.shape[0], hop, self.counts, self.rank)
+        view = self.view_at(t)
+        rank = view.rank_of(self.me)[1]
+        plan = outgoing(t, out.shape[0], hop, view.replica_counts(), rank)
 
         async def call(
-            receiver: int, positions: list[int]
+            receiver: str, positions: list[int]
         ) -> tuple[list[int], torch.Tensor, tuple[float, ...]]:
             acts, toks = out[positions].contiguous(), tokens[positions].contiguous()
             header = ForwardHeader(
                 run_id=self.opts.run_id,
-                round=self.clock.round_of(t),
+                round=view.round,
                 step=t,
                 hop=hop,
-                sender_rank=self.rank,
+                sender_rank=rank,
                 samples=tuple(routing.sample_index(t, i, self.B) for i in positions),
                 activations=TensorMeta.of(acts),
                 tokens=TensorMeta.of(toks),
+                view=view.digest(),
             )
             reply, tensors = await self.transport.call(
-                self.peer(hop + 1, receiver),
-                "rpc_forward",
-                header,
-                [acts, toks],
-                timeout=self.opts.step_timeout,
+                receiver, "rpc_forward", header, [acts, toks], timeout=self.opts.step_timeout
             )
             if not isinstance(reply, BackwardHeader) or len(tensors) != 1 or tensors[0].shape != acts.shape:
-                raise MessageError(
-                    f"stage {hop + 1} replica {receiver} answered step {t} with a malformed reply"
-                )
+                raise MessageError(f"{receiver} answered step {t} with a malformed reply")
             return positions, tensors[0], reply.losses
 
-        async def call_or_drop(receiver: int, positions: list[int]):
-            if (hop + 1, receiver) in self.dead:
+        async def call_or_drop(receiver: str, positions: list[int]):
+            if receiver in self.dead:
                 return None
             try:
                 return await call(receiver, positions)
-            except (PeerUnavailable, RemoteRefused, MessageError) as e:
-                self._mark_dead(hop + 1, receiver, f"forward of step {t} failed: {e}")
+            except RemoteRefused as e:  # alive but disagrees (e.g. another view): drop these rows only
+                logger.warning("stage %d peer %s refused step %d: %s", hop + 1, receiver, t, e)
+                self.metrics.write("refused", step=t, peer=receiver, reason=str(e))
+                return None
+            except PeerUnavailable as e:
+                await self._suspect(receiver, f"forward of step {t} failed: {e}")
+                return None
+            except MessageError as e:  # it answered with garbage: do not trust it again
+                self._mark_dead(receiver, f"malformed answer to the forward of step {t}: {e}")
                 return None
 
-        results = await asyncio.gather(*(call_or_drop(r, pos) for r, pos in sorted(plan.items())))
+        receivers = {view.peer_at(hop + 1, r): pos for r, pos in plan.items()}
+        results = await asyncio.gather(*(call_or_drop(r, pos) for r, pos in sorted(receivers.items())))
         # Rows whose gradient never came back are dropped from this step: their gradient stays 0.
         grad = torch.zeros_like(out)
         losses: list[float] = []
@@ -243,19 +624,19 @@ class Peer:
 
     def _collector(self, t: int) -> StepCollector:
         if t not in self.collectors:
-            expected = expected_rows(t, self.B, self.stage - 1, self.counts, self.rank)
-            alive = [(i, sender) for i, sender in expected if (self.stage - 1, sender) not in self.dead]
+            view = self.view_at(t)
+            expected = expected_rows(
+                t, self.B, self.stage - 1, view.replica_counts(), view.rank_of(self.me)[1]
+            )
+            alive = [(i, s) for i, s in expected if view.peer_at(self.stage - 1, s) not in self.dead]
             self.collectors[t] = StepCollector(t, alive)
         return self.collectors[t]
 
     async def _receiving_step(self, t: int) -> float:
         collector = self._collector(t)
-        try:
-            await asyncio.wait_for(collector.complete.wait(), self.opts.step_timeout)
-        except TimeoutError:
-            for sender in collector.missing_senders():
-                self._mark_dead(self.stage - 1, sender, f"sent nothing for step {t} within the deadline")
+        await self._collect(t, collector)
         del self.collectors[t]
+        self._consumed = t  # rows for this step that arrive from now on are too late
         if not collector.arrivals:  # nobody alive routes to us this step: nothing to compute
             self.metrics.write("dropped", step=t, hop=self.stage - 1, samples=len(collector.expected))
             return math.nan
@@ -280,15 +661,51 @@ class Peer:
                 arrival.result.set_result((x.grad[rows].contiguous(), [sample_losses[r] for r in rows]))
         return sum(sample_losses) / len(sample_losses) if sample_losses else math.nan
 
+    async def _collect(self, t: int, collector: StepCollector) -> None:
+        """Wait for step t's rows; probe silent senders while waiting and stop expecting dead ones."""
+        view = self.view_at(t)
+        deadline = time.monotonic() + self.opts.step_timeout
+        while not collector.complete.is_set():
+            left = deadline - time.monotonic()
+            try:
+                await asyncio.wait_for(collector.complete.wait(), min(PROBE_PERIOD, max(left, 0.0)))
+                return
+            except TimeoutError:
+                pass
+            missing = collector.missing_senders()
+            peers = [view.peer_at(self.stage - 1, s) for s in missing]
+            if left <= PROBE_PERIOD:  # the deadline: whoever is still silent failed us
+                why = f"sent nothing for step {t} within {self.opts.step_timeout:.0f} s"
+                gone = await asyncio.gather(*(self._suspect(p, why) for p in peers))
+                for sender in missing:
+                    collector.drop_sender(sender)
+                self.metrics.write("dropped", step=t, hop=self.stage - 1, senders=missing, gone=list(gone))
+                return
+            alive = await asyncio.gather(*(self._alive(p) for p in peers))
+            for sender, peer, ok in zip(missing, peers, alive, strict=True):
+                if not ok:
+                    self._mark_dead(peer, f"stopped answering while we waited for step {t}")
+                    collector.drop_sender(sender)
+
     async def rpc_forward(
         self, peer_id: str, header: messages.Message, tensors: list[torch.Tensor]
     ) -> tuple[messages.Message, list[torch.Tensor]]:
         """Rows routed to us by a replica of the previous stage; answered with their gradients."""
         if not isinstance(header, ForwardHeader):
             raise MessageError("expected a forward header")
-        await self._await_frozen()
-        self._check_sender(peer_id, header.run_id, header.hop, header.sender_rank)
-        if not self.step <= header.step < self.step + 2:
+        if header.round != self.clock.round_of(header.step):
+            raise MessageError(f"step {header.step} is not in round {header.round}")
+        if not self.step <= header.step < self.step + 2 and header.round in self.views:
+            raise MessageError(f"forward for step {header.step}, this replica is at step {self.step}")
+        # A sender may start a round a moment before we do: wait for our view of it, then compare.
+        view = await self._view(header.round, timeout=self.opts.step_timeout)
+        if header.view != view.digest():
+            self.metrics.write("view_mismatch", step=header.step, peer=peer_id)
+            raise MessageError(
+                f"views of round {header.round} differ (theirs {header.view}, ours {view.digest()})"
+            )
+        self._check_sender(peer_id, view, header.run_id, header.hop, header.sender_rank)
+        if not self.step <= header.step < self.step + 2 or header.step <= self._consumed:
             raise MessageError(f"forward for step {header.step}, this replica is at step {self.step}")
         positions = [k - header.step * self.B for k in header.samples]
         acts, toks = self._checked_rows(tensors)
@@ -300,7 +717,7 @@ class Peer:
             round=header.round,
             step=header.step,
             hop=header.hop,
-            sender_rank=self.rank,
+            sender_rank=view.rank_of(self.me)[1],
             samples=header.samples,
             grad=TensorMeta.of(grad),
             losses=tuple(losses),
@@ -323,77 +740,65 @@ class Peer:
             raise MessageError("token ids must be int64 within the vocabulary")
         return acts, toks
 
-    def _mark_dead(self, stage: int, rank: int, why: str) -> None:
-        """Stop waiting for, and sending to, a replica that failed us (until the end of the run)."""
-        if (stage, rank) not in self.dead:
-            self.dead.add((stage, rank))
-            logger.warning("stage %d replica %d is gone (%s); continuing without it", stage, rank, why)
-            self.metrics.write("peer_gone", stage=stage, rank=rank, reason=why)
-
-    async def _await_frozen(self) -> None:
-        """A sender may freeze the view a moment before we do; wait for ours rather than refuse."""
-        try:
-            await asyncio.wait_for(self.frozen.wait(), self.opts.start_timeout)
-        except TimeoutError as e:
-            raise MessageError("this peer has not seen a complete membership yet") from e
-
-    def _check_sender(self, peer_id: str, run_id: str, hop: int, rank: int) -> None:
-        """The request must come from the peer the frozen view puts at (hop, rank), for our stage."""
+    def _check_sender(self, peer_id: str, view: MembershipView, run_id: str, hop: int, rank: int) -> None:
+        """The request must come from the peer `view` puts at (hop, rank), for our stage."""
         if run_id != self.opts.run_id or hop != self.stage - 1:
             raise MessageError(
                 f"request for run {run_id!r} hop {hop}; this is stage {self.stage} of {self.opts.run_id!r}"
             )
-        if not 0 <= rank < self.counts[hop] or self.peer(hop, rank) != peer_id:
-            raise MessageError(f"peer {peer_id} is not replica {rank} of stage {hop}")
+        if not 0 <= rank < len(view.stages[hop]) or view.peer_at(hop, rank) != peer_id:
+            raise MessageError(f"peer {peer_id} is not replica {rank} of stage {hop} in round {view.round}")
 
     # ------------------------------------------------------------------ outer steps
 
     async def outer_step(self) -> None:
         """Exchange theta with this round's group and apply the outer step (same code as the simulator)."""
         t, o = self.step, self.cfg.outer
-        D = self.counts[self.stage]
-        group = gossip.group_of(D, t, o.group_size, self.rank) if o.method == "noloco" else list(range(D))
+        view = self.view_at(t - 1)  # the round that just closed
+        rank, D = view.rank_of(self.me)[1], len(view.stages[self.stage])
+        group = gossip.group_of(D, t, o.group_size, rank) if o.method == "noloco" else list(range(D))
         theta = await asyncio.to_thread(self.replica.theta)
         parts = [theta, self.replica.phi] if o.sends_phi else [theta]
-        key = (self.clock.round_of(t - 1), t)
+        key = (view.round, t)
         self.transport.provide_exchange(key, parts)
         header = ExchangeHeader(
             run_id=self.opts.run_id,
             round=key[0],
             step=t,
             stage=self.stage,
-            sender_rank=self.rank,
+            sender_rank=rank,
             parts=("theta", "phi") if o.sends_phi else ("theta",),
             meta=TensorMeta.of(theta),
             chunk_bytes=self.transport.config.part_bytes,
         )
-        members = [self.peer(self.stage, m) for m in group if m != self.rank]
+        members = {m: view.peer_at(self.stage, m) for m in group if m != rank}
         start = time.perf_counter()
 
         async def with_member(m: int) -> tuple[int, tuple[torch.Tensor, ...] | BaseException]:
-            peer = self.peer(self.stage, m)
-            if (self.stage, m) in self.dead:
-                return m, PeerUnavailable(f"replica {m} is gone")
+            peer = members[m]
+            if peer in self.dead:
+                return m, PeerUnavailable(f"{peer} is gone")
             try:
-                if m > self.rank:
+                if m > rank:
                     got = await self.transport.exchange(
                         peer, header, parts, timeout=self.opts.exchange_timeout
                     )
                 else:
-                    got = await self.transport.received_exchange(
-                        key, peer, timeout=self.opts.exchange_timeout
-                    )
+                    got = await self._received_exchange(key, peer)
             except (PeerUnavailable, RemoteRefused, MessageError) as e:
                 return m, e
             return m, (got,) if isinstance(got, torch.Tensor) else tuple(got)
 
-        results = await asyncio.gather(*(with_member(m) for m in group if m != self.rank))
-        thetas, phis = {self.rank: theta}, {self.rank: self.replica.phi}
+        results = await asyncio.gather(*(with_member(m) for m in members))
+        thetas, phis = {rank: theta}, {rank: self.replica.phi}
         failed = []
         for m, got in results:
             if isinstance(got, BaseException):
                 failed.append(m)
-                self._mark_dead(self.stage, m, f"outer exchange at step {t} failed: {got}")
+                if isinstance(got, PeerUnavailable):
+                    await self._suspect(members[m], f"outer exchange at step {t} failed: {got}")
+                elif isinstance(got, MessageError):
+                    self._mark_dead(members[m], f"malformed outer exchange at step {t}: {got}")
                 continue
             thetas[m] = got[0]
             if o.sends_phi:
@@ -405,12 +810,12 @@ class Peer:
         else:
             await asyncio.to_thread(self.replica.apply_diloco, thetas)
         self.outer_steps += 1
-        sent, received = self._exchange_bytes(members)
+        sent, received = self._exchange_bytes(list(members.values()))
         self.metrics.write(
             "outer",
             step=t,
             group=sorted(group),
-            partners=[self.peer(self.stage, m) for m in group if m != self.rank],
+            partners=list(members.values()),
             failed=failed,
             sent_bytes=sent,
             received_bytes=received,
@@ -418,12 +823,30 @@ class Peer:
             state_hash=await asyncio.to_thread(self.replica.state_hash),  # comparable with the simulator
         )
 
+    async def _received_exchange(self, key: tuple[int, int], peer: str) -> tuple[torch.Tensor, ...]:
+        """Await a lower-ranked partner's exchange call, probing it so that a crash ends the wait."""
+        waiting = asyncio.ensure_future(
+            self.transport.received_exchange(key, peer, timeout=self.opts.exchange_timeout)
+        )
+        try:
+            while True:
+                done, _ = await asyncio.wait({waiting}, timeout=PROBE_PERIOD)
+                if done:
+                    return waiting.result()
+                if not await self._alive(peer):
+                    raise PeerUnavailable(f"{peer} stopped answering before its outer exchange")
+        finally:
+            if not waiting.done():
+                waiting.cancel()
+                await asyncio.gather(waiting, return_exceptions=True)
+
     def _exchange_bytes(self, members: list[str]) -> tuple[int, int]:
         """Bytes (framing included) sent to and received from this step's group members.
 
-        Only outer exchanges flow between replicas of one stage, so the growth of those peers'
-        counters since our previous outer step is this exchange's traffic, including what an
-        early partner streamed to us before we reached the step.
+        Only outer exchanges (and a joiner's one state fetch, which resets the baseline) flow
+        between replicas of one stage, so the growth of those peers' counters since our previous
+        outer step is this exchange's traffic, including what an early partner streamed to us
+        before we reached the step.
         """
         counts = self.transport.byte_counts()
         sent = received = 0
@@ -437,12 +860,22 @@ class Peer:
 
     # ------------------------------------------------------------------ evaluation
 
+    def _eval_paths(self) -> tuple[MembershipView, int]:
+        """The last round's view and how many fixed paths it has: path q is replica q of every
+        stage, for q below the smallest replica count."""
+        view = self.view_at(self.step - 1)
+        return view, min(view.replica_counts())
+
     async def evaluate(self) -> float | None:
-        """Stage 0 runs the validation windows along its own fixed path; returns the mean loss."""
+        """Stage-0 replica q runs the validation windows along path q; returns the mean loss."""
         windows = validation_windows(self.cfg.data)[: self.cfg.eval_windows]
-        path_gone = [s for s, r in self.dead if r == self.rank]
-        if path_gone:
-            logger.warning("no evaluation: this replica's fixed path is broken at stage %d", min(path_gone))
+        view, paths = self._eval_paths()
+        rank = view.rank_of(self.me)[1]
+        if rank >= paths:
+            return None
+        broken = [s for s in range(self.P) if view.peer_at(s, rank) in self.dead]
+        if broken:
+            logger.warning("no evaluation: this replica's fixed path is broken at stage %d", min(broken))
             return None
         if not self.is_first:
             try:
@@ -455,7 +888,7 @@ class Peer:
         for b, start in enumerate(range(0, len(windows), EVAL_BATCH)):
             w = windows[start : start + EVAL_BATCH]
             try:
-                losses = await self._eval_batch(b, w[:, :-1], w[:, 1:])
+                losses = await self._eval_batch(view, rank, b, w[:, :-1], w[:, 1:])
             except (PeerUnavailable, RemoteRefused, MessageError) as e:
                 logger.warning("evaluation failed on this replica's path: %s", e)
                 return None
@@ -463,16 +896,18 @@ class Peer:
             count += len(losses)
         return total / count
 
-    async def _eval_batch(self, b: int, x: torch.Tensor, y: torch.Tensor) -> list[float]:
+    async def _eval_batch(
+        self, view: MembershipView, rank: int, b: int, x: torch.Tensor, y: torch.Tensor
+    ) -> list[float]:
         with torch.no_grad():
             out = await asyncio.to_thread(self.replica.module, x, y if self.is_last else None)
         if self.is_last:
             return [float(v) for v in out]
         header = EvalHeader(
-            self.opts.run_id, self.step, self.stage, self.rank, b, TensorMeta.of(out), TensorMeta.of(y)
+            self.opts.run_id, self.step, self.stage, rank, b, TensorMeta.of(out), TensorMeta.of(y)
         )
         reply, _ = await self.transport.call(
-            self.peer(self.stage + 1, self.rank),
+            view.peer_at(self.stage + 1, rank),
             "rpc_eval",
             header,
             [out, y.contiguous()],
@@ -485,37 +920,66 @@ class Peer:
     async def rpc_eval(
         self, peer_id: str, header: messages.Message, tensors: list[torch.Tensor]
     ) -> tuple[messages.Message, list[torch.Tensor]]:
-        """Validation rows along the fixed same-rank path; answered with per-sample losses."""
+        """Validation rows along fixed path `header.rank`; answered with per-sample losses."""
         if not isinstance(header, EvalHeader):
             raise MessageError("expected an eval header")
-        await self._await_frozen()
-        self._check_sender(peer_id, header.run_id, header.hop, header.rank)
-        if header.rank != self.rank:
+        try:  # evaluate the trained weights: wait until our own last step is done
+            await asyncio.wait_for(self.trained.wait(), self.opts.step_timeout * 2)
+        except TimeoutError as e:
+            raise MessageError("this peer has not finished training yet") from e
+        if header.step != self.step:
+            raise MessageError(f"evaluation after step {header.step}; this peer ended at step {self.step}")
+        view, paths = self._eval_paths()
+        self._check_sender(peer_id, view, header.run_id, header.hop, header.rank)
+        if header.rank >= paths or view.rank_of(self.me)[1] != header.rank:
             raise MessageError("evaluation follows the fixed path: same rank at every stage")
         acts, toks = self._checked_rows(tensors)
-        losses = await self._eval_batch(header.batch, acts, toks)
+        losses = await self._eval_batch(view, header.rank, header.batch, acts, toks)
         self.eval_queue.put_nowait(None)
         return EvalReply(tuple(losses)), []
 
     # ------------------------------------------------------------------ the whole run
 
     async def run(self) -> dict[str, Any]:
-        await self.freeze_membership()
-        if self.is_first:
-            self.stream = embedded_stream(self.cfg.data, self.rank, self.counts[0], self.B, self.cfg.seed)
-        start = time.perf_counter()
-        await self.train()
-        seconds = time.perf_counter() - start
-        val_loss = await self.evaluate()
+        announcements = (await asyncio.to_thread(self.directory.read_peers)).announcements
+        late = self._run_in_progress(announcements)
+        if self.is_first:  # tokenize (or load) the corpus before anyone can route work to us
+            await asyncio.to_thread(embedded_stream, self.cfg.data, 0, 1, self.B, self.cfg.seed)
+        heartbeat = asyncio.create_task(self._heartbeat())
+        try:
+            if late:
+                await self.join_late()
+            else:
+                await asyncio.to_thread(self.directory.announce, self.announcement())
+                self.announced = True
+                await self.freeze_round_zero()
+            start = time.perf_counter()
+            while True:
+                try:
+                    await self.train()
+                    break
+                except PeerExcluded as e:
+                    logger.warning("%s; joining again", e)
+                    self.metrics.write("excluded", step=self.step, reason=str(e))
+                    await self.join_late()
+            seconds = time.perf_counter() - start
+            self.trained.set()
+            val_loss = await self.evaluate()
+        finally:
+            heartbeat.cancel()
+            await asyncio.gather(heartbeat, *self._background, return_exceptions=True)
+        view = self.view_at(self.step - 1)
         summary = {
             "stage": self.stage,
-            "rank": self.rank,
-            "peer_id": self.transport.peer_id,
+            "rank": view.rank_of(self.me)[1],
+            "peer_id": self.me,
+            "joined_round": self.joined_round,
             "steps": self.step,
             "outer_steps": self.outer_steps,
             "dropped_partners": self.dropped_partners,
             "dropped_samples": self.dropped_samples,
             "gone": sorted(self.dead),
+            "final_view": [list(s) for s in view.stages],
             "train_seconds": seconds,
             "tokens": self.tokens,
             "val_loss": val_loss,
@@ -526,6 +990,20 @@ class Peer:
         if not self.is_first:
             await asyncio.sleep(1.0)  # let the last eval reply leave before the transport closes
         return summary
+
+    async def _heartbeat(self) -> None:
+        """Re-store our announcement (with our current step) every ttl/3 seconds."""
+        while True:
+            await asyncio.sleep(self.opts.heartbeat_ttl / 3)
+            if not self.announced:  # a joiner announces itself once it has picked its round
+                continue
+            try:
+                stored = await asyncio.to_thread(self.directory.announce, self.announcement())
+            except DHT_ERRORS as e:  # the DHT is best effort; try again next beat
+                stored = False
+                logger.warning("heartbeat failed: %s", e)
+            if not stored:
+                logger.warning("heartbeat: the DHT did not store our announcement; retrying")
 
 
 async def run_peer(
@@ -541,7 +1019,6 @@ async def run_peer(
         use_auto_relay=net.use_auto_relay,
     )
     dht = None
-    heartbeat: asyncio.Task[None] | None = None
     try:
         # The DHT shares the transport's daemon: one libp2p identity and one p2pd per peer.
         dht = await asyncio.to_thread(
@@ -556,21 +1033,15 @@ async def run_peer(
             stage = view.least_served_stage()
         if not 0 <= stage < cfg.num_stages:
             raise ValueError(f"--stage {stage} is outside 0..{cfg.num_stages - 1} for this run")
-        peer = Peer(cfg, opts, transport, directory, stage)
-        announcement = messages.PeerAnnouncement(
-            opts.run_id, transport.peer_id, stage, 0, tuple(await transport.visible_addresses())
-        )
-        for line in reachability(announcement.addresses):
+        addresses = tuple(await transport.visible_addresses())
+        for line in reachability(addresses):
             logger.warning("reachable as %s", line)  # warning: shown by default, once, at start
-        heartbeat = asyncio.create_task(_heartbeat(directory, announcement, opts.heartbeat_ttl / 3))
+        peer = Peer(cfg, opts, transport, directory, stage, addresses)
         try:
             return await peer.run()
         finally:
             peer.metrics.close()
     finally:
-        if heartbeat is not None:
-            heartbeat.cancel()
-            await asyncio.gather(heartbeat, return_exceptions=True)
         if dht is not None:
             await asyncio.to_thread(dht.shutdown)
         await transport.shutdown()
@@ -589,10 +1060,3 @@ async def _join_manifest(
             if time.monotonic() > deadline:
                 raise
             await asyncio.sleep(0.5)
-
-
-async def _heartbeat(directory: RunDirectory, announcement: messages.PeerAnnouncement, period: float) -> None:
-    while True:
-        if not await asyncio.to_thread(directory.announce, announcement):
-            logger.warning("heartbeat: the DHT did not store our announcement; retrying")
-        await asyncio.sleep(period)

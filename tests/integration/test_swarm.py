@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import shutil
 import signal
@@ -23,6 +25,9 @@ from tests.integration.helpers import descendants, p2pd_descendants, process_gro
 
 pytestmark = pytest.mark.integration
 STEPS = 7  # H = 3: two outer steps, then one inner step so that replicas differ at the end
+
+
+SLOWER = {"model.seq_len": "128", "inner.batch_size": "4"}
 
 
 def small(method: str, **extra: str) -> RunConfig:
@@ -100,8 +105,9 @@ def num_flat_stage(cfg: RunConfig, stage: int) -> int:
 def test_a_killed_peer_takes_its_daemon_and_the_rest_of_the_swarm_finishes(cache: Path) -> None:
     """Failure is normal control flow: samples routed to a dead replica are dropped, its partner
     steps alone, and everyone else finishes the run."""
-    steps = 12
-    cfg = small("noloco", **{"inner.total_steps": str(steps)})
+    steps = 18
+    # a step of this size takes long enough (~0.5 s here) for the kill to land mid-run
+    cfg = small("noloco", **{"inner.total_steps": str(steps), **SLOWER})
     before = p2pd_descendants()
     with local_swarm(cfg, steps, step_timeout=10) as swarm:
         victim = next(p for p in swarm.peers if p.stage == 1 and p.replica == 1)
@@ -123,12 +129,78 @@ def test_a_killed_peer_takes_its_daemon_and_the_rest_of_the_swarm_finishes(cache
             time.sleep(0.5)
         assert [p.proc.returncode for p in survivors] == [0, 0, 0], "\n".join(p.log_tail() for p in survivors)
         summaries = {(s["stage"], s["rank"]): s for s in swarm.summaries()}
+        victim_id = next(e["peer_id"] for e in victim.events() if e["event"] == "membership")
+        killed_in = max(e["step"] for e in victim.events() if e["event"] == "step") // 3  # its last round
+        survivor_events = [p.events() for p in survivors]
     assert p2pd_descendants() <= before
-    victim_rank = next(rank for (stage, rank) in [(1, 0), (1, 1)] if (stage, rank) not in summaries)
     assert all(s["steps"] == steps for s in summaries.values())
     assert sum(s["dropped_samples"] for s in summaries.values() if s["stage"] == 0) > 0
-    partner = summaries[(1, 1 - victim_rank)]
-    assert [1, victim_rank] in partner["gone"] and partner["outer_steps"] == steps // 3
+    partner = next(s for s in summaries.values() if s["stage"] == 1)
+    assert victim_id in partner["gone"] and partner["outer_steps"] == steps // 3
+    # The survivors agree on the view without the victim from the round after the failure was
+    # reported, and from then on nothing is routed to it (no more dropped samples).
+    views = {}
+    for events in survivor_events:
+        for e in events:
+            if e["event"] == "membership":
+                views.setdefault(e["round"], set()).add(json.dumps(e["stages"]))
+    assert all(len(v) == 1 for v in views.values()), views
+    last = json.loads(next(iter(views[max(views)])))
+    assert all(victim_id not in s for s in last) and len(last[1]) == 1
+    drops = [e["step"] for events in survivor_events for e in events if e["event"] == "dropped"]
+    assert drops and max(drops) < (killed_in + 2) * 3, (drops, killed_in)
+
+
+def test_a_peer_joins_a_running_swarm_at_a_round_boundary(cache: Path) -> None:
+    """A fifth peer started while a 2x2 swarm trains announces a round two ahead, downloads its
+    stage's state at that boundary from a live replica, and trains from there with everyone
+    agreeing on the new view; nothing is dropped or refused along the way."""
+    steps, H = 48, 4
+    cfg = small("noloco", **{**SLOWER, "outer.inner_steps": str(H), "inner.total_steps": str(steps)})
+    with local_swarm(cfg, steps, step_timeout=60) as swarm:
+        deadline = time.monotonic() + 120
+        while not all(any(e["event"] == "membership" for e in p.events()) for p in swarm.peers):
+            assert time.monotonic() < deadline, "\n".join(p.log_tail() for p in swarm.peers)
+            time.sleep(0.2)
+        joiner = swarm.start_peer(0)
+        wait(swarm, timeout=400)
+        events = {id(p): p.events() for p in swarm.peers}
+        summaries = swarm.summaries()
+    me = next(e for e in events[id(joiner)] if e["event"] == "joined")
+    J = me["round"]
+    assert J >= 2 and me["step"] == J * H
+    final = next(s for s in summaries if s["peer_id"] == me["peer_id"])
+    assert final["joined_round"] == J and final["steps"] == steps and final["outer_steps"] == steps // H - J
+    # The state it started from is its server's, right after the outer step that closed round J-1.
+    server_outer = [
+        e["state_hash"]
+        for p in swarm.peers
+        if p is not joiner
+        for e in events[id(p)]
+        if e["event"] == "outer" and e["step"] == J * H
+    ]
+    assert me["state_hash"] in server_outer
+    # Every peer holds the same view of every round; the joiner is in it from round J on.
+    views: dict[int, set[str]] = {}
+    for p in swarm.peers:
+        for e in events[id(p)]:
+            if e["event"] == "membership":
+                views.setdefault(e["round"], set()).add(json.dumps(e["stages"]))
+    assert all(len(v) == 1 for v in views.values()), views
+    for r, v in views.items():
+        stages = json.loads(next(iter(v)))
+        assert (me["peer_id"] in stages[0]) == (r >= J), (r, stages)
+        assert [len(s) for s in stages] == ([3, 2] if r >= J else [2, 2])
+    bad = [
+        e
+        for ev in events.values()
+        for e in ev
+        if e["event"] in ("dropped", "refused", "view_mismatch", "peer_gone")
+    ]
+    assert bad == []
+    assert sum(s["tokens"] for s in summaries if s["stage"] == 0) == (2 * steps + steps - J * H) * 4 * 128
+    losses = [e["loss"] for e in events[id(joiner)] if e["event"] == "step"]
+    assert len(losses) == steps - J * H and all(math.isfinite(x) for x in losses)
 
 
 def test_hivemind_dht_cli_is_a_working_entry_point(cache: Path) -> None:
