@@ -37,24 +37,30 @@ import torch
 from hivemind import DHT
 
 from noloco_swarm.data.stream import embedded_stream, validation_windows
-from noloco_swarm.model import num_flat
 from noloco_swarm.peer.directory import RunDirectory
+from noloco_swarm.peer.joining import (
+    JOIN_MARGIN_ROUNDS,
+    Snapshot,
+    check_request,
+    fetch_state,
+    pick_join_round,
+    servers_for,
+)
 from noloco_swarm.peer.node import NetworkConfig, reachability
 from noloco_swarm.peer.pipeline import Arrival, StepCollector, expected_rows, outgoing
+from noloco_swarm.peer.rounds import DHT_ERRORS, PROBE_PERIOD, PROBE_TIMEOUT, PeerExcluded, Rounds
 from noloco_swarm.peer.streams import PeerUnavailable, RemoteRefused
 from noloco_swarm.peer.transport import Transport
 from noloco_swarm.protocol import gossip, messages, routing
 from noloco_swarm.protocol.clock import StepClock
-from noloco_swarm.protocol.membership import Listing, MembershipView, next_view
+from noloco_swarm.protocol.membership import MembershipView
 from noloco_swarm.protocol.messages import (
-    STATE_PARTS,
     BackwardHeader,
     EvalHeader,
     EvalReply,
     ExchangeHeader,
     ForwardHeader,
     MessageError,
-    StateReply,
     TensorMeta,
 )
 from noloco_swarm.sim.config import RunConfig
@@ -62,12 +68,6 @@ from noloco_swarm.sim.replica import StageReplica
 
 logger = logging.getLogger(__name__)
 EVAL_BATCH = 16
-# What a hivemind DHT call raises when peers are unreachable or slow (it is best effort for us).
-DHT_ERRORS = (OSError, RuntimeError, TimeoutError, EOFError)
-# A peer we wait on longer than this is probed (rpc_status): a slow peer answers, a dead one does
-# not, so a crash costs seconds rather than a whole deadline, and slowness is never taken for death.
-PROBE_PERIOD = 2.0
-PROBE_TIMEOUT = 5.0
 
 
 @dataclass(frozen=True)
@@ -101,21 +101,6 @@ class MetricsLog:
             self.file.close()
 
 
-class PeerExcluded(RuntimeError):
-    """The swarm's next view leaves this (live) peer out, e.g. after a gone report: join again."""
-
-
-@dataclass
-class Snapshot:
-    """A replica's state at the start of a round, kept for the peers that join at that round."""
-
-    view: MembershipView
-    step: int
-    adam_step: int
-    state_hash: str
-    parts: dict[str, torch.Tensor]
-
-
 class Peer:
     """One replica of one stage in a running swarm."""
 
@@ -136,8 +121,7 @@ class Peer:
         self.clock = StepClock(cfg.outer.inner_steps, self.B, cfg.inner.total_steps)
         self.replica = StageReplica(cfg, stage)
         self.metrics = MetricsLog(opts.metrics_path)
-        self.views: dict[int, MembershipView] = {}  # round -> frozen view (the last few rounds)
-        self._view_ready: dict[int, asyncio.Event] = {}
+        self.rounds = Rounds(self.me, stage, cfg.num_stages, transport, directory, self.metrics)
         self.joined_round = 0
         self.announced = False
         self.step = 0  # inner steps completed
@@ -151,12 +135,8 @@ class Peer:
         self.last_loss: float | None = None
         self.dropped_partners = 0
         self._seen_bytes: dict[str, tuple[int, int]] = {}
-        self.dead: set[str] = set()  # peer ids that failed us; reported in the DHT
         self.dropped_samples = 0
         self._streams: dict[tuple[int, int], Any] = {}
-        self._background: set[asyncio.Task[Any]] = set()
-        self._addresses: dict[str, tuple[str, ...]] = {}  # peer id -> announced addresses
-        self._dialled: set[str] = set()
         transport.register("rpc_forward", self.rpc_forward)
         transport.register("rpc_eval", self.rpc_eval)
         transport.register("rpc_fetch_state", self.rpc_fetch_state)
@@ -170,329 +150,109 @@ class Peer:
             self.opts.run_id, self.me, self.stage, self.joined_round, self.addresses, "cpu", self.step
         )
 
-    def _view_event(self, round_: int) -> asyncio.Event:
-        return self._view_ready.setdefault(round_, asyncio.Event())
-
-    def _set_view(self, view: MembershipView) -> None:
-        self.views[view.round] = view
-        for old in [r for r in self.views if r < view.round - 2]:
-            del self.views[old]
-            self._view_ready.pop(old, None)
-        rank = view.rank_of(self.me)[1]
-        self.metrics.write(
-            "membership", round=view.round, stages=[list(s) for s in view.stages], rank=rank, peer_id=self.me
-        )
-        self._view_event(view.round).set()
-
-    async def _view(self, round_: int, timeout: float) -> MembershipView:
-        """The view of `round_`, waiting (up to `timeout`) if we have not reached that round yet."""
-        if round_ not in self.views:
-            try:
-                await asyncio.wait_for(self._view_event(round_).wait(), timeout)
-            except TimeoutError as e:
-                raise MessageError(
-                    f"this peer has no view of round {round_} yet (it is at step {self.step})"
-                ) from e
-        if round_ not in self.views:
-            raise MessageError(f"round {round_} is over for this peer (it is at step {self.step})")
-        return self.views[round_]
-
     def view_at(self, t: int) -> MembershipView:
-        return self.views[self.clock.round_of(t)]
-
-    def rank_at(self, t: int) -> int:
-        return self.view_at(t).rank_of(self.me)[1]
-
-    async def freeze_round_zero(self) -> None:
-        """Wait until every stage has num_replicas peers announced for round 0, then freeze the view."""
-        deadline = time.monotonic() + self.opts.start_timeout
-        want = self.cfg.num_replicas
-        while True:
-            announcements = await asyncio.to_thread(self._read_peers)
-            view = MembershipView.from_announcements(
-                0,
-                self.P,
-                [(a.peer_id, a.stage) for a in announcements if a.joined_round == 0 and a.stage < self.P],
-            )
-            counts = view.replica_counts()
-            if all(c >= want for c in counts):
-                if any(c > want for c in counts):
-                    raise RuntimeError(f"more peers than num_replicas={want} announced for round 0: {counts}")
-                self._set_view(view)
-                await self._connect(view)
-                return
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"only {counts} peers per stage after {self.opts.start_timeout:.0f} s; need {want}"
-                )
-            await asyncio.sleep(0.5)
-
-    def _run_in_progress(self, announcements: list[messages.PeerAnnouncement]) -> bool:
-        """True when round 0 is already complete (or past): a newcomer must join a later round."""
-        others = [a for a in announcements if a.peer_id != self.me]
-        if any(a.step > 0 or a.joined_round > 0 for a in others):
-            return True
-        counts = [sum(1 for a in others if a.stage == s and a.joined_round == 0) for s in range(self.P)]
-        return all(c >= self.cfg.num_replicas for c in counts)
+        """The frozen view of inner step t's round."""
+        return self.rounds.at(self.clock.round_of(t))
 
     async def advance_view(self) -> None:
-        """At a round boundary: build the next round's view from the DHT (same rule on every peer)."""
+        """At a round boundary: freeze the next round's view; keep our state for its joiners."""
         current = self.view_at(self.step - 1)
-        listings: list[Listing] = []
-        gone: dict[str, int] = {}
-        for attempt in range(2):
-            try:
-                listings, gone = await asyncio.to_thread(self._read_directory, current)
-                break
-            except DHT_ERRORS as e:  # the DHT is best effort: keep this round's members if it fails
-                logger.warning(
-                    "could not read the run's directory (%s)%s", e, "; retrying" if not attempt else ""
-                )
-        # A member missing from the read is only suspect: check it before telling everyone it is gone.
-        listed = {item.peer for item in listings}
-        suspects = sorted(current.members() - listed - self.dead - {self.me})
-        await asyncio.gather(*(self._suspect(p, "its announcement expired") for p in suspects))
-        listings.insert(0, Listing(self.me, self.stage, self.joined_round))
-        for peer in self.dead:
-            gone[peer] = max(gone.get(peer, -1), current.round)
-        view = next_view(current, listings, gone)
-        if self.me not in view.members():
-            raise PeerExcluded(f"the view of round {view.round} leaves this peer out (reported gone?)")
-        if not view.is_complete():
-            empty = [s for s, peers in enumerate(view.stages) if not peers]
-            raise RuntimeError(
-                f"stage(s) {empty} have no live replica in round {view.round}; the run cannot go on"
-            )
+        view = await self.rounds.next(current, self.joined_round)
         joiners = [p for p in view.stages[self.stage] if p not in current.members()]
         if joiners:  # they fetch this state, taken right after the outer step that closed the round
-            self.snapshots[view.round] = await asyncio.to_thread(self._snapshot, view)
+            self.snapshots[view.round] = await asyncio.to_thread(Snapshot.take, self.replica, view, self.step)
             self.metrics.write("joiners", round=view.round, peers=joiners)
         for old in [r for r in self.snapshots if r < view.round]:
             del self.snapshots[old]
-        self._set_view(view)
-        await self._connect(view)
-
-    async def _alive(self, peer: str) -> bool:
-        """Does `peer` answer a status request? (Refusing one counts: it is running.) If not, dial
-        it once at its announced addresses and ask again."""
-        for attempt in range(2):
-            try:
-                await self.transport.call(
-                    peer, "rpc_status", messages.StatusRequest(self.opts.run_id), timeout=PROBE_TIMEOUT
-                )
-            except PeerUnavailable:
-                if attempt or not await self.transport.connect(
-                    peer, self._addresses.get(peer, ()), timeout=PROBE_TIMEOUT
-                ):
-                    return False
-                continue
-            except (RemoteRefused, MessageError):
-                pass
-            return True
-        return False
-
-    async def _suspect(self, peer: str, why: str) -> bool:
-        """`peer` failed us in a way a slow peer could too: it is gone only if it does not answer."""
-        if peer in self.dead:
-            return True
-        if await self._alive(peer):
-            self.metrics.write("slow_peer", peer=peer, reason=why)
-            return False
-        self._mark_dead(peer, why)
-        return True
-
-    def _read_peers(self) -> list[messages.PeerAnnouncement]:
-        """Live announcements; remembers where each peer said it can be reached."""
-        announcements = self.directory.read_peers().announcements
-        for a in announcements:
-            self._addresses[a.peer_id] = a.addresses
-        return announcements
-
-    def _read_directory(self, current: MembershipView) -> tuple[list[Listing], dict[str, int]]:
-        listings = [Listing(a.peer_id, a.stage, a.joined_round) for a in self._read_peers()]
-        return listings, self.directory.read_gone(members=current.members())
-
-    async def _connect(self, view: MembershipView) -> None:
-        """Dial the peers this one talks to (previous, own and next stage) that it has not dialled."""
-        near = [p for s in range(max(self.stage - 1, 0), min(self.stage + 2, self.P)) for p in view.stages[s]]
-        todo = [p for p in near if p != self.me and p not in self._dialled and p in self._addresses]
-        ok = await asyncio.gather(
-            *(self.transport.connect(p, self._addresses[p], timeout=PROBE_TIMEOUT) for p in todo)
-        )
-        self._dialled.update(p for p, good in zip(todo, ok, strict=True) if good)
-
-    def _mark_dead(self, peer: str, why: str) -> None:
-        """Stop waiting for, and sending to, a peer that failed us; tell the swarm through the DHT."""
-        if peer in self.dead:
-            return
-        self.dead.add(peer)
-        round_ = self.clock.round_of(self.step)
-        logger.warning("peer %s is gone (%s); continuing without it", peer, why)
-        self.metrics.write("peer_gone", peer=peer, round=round_, reason=why)
-        report = messages.GoneReport(self.opts.run_id, peer, self.me, round_)
-        task = asyncio.get_running_loop().create_task(asyncio.to_thread(self._report, report))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    def _report(self, report: messages.GoneReport) -> None:
-        try:
-            if not self.directory.report_gone(report):
-                logger.warning("the DHT did not store our report that %s is gone", report.peer_id)
-        except DHT_ERRORS as e:  # best effort: the next view drops the peer when its record expires
-            logger.warning("could not report %s gone: %s", report.peer_id, e)
-
-    # ------------------------------------------------------------------ joining a running swarm
+        self.rounds.set(view)
+        await self.rounds.connect(view)
 
     async def join_late(self) -> None:
-        """Announce a round two ahead of the swarm, fetch our stage's state at it, and enter there."""
+        """Enter a running swarm two rounds ahead with a live replica's state (see peer.joining)."""
         deadline = time.monotonic() + self.opts.join_timeout
         while True:
-            target = await self._pick_join_round()
+            others = [a for a in await asyncio.to_thread(self.rounds.read_peers) if a.peer_id != self.me]
+            await asyncio.gather(
+                *(self.transport.connect(a.peer_id, a.addresses, timeout=PROBE_TIMEOUT) for a in others)
+            )
+            target = await pick_join_round(
+                self.transport, self.opts.run_id, others, self.clock, self.opts.steps
+            )
             self.joined_round = target
             self.collectors.clear()
             await asyncio.to_thread(self.directory.announce, self.announcement())
             self.announced = True
-            self.metrics.write("joining", round=target, step=target * self.clock.inner_steps)
+            self.metrics.write("joining", round=target, step=self.clock.round_start(target))
             logger.warning(
-                "joining the running swarm at round %d (step %d)", target, target * self.clock.inner_steps
+                "joining the running swarm at round %d (step %d)", target, self.clock.round_start(target)
             )
-            servers = [
-                a.peer_id
-                for a in await asyncio.to_thread(self._read_peers)
-                if a.stage == self.stage and a.joined_round < target and a.peer_id != self.me
-            ]
-            # Spread joiners over the servers; each joiner tries them all in its own order.
+            servers = servers_for(others, self.stage, target)
             if not servers:
                 raise RuntimeError(
-                    f"no live replica of stage {self.stage} holds its state; this peer cannot join the run"
+                    f"no live replica of stage {self.stage} holds its state; this peer cannot join"
                 )
+            # Spread joiners over the servers; each joiner tries them all, in its own order.
             servers.sort(key=lambda p: hashlib.sha256(f"{self.me}/{p}".encode()).digest())
             for server in servers:
                 try:
-                    await self._fetch_state(server, target)
-                    return
+                    view, step = await fetch_state(
+                        self.transport,
+                        server,
+                        self.opts.run_id,
+                        target,
+                        self.replica,
+                        me=self.me,
+                        timeout=self.opts.join_timeout,
+                    )
                 except (PeerUnavailable, RemoteRefused, MessageError) as e:
                     logger.warning("state fetch from %s for round %d failed: %s", server, target, e)
+                    continue
+                self.step = step
+                self._seen_bytes = {}
+                self._exchange_bytes(list(self.transport.byte_counts()))  # the fetch is no outer exchange
+                self.metrics.write(
+                    "joined",
+                    round=target,
+                    step=step,
+                    server=server,
+                    state_hash=self.replica.state_hash(),
+                    peer_id=self.me,
+                )
+                self.rounds.set(view)
+                await self.rounds.connect(view)
+                return
             if time.monotonic() > deadline:
                 raise TimeoutError(f"could not join the run within {self.opts.join_timeout:.0f} s")
             await asyncio.sleep(1.0)
-
-    async def _pick_join_round(self) -> int:
-        """Two rounds after the furthest step any live peer reports, so every member sees us first."""
-        announcements = await asyncio.to_thread(self._read_peers)
-        others = [a for a in announcements if a.peer_id != self.me]
-        steps = [a.step for a in others]
-        await asyncio.gather(
-            *(self.transport.connect(a.peer_id, a.addresses, timeout=PROBE_TIMEOUT) for a in others)
-        )
-
-        async def ask(peer: str) -> int:
-            reply, _ = await self.transport.call(
-                peer, "rpc_status", messages.StatusRequest(self.opts.run_id), timeout=10.0
-            )
-            return reply.step if isinstance(reply, messages.PeerStatus) else 0
-
-        answers = await asyncio.gather(*(ask(a.peer_id) for a in others), return_exceptions=True)
-        steps += [a for a in answers if isinstance(a, int)]
-        target = self.clock.round_of(max(steps, default=0)) + 2
-        if target * self.clock.inner_steps >= self.opts.steps:
-            raise RuntimeError(
-                f"the run ends at step {self.opts.steps}, before round {target} (step "
-                f"{target * self.clock.inner_steps}) where this peer could join"
-            )
-        return target
-
-    async def _fetch_state(self, server: str, round_: int) -> None:
-        """Download our stage's state at the start of `round_` from `server`, check it, load it."""
-        parts: dict[str, torch.Tensor] = {}
-        first: StateReply | None = None
-        n = num_flat(self.replica.module)
-        for part in STATE_PARTS:
-            request = messages.StateRequest(self.opts.run_id, self.stage, round_, part)
-            reply, tensors = await self.transport.call(
-                server, "rpc_fetch_state", request, timeout=self.opts.join_timeout
-            )
-            if not isinstance(reply, StateReply) or reply.part != part or len(tensors) != 1:
-                raise MessageError(f"{server} answered the state request for {part} with something else")
-            if reply.stage != self.stage or reply.round != round_ or reply.meta.shape != (n,):
-                raise MessageError(
-                    f"{server} sent state for stage {reply.stage} round {reply.round}, {reply.meta}"
-                )
-            if first is not None and (reply.view, reply.state_hash, reply.adam_step) != (
-                first.view,
-                first.state_hash,
-                first.adam_step,
-            ):
-                raise MessageError(f"{server} changed its snapshot between parts")
-            first = first or reply
-            parts[part] = tensors[0]
-        assert first is not None
-        view = MembershipView(round=round_, stages=first.view)
-        if len(view.stages) != self.P or self.me not in view.stages[self.stage]:
-            raise MessageError(f"{server}'s view of round {round_} does not admit this peer")
-        await asyncio.to_thread(self.replica.load_state_parts, parts, first.adam_step)
-        if self.replica.state_hash() != first.state_hash:
-            raise MessageError(f"state from {server} does not hash to what it announced")
-        self.step = first.step
-        self._seen_bytes = {}
-        self._exchange_bytes(list(self.transport.byte_counts()))  # the fetch is not an outer exchange
-        self.metrics.write(
-            "joined",
-            round=round_,
-            step=self.step,
-            server=server,
-            state_hash=first.state_hash,
-            peer_id=self.me,
-        )
-        self._set_view(view)
-        await self._connect(view)
-
-    def _snapshot(self, view: MembershipView) -> Snapshot:
-        parts, adam_step = self.replica.state_parts()
-        return Snapshot(view, self.step, adam_step, self.replica.state_hash(), parts)
 
     async def rpc_fetch_state(
         self, peer_id: str, header: messages.Message, tensors: list[torch.Tensor]
     ) -> tuple[messages.Message, list[torch.Tensor]]:
         """A peer joining our stage at a round boundary downloads our state at that boundary."""
-        if not isinstance(header, messages.StateRequest):
-            raise MessageError("expected a state request")
-        if header.run_id != self.opts.run_id or header.stage != self.stage:
-            raise MessageError(f"this is stage {self.stage} of {self.opts.run_id!r}")
-        if header.round > self.clock.round_of(self.step) + 3:
-            raise MessageError(f"round {header.round} is too far ahead (this peer is at step {self.step})")
+        request = check_request(header, self.opts.run_id, self.stage)
+        if request.round > self.clock.round_of(self.step) + JOIN_MARGIN_ROUNDS + 1:
+            raise MessageError(f"round {request.round} is too far ahead (this peer is at step {self.step})")
         wait = min(self.opts.join_timeout, self.transport.config.serve_timeout - 5.0)
-        view = await self._view(header.round, timeout=wait)
-        snapshot = self.snapshots.get(header.round)
-        if snapshot is None or peer_id not in snapshot.view.stages[self.stage]:
-            raise MessageError(f"peer {peer_id} is not admitted at round {header.round} by this peer's view")
-        assert snapshot.view == view
-        tensor = snapshot.parts[header.part]
-        reply = StateReply(
-            run_id=self.opts.run_id,
-            stage=self.stage,
-            round=header.round,
-            step=snapshot.step,
-            view=view.stages,
-            adam_step=snapshot.adam_step,
-            state_hash=snapshot.state_hash,
-            part=header.part,
-            meta=TensorMeta.of(tensor),
-        )
-        self.metrics.write("served_state", round=header.round, peer=peer_id, part=header.part)
+        view = await self.rounds.wait(request.round, timeout=wait)
+        snapshot = self.snapshots.get(request.round)
+        if snapshot is None or peer_id not in snapshot.view.stages[self.stage] or snapshot.view != view:
+            raise MessageError(f"peer {peer_id} is not admitted at round {request.round} by this peer's view")
+        reply, tensor = snapshot.reply(self.opts.run_id, self.stage, request.part)
+        self.metrics.write("served_state", round=request.round, peer=peer_id, part=request.part)
         # Keep the state we serve out of the next outer step's byte count with this peer.
         seen = self._seen_bytes.get(peer_id, (0, 0))
-        self._seen_bytes[peer_id] = (seen[0] + tensor.numel() * 4, seen[1])
+        self._seen_bytes[peer_id] = (seen[0] + tensor.numel() * tensor.element_size(), seen[1])
         return reply, [tensor]
 
     async def rpc_status(
         self, peer_id: str, header: messages.Message, tensors: list[torch.Tensor]
     ) -> tuple[messages.Message, list[torch.Tensor]]:
-        """Where this peer is: for joiners choosing their round, and for `noloco status`."""
+        """Where this peer is: for joiners choosing their round, for probes, and for `noloco status`."""
         if not isinstance(header, messages.StatusRequest) or header.run_id != self.opts.run_id:
             raise MessageError(f"expected a status request for run {self.opts.run_id!r}")
-        view = self.views.get(self.clock.round_of(max(self.step - 1, 0))) if self.views else None
+        view = self.rounds.latest()
         rank = view.rank_of(self.me)[1] if view is not None and self.me in view.members() else 0
+        loss = self.last_loss if self.last_loss is not None and math.isfinite(self.last_loss) else None
         status = messages.PeerStatus(
             self.opts.run_id,
             self.me,
@@ -502,7 +262,7 @@ class Peer:
             rank,
             self.outer_steps,
             self.tokens,
-            self.last_loss if self.last_loss is not None and math.isfinite(self.last_loss) else None,
+            loss,
         )
         return status, []
 
@@ -590,7 +350,7 @@ class Peer:
             return positions, tensors[0], reply.losses
 
         async def call_or_drop(receiver: str, positions: list[int]):
-            if receiver in self.dead:
+            if receiver in self.rounds.dead:
                 return None
             try:
                 return await call(receiver, positions)
@@ -599,10 +359,10 @@ class Peer:
                 self.metrics.write("refused", step=t, peer=receiver, reason=str(e))
                 return None
             except PeerUnavailable as e:
-                await self._suspect(receiver, f"forward of step {t} failed: {e}")
+                await self.rounds.suspect(receiver, f"forward of step {t} failed: {e}")
                 return None
             except MessageError as e:  # it answered with garbage: do not trust it again
-                self._mark_dead(receiver, f"malformed answer to the forward of step {t}: {e}")
+                self.rounds.mark_dead(receiver, f"malformed answer to the forward of step {t}: {e}")
                 return None
 
         receivers = {view.peer_at(hop + 1, r): pos for r, pos in plan.items()}
@@ -628,7 +388,7 @@ class Peer:
             expected = expected_rows(
                 t, self.B, self.stage - 1, view.replica_counts(), view.rank_of(self.me)[1]
             )
-            alive = [(i, s) for i, s in expected if view.peer_at(self.stage - 1, s) not in self.dead]
+            alive = [(i, s) for i, s in expected if view.peer_at(self.stage - 1, s) not in self.rounds.dead]
             self.collectors[t] = StepCollector(t, alive)
         return self.collectors[t]
 
@@ -676,15 +436,15 @@ class Peer:
             peers = [view.peer_at(self.stage - 1, s) for s in missing]
             if left <= PROBE_PERIOD:  # the deadline: whoever is still silent failed us
                 why = f"sent nothing for step {t} within {self.opts.step_timeout:.0f} s"
-                gone = await asyncio.gather(*(self._suspect(p, why) for p in peers))
+                gone = await asyncio.gather(*(self.rounds.suspect(p, why) for p in peers))
                 for sender in missing:
                     collector.drop_sender(sender)
                 self.metrics.write("dropped", step=t, hop=self.stage - 1, senders=missing, gone=list(gone))
                 return
-            alive = await asyncio.gather(*(self._alive(p) for p in peers))
+            alive = await asyncio.gather(*(self.rounds.alive(p, self.opts.run_id) for p in peers))
             for sender, peer, ok in zip(missing, peers, alive, strict=True):
                 if not ok:
-                    self._mark_dead(peer, f"stopped answering while we waited for step {t}")
+                    self.rounds.mark_dead(peer, f"stopped answering while we waited for step {t}")
                     collector.drop_sender(sender)
 
     async def rpc_forward(
@@ -695,10 +455,10 @@ class Peer:
             raise MessageError("expected a forward header")
         if header.round != self.clock.round_of(header.step):
             raise MessageError(f"step {header.step} is not in round {header.round}")
-        if not self.step <= header.step < self.step + 2 and header.round in self.views:
+        if not self.step <= header.step < self.step + 2 and header.round in self.rounds.views:
             raise MessageError(f"forward for step {header.step}, this replica is at step {self.step}")
         # A sender may start a round a moment before we do: wait for our view of it, then compare.
-        view = await self._view(header.round, timeout=self.opts.step_timeout)
+        view = await self.rounds.wait(header.round, timeout=self.opts.step_timeout)
         if header.view != view.digest():
             self.metrics.write("view_mismatch", step=header.step, peer=peer_id)
             raise MessageError(
@@ -776,7 +536,7 @@ class Peer:
 
         async def with_member(m: int) -> tuple[int, tuple[torch.Tensor, ...] | BaseException]:
             peer = members[m]
-            if peer in self.dead:
+            if peer in self.rounds.dead:
                 return m, PeerUnavailable(f"{peer} is gone")
             try:
                 if m > rank:
@@ -796,9 +556,9 @@ class Peer:
             if isinstance(got, BaseException):
                 failed.append(m)
                 if isinstance(got, PeerUnavailable):
-                    await self._suspect(members[m], f"outer exchange at step {t} failed: {got}")
+                    await self.rounds.suspect(members[m], f"outer exchange at step {t} failed: {got}")
                 elif isinstance(got, MessageError):
-                    self._mark_dead(members[m], f"malformed outer exchange at step {t}: {got}")
+                    self.rounds.mark_dead(members[m], f"malformed outer exchange at step {t}: {got}")
                 continue
             thetas[m] = got[0]
             if o.sends_phi:
@@ -833,7 +593,7 @@ class Peer:
                 done, _ = await asyncio.wait({waiting}, timeout=PROBE_PERIOD)
                 if done:
                     return waiting.result()
-                if not await self._alive(peer):
+                if not await self.rounds.alive(peer, self.opts.run_id):
                     raise PeerUnavailable(f"{peer} stopped answering before its outer exchange")
         finally:
             if not waiting.done():
@@ -873,7 +633,7 @@ class Peer:
         rank = view.rank_of(self.me)[1]
         if rank >= paths:
             return None
-        broken = [s for s in range(self.P) if view.peer_at(s, rank) in self.dead]
+        broken = [s for s in range(self.P) if view.peer_at(s, rank) in self.rounds.dead]
         if broken:
             logger.warning("no evaluation: this replica's fixed path is broken at stage %d", min(broken))
             return None
@@ -941,8 +701,8 @@ class Peer:
     # ------------------------------------------------------------------ the whole run
 
     async def run(self) -> dict[str, Any]:
-        announcements = (await asyncio.to_thread(self.directory.read_peers)).announcements
-        late = self._run_in_progress(announcements)
+        announcements = await asyncio.to_thread(self.rounds.read_peers)
+        late = self.rounds.run_in_progress(announcements, self.cfg.num_replicas)
         if self.is_first:  # tokenize (or load) the corpus before anyone can route work to us
             await asyncio.to_thread(embedded_stream, self.cfg.data, 0, 1, self.B, self.cfg.seed)
         heartbeat = asyncio.create_task(self._heartbeat())
@@ -952,7 +712,7 @@ class Peer:
             else:
                 await asyncio.to_thread(self.directory.announce, self.announcement())
                 self.announced = True
-                await self.freeze_round_zero()
+                await self.rounds.freeze_round_zero(self.cfg.num_replicas, self.opts.start_timeout)
             start = time.perf_counter()
             while True:
                 try:
@@ -967,7 +727,8 @@ class Peer:
             val_loss = await self.evaluate()
         finally:
             heartbeat.cancel()
-            await asyncio.gather(heartbeat, *self._background, return_exceptions=True)
+            await asyncio.gather(heartbeat, return_exceptions=True)
+            await self.rounds.close()
         view = self.view_at(self.step - 1)
         summary = {
             "stage": self.stage,
@@ -978,7 +739,7 @@ class Peer:
             "outer_steps": self.outer_steps,
             "dropped_partners": self.dropped_partners,
             "dropped_samples": self.dropped_samples,
-            "gone": sorted(self.dead),
+            "gone": sorted(self.rounds.dead),
             "final_view": [list(s) for s in view.stages],
             "train_seconds": seconds,
             "tokens": self.tokens,

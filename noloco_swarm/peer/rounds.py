@@ -1,0 +1,244 @@
+"""Who serves which stage in each round, as one peer sees it, and which peers have failed it.
+
+A peer keeps the frozen views of the last few rounds (routes and groups of step t come from the
+view of t's round), builds the next one at every boundary from the run's directory with the pure
+rule `protocol.membership.next_view`, and decides when another peer is gone:
+
+  - a peer that fails a call, or stays silent while we wait on it, is probed with rpc_status;
+    a slow peer answers and stays, a crashed one does not and is reported gone in the DHT, so that
+    every member drops it at the same boundary (a crash costs seconds, slowness is never death);
+  - peers dial each other at their announced addresses, because a fresh p2pd only knows the
+    peers it has already talked to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from noloco_swarm.peer.directory import RunDirectory
+from noloco_swarm.peer.streams import PeerUnavailable, RemoteRefused
+from noloco_swarm.peer.transport import Transport
+from noloco_swarm.protocol import messages
+from noloco_swarm.protocol.membership import Listing, MembershipView, next_view
+from noloco_swarm.protocol.messages import MessageError
+
+logger = logging.getLogger(__name__)
+
+# What a hivemind DHT call raises when peers are unreachable or slow (it is best effort for us).
+DHT_ERRORS = (OSError, RuntimeError, TimeoutError, EOFError)
+# A peer we wait on longer than this is probed (rpc_status).
+PROBE_PERIOD = 2.0
+PROBE_TIMEOUT = 5.0
+KEEP_ROUNDS = 3  # views kept: a request may name the round before ours or the next one
+
+
+class PeerExcluded(RuntimeError):
+    """The swarm's next view leaves this (live) peer out, e.g. after a gone report: join again."""
+
+
+class Rounds:
+    """One peer's per-round views of the swarm, and its record of peers that failed it."""
+
+    def __init__(
+        self,
+        me: str,
+        stage: int,
+        num_stages: int,
+        transport: Transport,
+        directory: RunDirectory,
+        metrics: Any,
+    ) -> None:
+        self.me, self.stage, self.num_stages = me, stage, num_stages
+        self.transport, self.directory, self.metrics = transport, directory, metrics
+        self.views: dict[int, MembershipView] = {}  # round -> frozen view
+        self._ready: dict[int, asyncio.Event] = {}
+        self.dead: set[str] = set()  # peer ids that failed us; reported in the DHT
+        self.addresses: dict[str, tuple[str, ...]] = {}  # peer id -> announced addresses
+        self._dialled: set[str] = set()
+        self._reports: set[asyncio.Task[None]] = set()
+
+    # ------------------------------------------------------------------ views
+
+    def set(self, view: MembershipView) -> None:
+        """Freeze `view` for its round (and forget rounds long past)."""
+        self.views[view.round] = view
+        for old in [r for r in self.views if r <= view.round - KEEP_ROUNDS]:
+            del self.views[old]
+            self._ready.pop(old, None)
+        self.metrics.write(
+            "membership",
+            round=view.round,
+            stages=[list(s) for s in view.stages],
+            rank=view.rank_of(self.me)[1],
+            peer_id=self.me,
+        )
+        self._event(view.round).set()
+
+    def at(self, round_: int) -> MembershipView:
+        return self.views[round_]
+
+    def latest(self) -> MembershipView | None:
+        return self.views[max(self.views)] if self.views else None
+
+    async def wait(self, round_: int, timeout: float) -> MembershipView:
+        """The view of `round_`, waiting (up to `timeout`) if we have not reached that round yet."""
+        if round_ not in self.views:
+            try:
+                await asyncio.wait_for(self._event(round_).wait(), timeout)
+            except TimeoutError as e:
+                raise MessageError(f"this peer has no view of round {round_} yet") from e
+        if round_ not in self.views:
+            raise MessageError(f"round {round_} is over for this peer")
+        return self.views[round_]
+
+    def _event(self, round_: int) -> asyncio.Event:
+        return self._ready.setdefault(round_, asyncio.Event())
+
+    # ------------------------------------------------------------------ reading the directory
+
+    def read_peers(self) -> list[messages.PeerAnnouncement]:
+        """Live announcements (blocking: call in a thread); remembers everyone's addresses."""
+        announcements = self.directory.read_peers().announcements
+        for a in announcements:
+            self.addresses[a.peer_id] = a.addresses
+        return announcements
+
+    def run_in_progress(self, announcements: list[messages.PeerAnnouncement], num_replicas: int) -> bool:
+        """True when round 0 is already complete (or past): a newcomer must join a later round."""
+        others = [a for a in announcements if a.peer_id != self.me]
+        if any(a.step > 0 or a.joined_round > 0 for a in others):
+            return True
+        counts = [
+            sum(1 for a in others if a.stage == s and a.joined_round == 0) for s in range(self.num_stages)
+        ]
+        return all(c >= num_replicas for c in counts)
+
+    async def freeze_round_zero(self, num_replicas: int, timeout: float) -> MembershipView:
+        """Wait until every stage has `num_replicas` peers announced for round 0, then freeze it."""
+        deadline = time.monotonic() + timeout
+        while True:
+            announcements = await asyncio.to_thread(self.read_peers)
+            pairs = [
+                (a.peer_id, a.stage)
+                for a in announcements
+                if a.joined_round == 0 and a.stage < self.num_stages
+            ]
+            view = MembershipView.from_announcements(0, self.num_stages, pairs)
+            counts = view.replica_counts()
+            if all(c >= num_replicas for c in counts):
+                if any(c > num_replicas for c in counts):
+                    raise RuntimeError(
+                        f"more peers than num_replicas={num_replicas} announced for round 0: {counts}"
+                    )
+                self.set(view)
+                await self.connect(view)
+                return view
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"only {counts} peers per stage after {timeout:.0f} s; need {num_replicas}"
+                )
+            await asyncio.sleep(0.5)
+
+    async def next(self, current: MembershipView, joined_round: int) -> MembershipView:
+        """The view of the round after `current`, by the rule every peer applies (not yet frozen).
+
+        Raises PeerExcluded if it leaves us out, RuntimeError if a stage has nobody left.
+        """
+        listings: list[Listing] = []
+        gone: dict[str, int] = {}
+        for attempt in range(2):
+            try:
+                listings, gone = await asyncio.to_thread(self._read_directory, current)
+                break
+            except DHT_ERRORS as e:  # keep this round's members if the DHT cannot be read
+                logger.warning(
+                    "could not read the run's directory (%s)%s", e, "" if attempt else "; retrying"
+                )
+        # A member missing from the read is only suspect: check it before telling everyone it is gone.
+        suspects = sorted(current.members() - {item.peer for item in listings} - self.dead - {self.me})
+        await asyncio.gather(*(self.suspect(p, "its announcement expired") for p in suspects))
+        listings.insert(0, Listing(self.me, self.stage, joined_round))
+        for peer in self.dead:
+            gone[peer] = max(gone.get(peer, -1), current.round)
+        view = next_view(current, listings, gone)
+        if self.me not in view.members():
+            raise PeerExcluded(f"the view of round {view.round} leaves this peer out (reported gone?)")
+        if not view.is_complete():
+            empty = [s for s, peers in enumerate(view.stages) if not peers]
+            raise RuntimeError(
+                f"stage(s) {empty} have no live replica in round {view.round}; the run cannot go on"
+            )
+        return view
+
+    def _read_directory(self, current: MembershipView) -> tuple[list[Listing], dict[str, int]]:
+        listings = [Listing(a.peer_id, a.stage, a.joined_round) for a in self.read_peers()]
+        return listings, self.directory.read_gone(members=current.members())
+
+    # ------------------------------------------------------------------ reaching and losing peers
+
+    async def connect(self, view: MembershipView) -> None:
+        """Dial the peers this one talks to (previous, own and next stage) not dialled yet."""
+        lo, hi = max(self.stage - 1, 0), min(self.stage + 2, self.num_stages)
+        near = [p for s in range(lo, hi) for p in view.stages[s]]
+        todo = [p for p in near if p != self.me and p not in self._dialled and p in self.addresses]
+        ok = await asyncio.gather(
+            *(self.transport.connect(p, self.addresses[p], timeout=PROBE_TIMEOUT) for p in todo)
+        )
+        self._dialled.update(p for p, good in zip(todo, ok, strict=True) if good)
+
+    async def alive(self, peer: str, run_id: str) -> bool:
+        """Does `peer` answer a status request? (Refusing one counts: it is running.) If not, dial
+        it once at its announced addresses and ask again."""
+        for attempt in range(2):
+            try:
+                await self.transport.call(
+                    peer, "rpc_status", messages.StatusRequest(run_id), timeout=PROBE_TIMEOUT
+                )
+            except PeerUnavailable:
+                if attempt or not await self.transport.connect(
+                    peer, self.addresses.get(peer, ()), timeout=PROBE_TIMEOUT
+                ):
+                    return False
+                continue
+            except (RemoteRefused, MessageError):
+                pass
+            return True
+        return False
+
+    async def suspect(self, peer: str, why: str) -> bool:
+        """`peer` failed us in a way a slow peer could too: it is gone only if it does not answer."""
+        if peer in self.dead:
+            return True
+        if await self.alive(peer, self.directory.run_id):
+            self.metrics.write("slow_peer", peer=peer, reason=why)
+            return False
+        self.mark_dead(peer, why)
+        return True
+
+    def mark_dead(self, peer: str, why: str) -> None:
+        """Stop waiting for, and sending to, a peer that failed us; tell the swarm through the DHT."""
+        if peer in self.dead:
+            return
+        self.dead.add(peer)
+        latest = self.latest()
+        round_ = latest.round if latest is not None else 0
+        logger.warning("peer %s is gone (%s); continuing without it", peer, why)
+        self.metrics.write("peer_gone", peer=peer, round=round_, reason=why)
+        report = messages.GoneReport(self.directory.run_id, peer, self.me, round_)
+        task = asyncio.get_running_loop().create_task(asyncio.to_thread(self._report, report))
+        self._reports.add(task)
+        task.add_done_callback(self._reports.discard)
+
+    def _report(self, report: messages.GoneReport) -> None:
+        try:
+            if not self.directory.report_gone(report):
+                logger.warning("the DHT did not store our report that %s is gone", report.peer_id)
+        except DHT_ERRORS as e:  # best effort: the peers it fails will find out by themselves
+            logger.warning("could not report %s gone: %s", report.peer_id, e)
+
+    async def close(self) -> None:
+        """Let pending gone reports finish."""
+        await asyncio.gather(*self._reports, return_exceptions=True)
