@@ -11,8 +11,9 @@ from pathlib import Path
 
 from rich.console import Console
 
+from noloco_swarm.peer.launch import run_peer
 from noloco_swarm.peer.node import NetworkConfig
-from noloco_swarm.peer.runtime import PeerOptions, run_peer
+from noloco_swarm.peer.runtime import PeerOptions
 from noloco_swarm.sim.config import RunConfig
 
 _PR_SET_PDEATHSIG = 1

@@ -34,9 +34,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from hivemind import DHT
 
-from noloco_swarm.data.stream import embedded_stream, validation_windows
+from noloco_swarm.data.stream import embedded_stream
+from noloco_swarm.peer import evaluation
 from noloco_swarm.peer.directory import RunDirectory
 from noloco_swarm.peer.joining import (
     JOIN_MARGIN_ROUNDS,
@@ -46,7 +46,6 @@ from noloco_swarm.peer.joining import (
     pick_join_round,
     servers_for,
 )
-from noloco_swarm.peer.node import NetworkConfig, reachability
 from noloco_swarm.peer.pipeline import Arrival, StepCollector, expected_rows, outgoing
 from noloco_swarm.peer.rounds import DHT_ERRORS, PROBE_PERIOD, PROBE_TIMEOUT, PeerExcluded, Rounds
 from noloco_swarm.peer.streams import PeerUnavailable, RemoteRefused
@@ -56,8 +55,6 @@ from noloco_swarm.protocol.clock import StepClock
 from noloco_swarm.protocol.membership import MembershipView
 from noloco_swarm.protocol.messages import (
     BackwardHeader,
-    EvalHeader,
-    EvalReply,
     ExchangeHeader,
     ForwardHeader,
     MessageError,
@@ -67,7 +64,6 @@ from noloco_swarm.sim.config import RunConfig
 from noloco_swarm.sim.replica import StageReplica
 
 logger = logging.getLogger(__name__)
-EVAL_BATCH = 16
 
 
 @dataclass(frozen=True)
@@ -464,11 +460,11 @@ class Peer:
             raise MessageError(
                 f"views of round {header.round} differ (theirs {header.view}, ours {view.digest()})"
             )
-        self._check_sender(peer_id, view, header.run_id, header.hop, header.sender_rank)
+        self.check_sender(peer_id, view, header.run_id, header.hop, header.sender_rank)
         if not self.step <= header.step < self.step + 2 or header.step <= self._consumed:
             raise MessageError(f"forward for step {header.step}, this replica is at step {self.step}")
         positions = [k - header.step * self.B for k in header.samples]
-        acts, toks = self._checked_rows(tensors)
+        acts, toks = self.checked_rows(tensors)
         arrival = Arrival(header.sender_rank, positions, acts, toks)
         self._collector(header.step).add(arrival)
         grad, losses = await asyncio.wait_for(arrival.result, self.opts.step_timeout * 2)
@@ -484,7 +480,7 @@ class Peer:
         )
         return reply, [grad]
 
-    def _checked_rows(self, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def checked_rows(self, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Activations and token ids from another peer, checked against this model before use.
 
         (The transport already checked them against the header's metas and for NaN/inf.)"""
@@ -500,7 +496,7 @@ class Peer:
             raise MessageError("token ids must be int64 within the vocabulary")
         return acts, toks
 
-    def _check_sender(self, peer_id: str, view: MembershipView, run_id: str, hop: int, rank: int) -> None:
+    def check_sender(self, peer_id: str, view: MembershipView, run_id: str, hop: int, rank: int) -> None:
         """The request must come from the peer `view` puts at (hop, rank), for our stage."""
         if run_id != self.opts.run_id or hop != self.stage - 1:
             raise MessageError(
@@ -620,83 +616,10 @@ class Peer:
 
     # ------------------------------------------------------------------ evaluation
 
-    def _eval_paths(self) -> tuple[MembershipView, int]:
-        """The last round's view and how many fixed paths it has: path q is replica q of every
-        stage, for q below the smallest replica count."""
-        view = self.view_at(self.step - 1)
-        return view, min(view.replica_counts())
-
-    async def evaluate(self) -> float | None:
-        """Stage-0 replica q runs the validation windows along path q; returns the mean loss."""
-        windows = validation_windows(self.cfg.data)[: self.cfg.eval_windows]
-        view, paths = self._eval_paths()
-        rank = view.rank_of(self.me)[1]
-        if rank >= paths:
-            return None
-        broken = [s for s in range(self.P) if view.peer_at(s, rank) in self.rounds.dead]
-        if broken:
-            logger.warning("no evaluation: this replica's fixed path is broken at stage %d", min(broken))
-            return None
-        if not self.is_first:
-            try:
-                for _ in range(math.ceil(len(windows) / EVAL_BATCH)):
-                    await asyncio.wait_for(self.eval_queue.get(), self.opts.step_timeout * 4)
-            except TimeoutError:
-                logger.warning("the previous stage did not run its evaluation; finishing without it")
-            return None
-        total, count = 0.0, 0
-        for b, start in enumerate(range(0, len(windows), EVAL_BATCH)):
-            w = windows[start : start + EVAL_BATCH]
-            try:
-                losses = await self._eval_batch(view, rank, b, w[:, :-1], w[:, 1:])
-            except (PeerUnavailable, RemoteRefused, MessageError) as e:
-                logger.warning("evaluation failed on this replica's path: %s", e)
-                return None
-            total += sum(losses)
-            count += len(losses)
-        return total / count
-
-    async def _eval_batch(
-        self, view: MembershipView, rank: int, b: int, x: torch.Tensor, y: torch.Tensor
-    ) -> list[float]:
-        with torch.no_grad():
-            out = await asyncio.to_thread(self.replica.module, x, y if self.is_last else None)
-        if self.is_last:
-            return [float(v) for v in out]
-        header = EvalHeader(
-            self.opts.run_id, self.step, self.stage, rank, b, TensorMeta.of(out), TensorMeta.of(y)
-        )
-        reply, _ = await self.transport.call(
-            view.peer_at(self.stage + 1, rank),
-            "rpc_eval",
-            header,
-            [out, y.contiguous()],
-            timeout=self.opts.step_timeout,
-        )
-        if not isinstance(reply, EvalReply) or len(reply.losses) != len(x):
-            raise MessageError("malformed eval reply")
-        return list(reply.losses)
-
     async def rpc_eval(
         self, peer_id: str, header: messages.Message, tensors: list[torch.Tensor]
     ) -> tuple[messages.Message, list[torch.Tensor]]:
-        """Validation rows along fixed path `header.rank`; answered with per-sample losses."""
-        if not isinstance(header, EvalHeader):
-            raise MessageError("expected an eval header")
-        try:  # evaluate the trained weights: wait until our own last step is done
-            await asyncio.wait_for(self.trained.wait(), self.opts.step_timeout * 2)
-        except TimeoutError as e:
-            raise MessageError("this peer has not finished training yet") from e
-        if header.step != self.step:
-            raise MessageError(f"evaluation after step {header.step}; this peer ended at step {self.step}")
-        view, paths = self._eval_paths()
-        self._check_sender(peer_id, view, header.run_id, header.hop, header.rank)
-        if header.rank >= paths or view.rank_of(self.me)[1] != header.rank:
-            raise MessageError("evaluation follows the fixed path: same rank at every stage")
-        acts, toks = self._checked_rows(tensors)
-        losses = await self._eval_batch(view, header.rank, header.batch, acts, toks)
-        self.eval_queue.put_nowait(None)
-        return EvalReply(tuple(losses)), []
+        return await evaluation.serve(self, peer_id, header, tensors)
 
     # ------------------------------------------------------------------ the whole run
 
@@ -724,7 +647,7 @@ class Peer:
                     await self.join_late()
             seconds = time.perf_counter() - start
             self.trained.set()
-            val_loss = await self.evaluate()
+            val_loss = await evaluation.evaluate(self)
         finally:
             heartbeat.cancel()
             await asyncio.gather(heartbeat, return_exceptions=True)
@@ -765,59 +688,3 @@ class Peer:
                 logger.warning("heartbeat failed: %s", e)
             if not stored:
                 logger.warning("heartbeat: the DHT did not store our announcement; retrying")
-
-
-async def run_peer(
-    cfg: RunConfig, net: NetworkConfig, opts: PeerOptions, *, new_run: bool = False
-) -> dict[str, Any]:
-    """Start this peer's libp2p daemon and DHT node, join the run, train, and shut everything down."""
-    transport = await Transport.create(
-        host_maddrs=net.host_maddrs,
-        initial_peers=net.initial_peers,
-        identity_path=net.identity_path,
-        announce_maddrs=list(net.announce_maddrs) or None,
-        use_relay=net.use_relay,
-        use_auto_relay=net.use_auto_relay,
-    )
-    dht = None
-    try:
-        # The DHT shares the transport's daemon: one libp2p identity and one p2pd per peer.
-        dht = await asyncio.to_thread(
-            DHT, initial_peers=list(net.initial_peers), p2p=transport.p2p, start=True
-        )
-        directory = RunDirectory(dht, opts.run_id, ttl=opts.heartbeat_ttl)
-        manifest = messages.RunManifest.create(opts.run_id, cfg.flat())
-        await _join_manifest(directory, manifest, new_run, opts.start_timeout)
-        stage = opts.stage
-        if stage is None:
-            view = await asyncio.to_thread(directory.membership, 0, cfg.num_stages)
-            stage = view.least_served_stage()
-        if not 0 <= stage < cfg.num_stages:
-            raise ValueError(f"--stage {stage} is outside 0..{cfg.num_stages - 1} for this run")
-        addresses = tuple(await transport.visible_addresses())
-        for line in reachability(addresses):
-            logger.warning("reachable as %s", line)  # warning: shown by default, once, at start
-        peer = Peer(cfg, opts, transport, directory, stage, addresses)
-        try:
-            return await peer.run()
-        finally:
-            peer.metrics.close()
-    finally:
-        if dht is not None:
-            await asyncio.to_thread(dht.shutdown)
-        await transport.shutdown()
-
-
-async def _join_manifest(
-    directory: RunDirectory, manifest: messages.RunManifest, new_run: bool, timeout: float
-) -> None:
-    """Check the run's manifest; a joiner that arrives before the starter waits for it."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            await asyncio.to_thread(directory.join_manifest, manifest, new_run=new_run)
-            return
-        except LookupError:
-            if time.monotonic() > deadline:
-                raise
-            await asyncio.sleep(0.5)
