@@ -216,8 +216,15 @@ def _join(args: argparse.Namespace) -> int:
     if args.die_with_parent:
         die_with_parent()
     if args.device == "cuda":
-        print("noloco: --device cuda is not supported yet; peers train on the CPU", file=sys.stderr)
-        return 2
+        import torch
+
+        if not torch.cuda.is_available():
+            print(
+                "noloco: --device cuda, but this torch has no usable CUDA device "
+                f"(torch {torch.__version__}); use --device cpu or install a CUDA build",
+                file=sys.stderr,
+            )
+            return 2
     cfg = load_run_config(args.run_config) if args.run_config else _config(args, args.method)
     _check_swarm_method(cfg.outer.method)
     stage = None if args.stage == "auto" else int(args.stage)
@@ -228,6 +235,7 @@ def _join(args: argparse.Namespace) -> int:
         metrics_path=args.metrics,
         step_timeout=args.step_timeout,
         exchange_timeout=args.step_timeout,
+        device=args.device,
     )
     return run_join(cfg, _network_config(args), opts, new_run=args.new_run)
 

@@ -66,8 +66,9 @@ async def evaluate(peer: Peer) -> float | None:
 async def _batch(
     peer: Peer, view: MembershipView, rank: int, b: int, x: torch.Tensor, y: torch.Tensor
 ) -> list[float]:
+    x = x.to(peer.device)
     with torch.no_grad():
-        out = await asyncio.to_thread(peer.replica.module, x, y if peer.is_last else None)
+        out = await asyncio.to_thread(peer.replica.module, x, y.to(peer.device) if peer.is_last else None)
     if peer.is_last:
         return [float(v) for v in out]
     header = EvalHeader(

@@ -79,6 +79,7 @@ class PeerOptions:
     start_timeout: float = 120.0  # deadline for the manifest and a complete membership to appear
     join_timeout: float = 280.0  # deadline for joining a running swarm (waiting for our round, fetching)
     heartbeat_ttl: float = 30.0
+    device: str = "cpu"  # where this stage computes; tensors cross the network from the CPU
 
 
 class MetricsLog:
@@ -115,7 +116,8 @@ class Peer:
         self.P, self.B = cfg.num_stages, cfg.inner.batch_size
         self.is_first, self.is_last = stage == 0, stage == cfg.num_stages - 1
         self.clock = StepClock(cfg.outer.inner_steps, self.B, cfg.inner.total_steps)
-        self.replica = StageReplica(cfg, stage)
+        self.device = torch.device(opts.device)
+        self.replica = StageReplica(cfg, stage, device=self.device)
         self.metrics = MetricsLog(opts.metrics_path)
         self.rounds = Rounds(self.me, stage, cfg.num_stages, transport, directory, self.metrics)
         self.joined_round = 0
@@ -143,7 +145,13 @@ class Peer:
     def announcement(self) -> messages.PeerAnnouncement:
         """Our heartbeat record, with the round we (re)joined at and our progress."""
         return messages.PeerAnnouncement(
-            self.opts.run_id, self.me, self.stage, self.joined_round, self.addresses, "cpu", self.step
+            self.opts.run_id,
+            self.me,
+            self.stage,
+            self.joined_round,
+            self.addresses,
+            self.device.type,
+            self.step,
         )
 
     def view_at(self, t: int) -> MembershipView:
@@ -301,11 +309,11 @@ class Peer:
 
     async def _first_stage_step(self, t: int) -> float:
         window = await asyncio.to_thread(self._batch, t)  # a new shard layout loads the corpus
-        x, y = window[:, :-1], window[:, 1:]
+        x, y = window[:, :-1].to(self.device), window[:, 1:]
         if self.P == 1:
 
             def local() -> float:
-                losses = self.replica.module(x, y)
+                losses = self.replica.module(x, y.to(self.device))
                 (losses.sum() / self.B).backward()
                 return float(losses.detach().mean())
 
@@ -370,7 +378,7 @@ class Peer:
             if result is None:
                 continue
             positions, rows, sample_losses = result
-            grad[positions] = rows
+            grad[positions] = rows.to(grad.device)
             losses.extend(sample_losses)
         dropped = out.shape[0] - len(losses)
         if dropped:
@@ -397,11 +405,11 @@ class Peer:
             self.metrics.write("dropped", step=t, hop=self.stage - 1, samples=len(collector.expected))
             return math.nan
         acts, toks, placement = collector.batch()
-        x = acts.requires_grad_(True)
+        x = acts.to(self.device).requires_grad_(True)
         if self.is_last:
 
             def last() -> torch.Tensor:
-                losses = self.replica.module(x, toks)
+                losses = self.replica.module(x, toks.to(self.device))
                 (losses.sum() / self.B).backward()
                 return losses.detach()
 
@@ -412,9 +420,10 @@ class Peer:
             grad, sample_losses = await self._send_forward(t, self.stage, out.detach(), toks)
             await asyncio.to_thread(out.backward, grad)
         assert x.grad is not None
+        x_grad = x.grad.cpu()  # replies leave from the CPU
         for arrival, rows in placement:
             if not arrival.result.done():  # the sender may have given up on us meanwhile
-                arrival.result.set_result((x.grad[rows].contiguous(), [sample_losses[r] for r in rows]))
+                arrival.result.set_result((x_grad[rows].contiguous(), [sample_losses[r] for r in rows]))
         return sum(sample_losses) / len(sample_losses) if sample_losses else math.nan
 
     async def _collect(self, t: int, collector: StepCollector) -> None:

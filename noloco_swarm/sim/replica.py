@@ -19,11 +19,13 @@ from noloco_swarm.sim.config import RunConfig
 class StageReplica:
     """Stage `stage` of a run: fp32 master weights, AdamW (moments stay local), phi and delta."""
 
-    def __init__(self, cfg: RunConfig, stage: int, module: Stage | None = None) -> None:
+    def __init__(
+        self, cfg: RunConfig, stage: int, module: Stage | None = None, device: str | torch.device = "cpu"
+    ) -> None:
         self.cfg, self.stage = cfg, stage
-        self.module = (
-            module if module is not None else build_stage(cfg.model, stage, cfg.num_stages, cfg.seed)
-        )
+        module = module if module is not None else build_stage(cfg.model, stage, cfg.num_stages, cfg.seed)
+        self.module = module.to(device)  # init is drawn on the CPU, so every device starts equal
+        self.device = torch.device(device)
         inner = cfg.inner
         # foreach: one pass over all tensors; on CPU the default per-tensor loop is much slower.
         self.optimizer = torch.optim.AdamW(
@@ -65,6 +67,7 @@ class StageReplica:
     ) -> None:
         """NoLoCo outer step with the group's fast weights (this replica's included), keyed by rank."""
         o = self.cfg.outer
+        thetas, phis = self._here(thetas), self._here(phis) if phis is not None else None
         res = outer.noloco_step(
             self.phi, self.delta, thetas, alpha=o.outer_momentum, beta=o.outer_lr, gamma=o.gamma, phis=phis
         )
@@ -74,10 +77,15 @@ class StageReplica:
     def apply_diloco(self, thetas: Mapping[int, torch.Tensor]) -> None:
         """DiLoCo outer step with every replica's fast weights, keyed by rank."""
         o = self.cfg.outer
+        thetas = self._here(thetas)
         res = outer.diloco_step(
             self.phi, self.delta, thetas, lr=o.outer_lr, momentum_coef=o.outer_momentum, nesterov=o.nesterov
         )
         self._set(res)
+
+    def _here(self, tensors: Mapping[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """Received tensors (on the CPU) moved to this replica's device (a no-op on the CPU)."""
+        return {k: v.to(self.device) for k, v in tensors.items()}
 
     def _set(self, res: outer.OuterResult) -> None:
         assert isinstance(res.phi, torch.Tensor) and isinstance(res.delta, torch.Tensor)
@@ -112,7 +120,7 @@ class StageReplica:
             "exp_avg": moment("exp_avg"),
             "exp_avg_sq": moment("exp_avg_sq"),
         }
-        return parts, adam_step
+        return {k: v.cpu() for k, v in parts.items()}, adam_step
 
     @torch.no_grad()
     def load_state_parts(self, parts: Mapping[str, torch.Tensor], adam_step: int) -> None:
@@ -122,14 +130,15 @@ class StageReplica:
             t.shape != (n,) for t in parts.values()
         ):
             raise ValueError(f"state parts must be phi, delta, exp_avg, exp_avg_sq of {n} elements each")
-        load_flat_params_(self.module, parts["phi"])
-        self.phi, self.delta = parts["phi"].clone(), parts["delta"].clone()
+        here = {k: v.to(self.device, copy=True) for k, v in parts.items()}
+        load_flat_params_(self.module, here["phi"])
+        self.phi, self.delta = here["phi"], here["delta"]
         offset = 0
         for p in self.module.parameters():
             k = p.numel()
             self.optimizer.state[p] = {
-                "step": torch.tensor(float(adam_step)),
-                "exp_avg": parts["exp_avg"][offset : offset + k].view_as(p).clone(),
-                "exp_avg_sq": parts["exp_avg_sq"][offset : offset + k].view_as(p).clone(),
+                "step": torch.tensor(float(adam_step)),  # AdamW keeps its step count on the CPU
+                "exp_avg": here["exp_avg"][offset : offset + k].view_as(p).clone(),
+                "exp_avg_sq": here["exp_avg_sq"][offset : offset + k].view_as(p).clone(),
             }
             offset += k

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from rich.console import Console
 
 from noloco_swarm.cli.main import main
@@ -127,6 +128,13 @@ def test_config_error_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert "inner_steps" in capsys.readouterr().err
     assert main(["local", "--steps", "1", "--method", "allreduce"]) == 2  # simulator-only
     assert "--in-process" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
+def test_join_on_cuda_without_a_cuda_device_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["join", "--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/x", "--run-id", "r", "--device", "cuda"]
+    assert main(argv) == 2
+    assert "no usable CUDA device" in capsys.readouterr().err
 
 
 def test_local_in_process_runs_and_prints_a_summary(cache: Path, capsys: pytest.CaptureFixture[str]) -> None:
