@@ -8,18 +8,25 @@ Modes, alternated within each repetition over the same two p2pd daemons:
   hivemind_part  the same, in chunks of our part size
 Ratios are against `hivemind`. Only `ours` also checks every float for NaN/inf on arrival.
 
+With `--shaped-mbit N` (root, Linux) the receiver runs in its own network namespace, joined to
+ours by a veth pair whose two ends are shaped to N Mbit/s with a `tbf` qdisc, and the table adds
+each mode's share of that link (payload bits / N Mbit/s; TCP, noise and yamux framing are part
+of the gap to 100%).
+
 The receiver B is a child process (as on a real swarm, where sender and receiver do not share a
 Python interpreter). Timings come from one pass over all modes; memory from a second pass with a
 fresh receiver per mode, where each side samples its own RSS every 2 ms and "extra" is the peak
 over the transfer minus the RSS before it, in multiples of the tensor's size.
 
     python bench/exchange_throughput.py --sizes-mib 64 256 --reps 3
+    python bench/exchange_throughput.py --sizes-mib 256 --reps 3 --shaped-mbit 1000 --no-memory
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import ctypes
 import json
 import os
@@ -29,7 +36,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 import torch
 from hivemind.compression.serialization import deserialize_torch_tensor, serialize_torch_tensor
@@ -43,6 +50,7 @@ from noloco_swarm.protocol import messages
 FAILURES: dict[tuple[int, str], int] = {}
 MODES = ("ours", "pbparts", "hivemind", "hivemind_part")
 MIB = 1 << 20
+HOST_ADDR, NS_ADDR = "10.231.0.1", "10.231.0.2"  # the shaped link's two ends
 M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
 
 
@@ -80,10 +88,10 @@ class RssPeak:
 # -- receiver (child process) ----------------------------------------------------------------
 
 
-async def serve(part_bytes: int) -> None:
+async def serve(part_bytes: int, listen: str) -> None:
     rss = RssPeak()
     config = TransportConfig(part_bytes=part_bytes, max_frame_bytes=2 << 30, max_inflight_bytes=4 << 30)
-    transport = await Transport.create(config=config)
+    transport = await Transport.create(config=config, host_maddrs=[listen])
     p2p = transport.p2p
 
     def report(tensor: torch.Tensor) -> str:
@@ -173,8 +181,10 @@ async def measure(
 ) -> Rows:
     """Start a fresh receiver and sender, then time `reps` alternating transfers per mode and size."""
     part = args.part_kib << 10
+    prefix = ["ip", "netns", "exec", args.netns] if args.netns else []
+    listen = f"/ip4/{NS_ADDR}/tcp/0" if args.netns else "/ip4/127.0.0.1/tcp/0"
     child = subprocess.Popen(
-        [sys.executable, __file__, "--serve", "--part-kib", str(args.part_kib)],
+        [*prefix, sys.executable, __file__, "--serve", "--part-kib", str(args.part_kib), "--listen", listen],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -188,7 +198,11 @@ async def measure(
         if not line.startswith("ready "):
             raise RuntimeError(f"receiver did not start: {line!r}")
         addr = line.split()[1]
-        transport = await Transport.create(initial_peers=[addr], config=TransportConfig(part_bytes=part))
+        transport = await Transport.create(
+            initial_peers=[addr],
+            config=TransportConfig(part_bytes=part),
+            host_maddrs=[f"/ip4/{HOST_ADDR}/tcp/0" if args.netns else "/ip4/127.0.0.1/tcp/0"],
+        )
         peer = addr.rsplit("/p2p/", 1)[1]
         for size in sizes:
             tensor = torch.randn(size * MIB // 4)
@@ -227,6 +241,36 @@ async def measure(
     return results
 
 
+@contextlib.contextmanager
+def shaped_link(mbit: int) -> Iterator[str]:
+    """A network namespace behind a veth pair shaped to `mbit` Mbit/s each way; removed at exit."""
+    ns, host_if, ns_if = (
+        f"noloco-bench-{os.getpid()}",
+        f"nlb{os.getpid() % 10000}a",
+        f"nlb{os.getpid() % 10000}b",
+    )
+    rate = ["tbf", "rate", f"{mbit}mbit", "burst", f"{max(mbit * 1000 // 8 // 100, 32)}kb", "latency", "50ms"]
+    steps = [
+        ["ip", "netns", "add", ns],
+        ["ip", "link", "add", host_if, "type", "veth", "peer", "name", ns_if],
+        ["ip", "link", "set", ns_if, "netns", ns],
+        ["ip", "addr", "add", f"{HOST_ADDR}/30", "dev", host_if],
+        ["ip", "link", "set", host_if, "up"],
+        ["ip", "netns", "exec", ns, "ip", "addr", "add", f"{NS_ADDR}/30", "dev", ns_if],
+        ["ip", "netns", "exec", ns, "ip", "link", "set", ns_if, "up"],
+        ["ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up"],
+        ["tc", "qdisc", "add", "dev", host_if, "root", *rate],
+        ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", ns_if, "root", *rate],
+    ]
+    try:
+        for step in steps:
+            subprocess.run(step, check=True, capture_output=True, text=True)
+        yield ns
+    finally:
+        subprocess.run(["ip", "link", "del", host_if], capture_output=True, check=False)  # and its peer
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
+
+
 async def run(args: argparse.Namespace) -> None:
     rss = RssPeak()
     speeds = await measure(args, args.modes, args.sizes_mib, args.reps, rss, {})
@@ -243,11 +287,22 @@ async def run(args: argparse.Namespace) -> None:
 
 
 def print_table(args: argparse.Namespace, speeds: Rows, memory: Rows) -> None:
-    print(f"\nloopback, 2 p2pd daemons, part {args.part_kib} KiB, torch threads {torch.get_num_threads()}")
+    link = f"a veth pair shaped to {args.shaped_mbit} Mbit/s (tbf)" if args.netns else "loopback"
+    print(f"\n{link}, 2 p2pd daemons, part {args.part_kib} KiB, torch threads {torch.get_num_threads()}")
     print(f"median of {args.reps} alternating reps; CPU: Python process seconds per GiB (p2pd not included);")
     print("extra: peak RSS rise during the transfer / tensor size (separate pass, fresh receiver per mode)")
-    head = ("MiB", "mode", "MiB/s", "vs hivemind", "CPU send", "CPU recv", "extra send", "extra recv")
-    print("{:>5} {:>14} {:>7} {:>12} {:>9} {:>9} {:>11} {:>11}".format(*head))
+    head = (
+        "MiB",
+        "mode",
+        "MiB/s",
+        "vs hivemind",
+        "CPU send",
+        "CPU recv",
+        "extra send",
+        "extra recv",
+        "of link",
+    )
+    print("{:>5} {:>14} {:>7} {:>12} {:>9} {:>9} {:>11} {:>11} {:>8}".format(*head))
     for size in args.sizes_mib:
         base = statistics.median(r[0] for r in speeds.get((size, "hivemind"), [(float("nan"),)]))
         for mode in args.modes:
@@ -258,9 +313,10 @@ def print_table(args: argparse.Namespace, speeds: Rows, memory: Rows) -> None:
             speed, cpu_send, cpu_recv = (statistics.median(r[i] for r in rows) for i in (0, 3, 4))
             mem = memory.get((size, mode))
             extra = [f"{mem[0][i]:.2f}x" if mem else "-" for i in (1, 2)]
+            share = f"{speed * MIB * 8 / (args.shaped_mbit * 1e6):.1%}" if args.netns else "-"
             print(
                 f"{size:>5} {mode:>14} {speed:>7.0f} {speed / base:>11.2f}x {cpu_send:>9.2f} {cpu_recv:>9.2f} "
-                f"{extra[0]:>11} {extra[1]:>11}"
+                f"{extra[0]:>11} {extra[1]:>11} {share:>8}"
             )
     for (size, mode), count in sorted(FAILURES.items()):
         print(f"{mode} at {size} MiB: {count} transfer(s) failed and are not in the figures")
@@ -276,12 +332,21 @@ def main() -> None:
     parser.add_argument("--part-kib", type=int, default=1024, help="our part size (64 .. 4096)")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--no-memory", action="store_true", help="skip the memory pass")
+    parser.add_argument("--shaped-mbit", type=int, default=0, help="receiver behind a tbf-shaped veth link")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--listen", default="/ip4/127.0.0.1/tcp/0", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    args.netns = ""
     # Transfers and torch compete for the same cores; keep torch to one thread on both sides.
     torch.set_num_threads(1)
     os.environ.setdefault("GOLOG_LOG_LEVEL", "error")
-    asyncio.run(serve(args.part_kib << 10) if args.serve else run(args))
+    if args.serve:
+        asyncio.run(serve(args.part_kib << 10, args.listen))
+    elif args.shaped_mbit:
+        with shaped_link(args.shaped_mbit) as args.netns:
+            asyncio.run(run(args))
+    else:
+        asyncio.run(run(args))
 
 
 if __name__ == "__main__":
