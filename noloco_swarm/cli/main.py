@@ -129,6 +129,19 @@ def parser() -> argparse.ArgumentParser:
         "--address-file", type=Path, default=None, help="also write the --initial-peers address here"
     )
 
+    status = sub.add_parser(
+        "status", help="a live view of a running swarm: every peer's stage, step and loss"
+    )
+    status.add_argument(
+        "--initial-peers", nargs="+", required=True, metavar="MADDR", help="multiaddrs of live peers"
+    )
+    status.add_argument("--run-id", required=True)
+    status.add_argument(
+        "--host-maddrs", nargs="+", default=["/ip4/0.0.0.0/tcp/0"], metavar="MADDR", help="listen addresses"
+    )
+    status.add_argument("--once", action="store_true", help="print one snapshot and exit")
+    status.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
+
     sub.add_parser("presets", help="list model presets and their parameter counts")
     sub.add_parser("keys", help="list every config key")
     return p
@@ -168,6 +181,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             from noloco_swarm.cli.dht import run_dht
 
             return run_dht(_network_config(args), address_file=args.address_file)
+        if args.command == "status":
+            from noloco_swarm.cli.status import run_status
+            from noloco_swarm.peer.node import NetworkConfig
+
+            net = NetworkConfig(initial_peers=tuple(args.initial_peers), host_maddrs=tuple(args.host_maddrs))
+            return run_status(net, args.run_id, once=args.once, interval=args.interval)
         import torch
 
         default_threads = torch.get_num_threads()

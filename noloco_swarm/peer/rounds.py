@@ -180,10 +180,14 @@ class Rounds:
     # ------------------------------------------------------------------ reaching and losing peers
 
     async def connect(self, view: MembershipView) -> None:
-        """Dial the peers this one talks to (previous, own and next stage) not dialled yet."""
+        """Dial the peers this one talks to (previous, own and next stage) not dialled yet.
+
+        Only the lower peer id of a pair dials: two peers dialling each other at the same moment
+        can end up with two connections, and streams on the one libp2p then closes are cut.
+        """
         lo, hi = max(self.stage - 1, 0), min(self.stage + 2, self.num_stages)
         near = [p for s in range(lo, hi) for p in view.stages[s]]
-        todo = [p for p in near if p != self.me and p not in self._dialled and p in self.addresses]
+        todo = [p for p in near if p > self.me and p not in self._dialled and p in self.addresses]
         ok = await asyncio.gather(
             *(self.transport.connect(p, self.addresses[p], timeout=PROBE_TIMEOUT) for p in todo)
         )

@@ -7,6 +7,7 @@ import math
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -214,3 +215,42 @@ def test_hivemind_dht_cli_is_a_working_entry_point(cache: Path) -> None:
             assert all(f"--initial-peers {bootstrap}" in " ".join(p.proc.args) for p in swarm.peers)  # type: ignore[arg-type]
             summaries = swarm.summaries()
     assert sorted((s["stage"], s["steps"]) for s in summaries) == [(0, 4), (1, 4)]
+
+
+def test_noloco_status_shows_every_peer_of_a_running_swarm(cache: Path) -> None:
+    """`noloco status --once` from a separate process finds the run through the DHT and gets an
+    answer from every peer; a run id nobody uses is a clear error."""
+    steps = 1000  # the swarm is stopped once the status has been checked
+    cfg = small("noloco", num_replicas="1", **{"inner.total_steps": str(steps)})
+    before = p2pd_descendants()
+    with local_swarm(cfg, steps, step_timeout=60) as swarm:
+        deadline = time.monotonic() + 120
+        while not all(any(e["event"] == "step" for e in p.events()) for p in swarm.peers):
+            assert time.monotonic() < deadline, "\n".join(p.log_tail() for p in swarm.peers)
+            time.sleep(0.2)
+        base = [sys.executable, "-m", "noloco_swarm.cli.main", "status", "--once"]
+        net = ["--initial-peers", swarm.bootstrap, "--host-maddrs", "/ip4/127.0.0.1/tcp/0"]
+        wide = {**os.environ, "COLUMNS": "160"}  # rich's width when stdout is not a terminal
+        shown = subprocess.run(
+            [*base, *net, "--run-id", swarm.run_id],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+            env=wide,
+        )
+        missing = subprocess.run(
+            [*base, *net, "--run-id", "nobody-runs-this"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        ids = {next(e["peer_id"] for e in p.events() if e["event"] == "membership") for p in swarm.peers}
+    assert p2pd_descendants() <= before
+    assert shown.returncode == 0, shown.stderr
+    out = " ".join(shown.stdout.split())
+    assert f"{swarm.run_id} [noloco]" in out and "tiny, 2 stages, H=3" in out
+    assert "2 announced (stage 0: 1, stage 1: 1), 2 answering" in out
+    assert all(f"…{peer[-8:]}" in out for peer in ids)
+    assert missing.returncode == 1 and "no manifest" in missing.stdout

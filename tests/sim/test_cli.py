@@ -116,6 +116,48 @@ def test_view_is_a_pure_function_of_the_snapshot() -> None:
     assert sparkline(()) == ""
 
 
+def test_swarm_status_view_is_a_pure_function_of_the_snapshot() -> None:
+    from noloco_swarm.cli.status import PeerRow, SwarmStatus, render_swarm
+    from noloco_swarm.protocol.messages import PeerStatus
+
+    def row(peer: str, stage: int, rank: int, step: int, loss: float | None) -> PeerRow:
+        return PeerRow(
+            peer, stage, 0, "cpu", PeerStatus("run-9", peer, stage, step, step // 10, rank, 3, 4096, loss)
+        )
+
+    snap = SwarmStatus(
+        "run-9",
+        {"model.name": "tiny", "num_stages": "2", "outer.method": "noloco", "outer.inner_steps": "10"},
+        (
+            row("12D3KooWaaaaaaaa11111111", 0, 0, 41, None),
+            row("12D3KooWbbbbbbbb22222222", 1, 0, 40, 5.25),
+            PeerRow("12D3KooWcccccccc33333333", 1, 4, "cuda", error="peer is unreachable"),
+        ),
+        gone=1,
+    )
+
+    def text(status: SwarmStatus) -> str:
+        console = Console(width=120, color_system=None, record=True, file=io.StringIO())
+        console.print(render_swarm(status))
+        return console.export_text()
+
+    out = text(snap)
+    assert out == text(snap)
+    for expected in (
+        "run-9  [noloco]",
+        "tiny, 2 stages, H=10",
+        "3 announced (stage 0: 1, stage 1: 2), 2 answering",
+        "40..41",
+        "5.250 (mean over peers)",
+        "1 reported",
+        "…11111111",
+        "4,096",
+        "no answer: peer is",
+    ):
+        assert expected in out, expected
+    assert "no manifest" in text(SwarmStatus("gone-run", found=False))
+
+
 def test_presets_and_keys_commands(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["presets"]) == 0
     assert "small" in capsys.readouterr().out
