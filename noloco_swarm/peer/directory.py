@@ -13,6 +13,7 @@ counted), never trusted. The frozen per-round view itself is built by protocol.m
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeVar
 
 from hivemind import DHT
 from hivemind.utils import get_dht_time
@@ -22,6 +23,7 @@ from noloco_swarm.protocol.membership import Listing, MembershipView
 
 MANIFEST_TTL = 7 * 24 * 3600.0  # the manifest outlives any one peer; re-stored by every heartbeat
 DEFAULT_HEARTBEAT_TTL = 30.0
+R = TypeVar("R", messages.PeerAnnouncement, messages.GoneReport)
 GONE_TTL = 3600.0  # long enough to outlast any announcement the gone peer left behind
 
 
@@ -108,33 +110,35 @@ class RunDirectory:
         """Store (or refresh) our announcement; call it every ttl/3 seconds as the heartbeat."""
         if announcement.run_id != self.run_id:
             raise ValueError("announcement names another run")
-        return bool(
-            self.dht.store(
-                peers_key(self.run_id),
-                messages.encode(announcement),
-                get_dht_time() + self.ttl,
-                subkey=announcement.peer_id,
-            )
-        )
+        return self._store(peers_key(self.run_id), announcement, announcement.peer_id, self.ttl)
 
     def read_peers(self) -> DirectoryReadout:
         """Every live, well-formed announcement of this run (subkey must equal the peer id)."""
-        found = self.dht.get(peers_key(self.run_id), latest=True)
+        good, bad = self._read(peers_key(self.run_id), messages.PeerAnnouncement)
+        good.sort(key=lambda a: a.peer_id)
+        return DirectoryReadout(good, bad)
+
+    def _store(self, key: str, record: messages.Message, subkey: str, ttl: float) -> bool:
+        return bool(self.dht.store(key, messages.encode(record), get_dht_time() + ttl, subkey=subkey))
+
+    def _read(self, key: str, cls: type[R]) -> tuple[list[R], int]:
+        """Well-formed records of `cls` under `key` naming this run and their own subkey, and how
+        many others there were (garbage, another run, a subkey that lies about its peer)."""
+        found = self.dht.get(key, latest=True)
         if found is None or not isinstance(found.value, dict):
-            return DirectoryReadout([], 0)
+            return [], 0
         good, bad = [], 0
         for subkey, item in found.value.items():
             try:
-                ann = messages.decode(item.value, messages.PeerAnnouncement)
+                record = messages.decode(item.value, cls)
             except messages.MessageError:
                 bad += 1
                 continue
-            if ann.run_id != self.run_id or ann.peer_id != subkey:
+            if record.run_id != self.run_id or record.peer_id != subkey:
                 bad += 1
                 continue
-            good.append(ann)
-        good.sort(key=lambda a: a.peer_id)
-        return DirectoryReadout(good, bad)
+            good.append(record)
+        return good, bad
 
     def membership(self, round_: int, num_stages: int) -> MembershipView:
         """The frozen view of round `round_`: peers announced for a round <= round_, stage in range."""
@@ -155,29 +159,14 @@ class RunDirectory:
         """Tell the swarm a member failed us, so that everyone drops it at the next boundary."""
         if report.run_id != self.run_id:
             raise ValueError("report names another run")
-        return bool(
-            self.dht.store(
-                gone_key(self.run_id),
-                messages.encode(report),
-                get_dht_time() + GONE_TTL,
-                subkey=report.peer_id,
-            )
-        )
+        return self._store(gone_key(self.run_id), report, report.peer_id, GONE_TTL)
 
     def read_gone(self, members: set[str] | None = None) -> dict[str, int]:
         """peer id -> the round it was reported gone in; reports by non-members are ignored when
         `members` is given (a stranger cannot evict anyone)."""
-        found = self.dht.get(gone_key(self.run_id), latest=True)
-        if found is None or not isinstance(found.value, dict):
-            return {}
+        reports, _ = self._read(gone_key(self.run_id), messages.GoneReport)
         gone: dict[str, int] = {}
-        for subkey, item in found.value.items():
-            try:
-                report = messages.decode(item.value, messages.GoneReport)
-            except messages.MessageError:
-                continue
-            if report.run_id != self.run_id or report.peer_id != subkey:
-                continue
+        for report in reports:
             if members is not None and report.reporter not in members:
                 continue
             gone[report.peer_id] = max(gone.get(report.peer_id, -1), report.round)
