@@ -105,7 +105,7 @@ def num_flat_stage(cfg: RunConfig, stage: int) -> int:
 
 def test_a_killed_peer_takes_its_daemon_and_the_rest_of_the_swarm_finishes(cache: Path) -> None:
     """Failure is normal control flow: samples routed to a dead replica are dropped, its partner
-    steps alone, and everyone else finishes the run."""
+    steps alone, every survivor drops it from the next round's view, and the run finishes."""
     steps = 18
     # a step of this size takes long enough (~0.5 s here) for the kill to land mid-run
     cfg = small("noloco", **{"inner.total_steps": str(steps), **SLOWER})
@@ -135,7 +135,6 @@ def test_a_killed_peer_takes_its_daemon_and_the_rest_of_the_swarm_finishes(cache
         survivor_events = [p.events() for p in survivors]
     assert p2pd_descendants() <= before
     assert all(s["steps"] == steps for s in summaries.values())
-    assert sum(s["dropped_samples"] for s in summaries.values() if s["stage"] == 0) > 0
     partner = next(s for s in summaries.values() if s["stage"] == 1)
     assert victim_id in partner["gone"] and partner["outer_steps"] == steps // 3
     # The survivors agree on the view without the victim from the round after the failure was
@@ -148,8 +147,10 @@ def test_a_killed_peer_takes_its_daemon_and_the_rest_of_the_swarm_finishes(cache
     assert all(len(v) == 1 for v in views.values()), views
     last = json.loads(next(iter(views[max(views)])))
     assert all(victim_id not in s for s in last) and len(last[1]) == 1
+    # Samples routed to the victim after it died are dropped (none, if it died just as a round
+    # closed and its report came first), never later than the round after its death.
     drops = [e["step"] for events in survivor_events for e in events if e["event"] == "dropped"]
-    assert drops and max(drops) < (killed_in + 2) * 3, (drops, killed_in)
+    assert all(step < (killed_in + 2) * 3 for step in drops), (drops, killed_in)
 
 
 def test_a_peer_joins_a_running_swarm_at_a_round_boundary(cache: Path) -> None:
