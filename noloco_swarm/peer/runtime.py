@@ -29,6 +29,7 @@ import json
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,7 +51,7 @@ from noloco_swarm.peer.pipeline import Arrival, StepCollector, expected_rows, ou
 from noloco_swarm.peer.rounds import DHT_ERRORS, PROBE_PERIOD, PROBE_TIMEOUT, PeerExcluded, Rounds
 from noloco_swarm.peer.streams import PeerUnavailable, RemoteRefused
 from noloco_swarm.peer.transport import Transport
-from noloco_swarm.protocol import gossip, messages, routing
+from noloco_swarm.protocol import gossip, messages, outer, routing
 from noloco_swarm.protocol.clock import StepClock
 from noloco_swarm.protocol.membership import MembershipView
 from noloco_swarm.protocol.messages import (
@@ -517,63 +518,33 @@ class Peer:
     # ------------------------------------------------------------------ outer steps
 
     async def outer_step(self) -> None:
-        """Exchange theta with this round's group and apply the outer step (same code as the simulator)."""
+        """Exchange theta with this round's group and apply the outer step (same code as the simulator).
+
+        NoLoCo (and DiLoCo with two replicas) swaps whole vectors with each member. DiLoCo with
+        more replicas all-reduces: each member averages one shard (reduce-scatter) and sends it
+        to all (all-gather), 2(D-1)/D of the stage each way instead of (D-1) times it.
+        """
         t, o = self.step, self.cfg.outer
         view = self.view_at(t - 1)  # the round that just closed
         rank, D = view.rank_of(self.me)[1], len(view.stages[self.stage])
         group = gossip.group_of(D, t, o.group_size, rank) if o.method == "noloco" else list(range(D))
-        theta = await asyncio.to_thread(self.replica.theta)
-        parts = [theta, self.replica.phi] if o.sends_phi else [theta]
-        key = (view.round, t)
-        self.transport.provide_exchange(key, parts)
-        header = ExchangeHeader(
-            run_id=self.opts.run_id,
-            round=key[0],
-            step=t,
-            stage=self.stage,
-            sender_rank=rank,
-            parts=("theta", "phi") if o.sends_phi else ("theta",),
-            meta=TensorMeta.of(theta),
-            chunk_bytes=self.transport.config.part_bytes,
-        )
         members = {m: view.peer_at(self.stage, m) for m in group if m != rank}
+        theta = await asyncio.to_thread(self.replica.theta)
         start = time.perf_counter()
-
-        async def with_member(m: int) -> tuple[int, tuple[torch.Tensor, ...] | BaseException]:
-            peer = members[m]
-            if peer in self.rounds.dead:
-                return m, PeerUnavailable(f"{peer} is gone")
-            try:
-                if m > rank:
-                    got = await self.transport.exchange(
-                        peer, header, parts, timeout=self.opts.exchange_timeout
-                    )
-                else:
-                    got = await self._received_exchange(key, peer)
-            except (PeerUnavailable, RemoteRefused, MessageError) as e:
-                return m, e
-            return m, (got,) if isinstance(got, torch.Tensor) else tuple(got)
-
-        results = await asyncio.gather(*(with_member(m) for m in members))
-        thetas, phis = {rank: theta}, {rank: self.replica.phi}
-        failed = []
-        for m, got in results:
-            if isinstance(got, BaseException):
-                failed.append(m)
-                if isinstance(got, PeerUnavailable):
-                    await self.rounds.suspect(members[m], f"outer exchange at step {t} failed: {got}")
-                elif isinstance(got, MessageError):
-                    self.rounds.mark_dead(members[m], f"malformed outer exchange at step {t}: {got}")
-                continue
-            thetas[m] = got[0]
-            if o.sends_phi:
-                phis[m] = got[1]
-        self.transport.forget_exchange(key)
-        self.dropped_partners += len(failed)
-        if o.method == "noloco":
-            await asyncio.to_thread(self.replica.apply_noloco, thetas, phis if o.sends_phi else None)
+        if o.method == "diloco" and D > 2:
+            mean, failed = await self._allreduce_mean(view.round, t, rank, members, theta)
+            await asyncio.to_thread(self.replica.apply_diloco, {rank: mean})
         else:
-            await asyncio.to_thread(self.replica.apply_diloco, thetas)
+            parts = [theta, self.replica.phi] if o.sends_phi else [theta]
+            names = ("theta", "phi") if o.sends_phi else ("theta",)
+            got, failed = await self._exchange(view.round, t, 0, rank, members, names, lambda m: parts)
+            thetas = {rank: theta} | {m: tensors[0] for m, tensors in got.items()}
+            if o.method == "noloco":
+                phis = {rank: self.replica.phi} | {m: x[1] for m, x in got.items()} if o.sends_phi else None
+                await asyncio.to_thread(self.replica.apply_noloco, thetas, phis)
+            else:
+                await asyncio.to_thread(self.replica.apply_diloco, thetas)
+        self.dropped_partners += len(failed)
         self.outer_steps += 1
         sent, received = self._exchange_bytes(list(members.values()))
         self.metrics.write(
@@ -588,7 +559,89 @@ class Peer:
             state_hash=await asyncio.to_thread(self.replica.state_hash),  # comparable with the simulator
         )
 
-    async def _received_exchange(self, key: tuple[int, int], peer: str) -> tuple[torch.Tensor, ...]:
+    async def _allreduce_mean(
+        self, round_: int, t: int, rank: int, members: dict[int, str], theta: torch.Tensor
+    ) -> tuple[torch.Tensor, list[int]]:
+        """The stage's mean theta by reduce-scatter then all-gather over equal padded shards.
+
+        Shard owners sum in ascending rank, the same order as `outer.group_mean`, so the result
+        is bit-identical to the simulator's mean. A member that fails phase 1 is left out of the
+        mean of this member's shard; a shard whose owner fails phase 2 keeps our own values.
+        """
+        D = len(members) + 1
+        size = -(-theta.numel() // D)
+        padded = torch.zeros(size * D, dtype=theta.dtype, device=theta.device)
+        padded[: theta.numel()] = theta
+        shards = padded.view(D, size)
+        got, failed = await self._exchange(
+            round_, t, 1, rank, members, ("theta_shard",), lambda m: [shards[m]]
+        )
+        mine = outer.group_mean({rank: shards[rank]} | {m: x[0].to(theta.device) for m, x in got.items()})
+        got, lost = await self._exchange(round_, t, 2, rank, members, ("mean_shard",), lambda m: [mine])
+        means = padded.clone().view(D, size)  # a shard we never get keeps our own values
+        means[rank] = mine
+        for m, x in got.items():
+            means[m] = x[0].to(theta.device)
+        return means.view(-1)[: theta.numel()].clone(), sorted(set(failed) | set(lost))
+
+    async def _exchange(
+        self,
+        round_: int,
+        t: int,
+        phase: int,
+        rank: int,
+        members: dict[int, str],
+        names: tuple[str, ...],
+        payload: Callable[[int], list[torch.Tensor]],
+    ) -> tuple[dict[int, tuple[torch.Tensor, ...]], list[int]]:
+        """Swap `payload(m)` with every member m (lower rank calls higher); what arrived, and who failed."""
+        key = (round_, t) if phase == 0 else (round_, t, phase)
+        for m, peer in members.items():
+            if m < rank:  # they call us and get what we provide for them
+                self.transport.provide_exchange(key, payload(m), to=peer)
+
+        async def with_member(m: int) -> tuple[int, tuple[torch.Tensor, ...] | BaseException]:
+            peer = members[m]
+            if peer in self.rounds.dead:
+                return m, PeerUnavailable(f"{peer} is gone")
+            ours = payload(m)
+            header = ExchangeHeader(
+                run_id=self.opts.run_id,
+                round=round_,
+                step=t,
+                stage=self.stage,
+                sender_rank=rank,
+                parts=names,
+                meta=TensorMeta.of(ours[0]),
+                chunk_bytes=self.transport.config.part_bytes,
+                phase=phase,
+            )
+            try:
+                if m > rank:
+                    got = await self.transport.exchange(
+                        peer, header, ours, timeout=self.opts.exchange_timeout
+                    )
+                else:
+                    got = await self._received_exchange(key, peer)
+            except (PeerUnavailable, RemoteRefused, MessageError) as e:
+                return m, e
+            return m, (got,) if isinstance(got, torch.Tensor) else tuple(got)
+
+        results = await asyncio.gather(*(with_member(m) for m in members))
+        self.transport.forget_exchange(key)
+        got, failed = {}, []
+        for m, result in results:
+            if not isinstance(result, BaseException):
+                got[m] = result
+                continue
+            failed.append(m)
+            if isinstance(result, PeerUnavailable):
+                await self.rounds.suspect(members[m], f"outer exchange at step {t} failed: {result}")
+            elif isinstance(result, MessageError):
+                self.rounds.mark_dead(members[m], f"malformed outer exchange at step {t}: {result}")
+        return got, failed
+
+    async def _received_exchange(self, key: tuple[int, ...], peer: str) -> tuple[torch.Tensor, ...]:
         """Await a lower-ranked partner's exchange call, probing it so that a crash ends the wait."""
         waiting = asyncio.ensure_future(
             self.transport.received_exchange(key, peer, timeout=self.opts.exchange_timeout)

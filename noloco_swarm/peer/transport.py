@@ -58,7 +58,7 @@ logger = logging.getLogger(__name__)
 PROTOCOL = "noloco_swarm.transport.v1"
 EXCHANGE_VERB = "rpc_exchange"
 Handler = Callable[[str, Message, list[torch.Tensor]], Awaitable[tuple[Message, Sequence[torch.Tensor]]]]
-ExchangeKey = tuple[int, int]  # (outer round, inner step) of one outer exchange
+ExchangeKey = tuple[int, ...]  # ExchangeHeader.key: (outer round, inner step[, phase])
 
 
 class Transport:
@@ -75,6 +75,7 @@ class Transport:
         # Outer exchange: our tensors per key, and what each caller sent us per (key, peer);
         # None marks a slot already delivered, so a replayed request is refused.
         self._provided: dict[ExchangeKey, tuple[torch.Tensor, ...]] = {}
+        self._provided_to: dict[tuple[ExchangeKey, str], tuple[torch.Tensor, ...]] = {}  # per partner
         self._provided_changed = asyncio.Event()
         self._received: dict[tuple[ExchangeKey, str], asyncio.Future[tuple[torch.Tensor, ...]] | None] = {}
         self._exchange_tasks: dict[ExchangeKey, set[asyncio.Task[Any]]] = {}
@@ -278,7 +279,9 @@ class Transport:
     # State is created only by the local peer (provide, received_exchange) or by a completed
     # exchange for a key we provided, so no remote can grow it by asking for keys we never offer.
 
-    def provide_exchange(self, key: ExchangeKey, tensors: torch.Tensor | Sequence[torch.Tensor]) -> None:
+    def provide_exchange(
+        self, key: ExchangeKey, tensors: torch.Tensor | Sequence[torch.Tensor], *, to: str | None = None
+    ) -> None:
         """Offer our flat weights for outer exchange `key` to every partner that calls us for it.
 
         The tensors are sent from in place (no copy): do not modify them until `forget_exchange(key)`
@@ -287,11 +290,16 @@ class Transport:
         """
         if self._retired is not None and key <= self._retired:
             raise ValueError(f"exchange {key} is not newer than the last finished one, {self._retired}")
-        for old in {k for k in self._provided} | {slot[0] for slot in self._received}:
+        for old in (
+            {k for k in self._provided} | {k for k, _ in self._provided_to} | {s[0] for s in self._received}
+        ):
             if old < key:
                 self.forget_exchange(old)
-        ours = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
-        self._provided[key] = tuple(streams.prepare(ours))
+        ours = tuple(streams.prepare((tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)))
+        if to is None:
+            self._provided[key] = ours
+        else:  # what only partner `to` gets (e.g. the shard it averages in an all-reduce)
+            self._provided_to[(key, to)] = ours
         self._notify_provided()
 
     async def received_exchange(
@@ -314,6 +322,8 @@ class Transport:
         """Finish exchange `key`: drop our tensors and partners', abort its streams, fail its waiters."""
         self._retired = max(key, self._retired or key)
         self._provided.pop(key, None)
+        for slot in [s for s in self._provided_to if s[0] == key]:
+            del self._provided_to[slot]
         self._notify_provided()  # servers waiting for this key find it retired and refuse
         for task in self._exchange_tasks.pop(key, set()):
             task.cancel()  # it may still be sending our tensors, which the caller may now change
@@ -327,18 +337,18 @@ class Transport:
         self._provided_changed.set()
         self._provided_changed = asyncio.Event()
 
-    async def _our_tensors(self, key: ExchangeKey) -> tuple[torch.Tensor, ...]:
-        while key not in self._provided:
+    async def _our_tensors(self, key: ExchangeKey, peer: str) -> tuple[torch.Tensor, ...]:
+        while key not in self._provided and (key, peer) not in self._provided_to:
             if self._retired is not None and key <= self._retired:
                 raise Refused("stale", f"exchange {key} was finished here while you waited")
             await self._provided_changed.wait()
-        return self._provided[key]
+        return self._provided_to.get((key, peer)) or self._provided[key]
 
     async def _serve_exchange(self, stream: InboundStream, header: Message, envelope: Envelope) -> None:
         """Receive the caller's weights while waiting for ours, then stream ours back (duplex)."""
         if not isinstance(header, ExchangeHeader):
             raise messages.MessageError(f"{EXCHANGE_VERB} needs an exchange header, got {header.TAG!r}")
-        key, slot = (header.round, header.step), ((header.round, header.step), stream.peer)
+        key, slot = header.key, (header.key, stream.peer)
         if self._retired is not None and key <= self._retired:
             raise Refused("stale", f"exchange {key} is over here (last finished: {self._retired})")
         if slot in self._received and (self._received[slot] is None or self._received[slot].done()):
@@ -355,7 +365,7 @@ class Transport:
                     )
                 )
                 try:
-                    waiting = asyncio.create_task(self._our_tensors(key))
+                    waiting = asyncio.create_task(self._our_tensors(key, stream.peer))
                     try:
                         await asyncio.wait({receiving, waiting}, return_when=asyncio.FIRST_COMPLETED)
                         if receiving.done():

@@ -361,7 +361,12 @@ class BackwardHeader(Message):
 
 @dataclass(frozen=True)
 class ExchangeHeader(Message):
-    """Opens an outer exchange: which weights follow (theta, or theta and phi), in parts."""
+    """Opens an outer exchange: which weights follow (theta, or theta and phi), in parts.
+
+    Phase 0 is a whole-vector exchange (NoLoCo's pairs, DiLoCo with two replicas). DiLoCo with
+    more replicas all-reduces in two phases: 1 sends each member the shard of theta it averages
+    ("theta_shard"), 2 sends everyone the averaged shard this member owns ("mean_shard").
+    """
 
     TAG: ClassVar[str] = "exchange"
     run_id: str
@@ -372,16 +377,24 @@ class ExchangeHeader(Message):
     parts: tuple[str, ...]
     meta: TensorMeta
     chunk_bytes: int
+    phase: int = 0
 
     def __post_init__(self) -> None:
         _check_run_id(self.run_id)
         _check_counters(self.round, self.step, self.stage, self.sender_rank)
-        if self.parts not in (("theta",), ("theta", "phi")):
-            raise ValueError(f"parts must be ('theta',) or ('theta', 'phi'), got {self.parts}")
+        allowed = {0: (("theta",), ("theta", "phi")), 1: (("theta_shard",),), 2: (("mean_shard",),)}
+        if self.phase not in allowed or self.parts not in allowed[self.phase]:
+            raise ValueError(f"phase {self.phase} cannot carry parts {self.parts}")
         if len(self.meta.shape) != 1:
             raise ValueError("exchanged weights travel as one flat vector")
         if not 1 <= self.chunk_bytes <= 64 << 20:
             raise ValueError(f"chunk_bytes {self.chunk_bytes} is outside 1 B .. 64 MiB")
+
+    @property
+    def key(self) -> tuple[int, ...]:
+        """The exchange this header belongs to: (round, step), plus the phase after phase 0.
+        Keys order in time: (r, t) < (r, t, 1) < (r, t, 2) < (r, t + H)."""
+        return (self.round, self.step) if self.phase == 0 else (self.round, self.step, self.phase)
 
 
 @dataclass(frozen=True)

@@ -97,6 +97,27 @@ def test_swarm_ends_with_the_simulators_weights(method: str, cache: Path, one_th
     assert all(s["val_loss"] is not None for s in summaries if s["stage"] == 0)
 
 
+def test_diloco_with_three_replicas_all_reduces_to_the_simulators_weights(
+    cache: Path, one_thread: None
+) -> None:
+    """With more than two replicas DiLoCo all-reduces in shards (reduce-scatter, all-gather):
+    the same weights as the simulator's all-replica mean, bit for bit, at 2(D-1)/D of the stage's
+    bytes each way instead of (D-1) times them."""
+    cfg = small("diloco", num_stages="1", num_replicas="3")
+    with local_swarm(cfg, STEPS, step_timeout=60) as swarm:
+        wait(swarm, timeout=400)
+        summaries = swarm.summaries()
+        outers = [e for p in swarm.peers for e in p.events() if e["event"] == "outer"]
+    expected, after_outer = simulate(cfg, STEPS)
+    assert sorted((s["rank"], s["state_hash"]) for s in summaries) == list(enumerate(expected[0]))
+    assert len(outers) == 6 and all(e["failed"] == [] for e in outers)
+    assert all(e["state_hash"] == after_outer[e["step"]][0][0] for e in outers)  # DiLoCo: all equal
+    stage_bytes = num_flat_stage(cfg, 0) * 4
+    for e in outers:
+        for direction in ("sent_bytes", "received_bytes"):
+            assert 4 / 3 * stage_bytes <= e[direction] <= 4 / 3 * stage_bytes * 1.01 + 8192, e
+
+
 def num_flat_stage(cfg: RunConfig, stage: int) -> int:
     from noloco_swarm.model import build_stage
 

@@ -22,6 +22,7 @@ EXAMPLES: list[m.Message] = [
     m.ForwardHeader("run-1", 2, 117, 0, 3, (936, 937), ACT, TOK),
     m.BackwardHeader("run-1", 2, 117, 0, 1, (936, 937), ACT, (3.5, 4.25)),
     m.ExchangeHeader("run-1", 2, 150, 1, 0, ("theta",), m.TensorMeta((1000,), "float32"), 1 << 20),
+    m.ExchangeHeader("run-1", 2, 150, 1, 0, ("theta_shard",), m.TensorMeta((250,), "float32"), 1 << 20, 1),
     m.StateRequest("run-1", 1),
     m.StateRequest("run-1", 1, 7, "exp_avg_sq"),
     m.GoneReport("run-1", "12D3KooWabc", "12D3KooWdef", 3),
@@ -157,3 +158,15 @@ def test_configs_validate_with_helpful_errors() -> None:
         InnerConfig(lr=1e-4, min_lr=1e-3)
     with pytest.raises(ValueError, match="batch_size"):
         InnerConfig(batch_size=0)
+
+
+def test_exchange_phases_carry_their_own_parts_and_keys_order_in_time() -> None:
+    meta = m.TensorMeta((8,), "float32")
+    whole = m.ExchangeHeader("run-1", 2, 150, 1, 0, ("theta",), meta, 1 << 20)
+    scatter = m.ExchangeHeader("run-1", 2, 150, 1, 0, ("theta_shard",), meta, 1 << 20, 1)
+    gather = m.ExchangeHeader("run-1", 2, 150, 1, 0, ("mean_shard",), meta, 1 << 20, 2)
+    later = m.ExchangeHeader("run-1", 3, 200, 1, 0, ("theta",), meta, 1 << 20)
+    assert whole.key == (2, 150) and whole.key < scatter.key < gather.key < later.key
+    for phase, parts in ((0, ("theta_shard",)), (1, ("theta",)), (2, ("theta_shard",)), (3, ("theta",))):
+        with pytest.raises(ValueError, match="cannot carry"):
+            m.ExchangeHeader("run-1", 2, 150, 1, 0, parts, meta, 1 << 20, phase)
