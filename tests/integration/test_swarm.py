@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import os
@@ -22,7 +23,7 @@ from noloco_swarm.model import num_flat
 from noloco_swarm.sim.config import RunConfig
 from noloco_swarm.sim.engine import Simulator
 from noloco_swarm.sim.run import data_batches
-from tests.integration.helpers import descendants, p2pd_descendants, process_group
+from tests.integration.helpers import MADDR, descendants, p2pd_descendants, process_group
 
 pytestmark = pytest.mark.integration
 STEPS = 7  # H = 3: two outer steps, then one inner step so that replicas differ at the end
@@ -116,6 +117,68 @@ def test_diloco_with_three_replicas_all_reduces_to_the_simulators_weights(
     for e in outers:
         for direction in ("sent_bytes", "received_bytes"):
             assert 4 / 3 * stage_bytes <= e[direction] <= 4 / 3 * stage_bytes * 1.01 + 8192, e
+
+
+async def poke_with_bad_requests(swarm) -> tuple[dict[str, str], tuple[int, int]]:
+    """Send a running stage-0 and stage-1 peer requests they must refuse; return the refusals and
+    stage 0's step before and after."""
+    from noloco_swarm.peer.transport import RemoteRefused, Transport
+    from noloco_swarm.protocol import messages as m
+    from noloco_swarm.protocol.membership import MembershipView
+
+    addrs = {p.stage: MADDR.search(p.log.read_text()).group(1) for p in swarm.peers}  # "reachable as ..."
+    first, second = (a.rsplit("/p2p/", 1)[1] for a in (addrs[0], addrs[1]))
+    transport = await Transport.create(
+        host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=[addrs[0], addrs[1]]
+    )
+    try:
+
+        async def status(peer: str) -> m.PeerStatus:
+            reply, _ = await transport.call(peer, "rpc_status", m.StatusRequest(swarm.run_id), timeout=20)
+            assert isinstance(reply, m.PeerStatus)
+            return reply
+
+        now = await status(first)
+        acts, toks = torch.zeros(1, 128, 128), torch.zeros(1, 128, dtype=torch.int64)
+        stages = next(e["stages"] for e in swarm.peers[0].events() if e["event"] == "membership")
+
+        async def forward(view: str | None) -> m.ForwardHeader:
+            """Rows for the step the stage-1 peer is on (digest None: the right view's)."""
+            at = await status(second)
+            right = MembershipView(at.round, tuple(tuple(p) for p in stages)).digest()  # fixed membership
+            metas = m.TensorMeta.of(acts), m.TensorMeta.of(toks)
+            return m.ForwardHeader(
+                swarm.run_id, at.round, at.step, 0, 0, (at.step * 4,), *metas, view or right
+            )
+
+        cases = {
+            "state for another stage": (
+                first,
+                "rpc_fetch_state",
+                m.StateRequest(swarm.run_id, 1, now.round),
+                [],
+            ),
+            "state for a far round": (first, "rpc_fetch_state", m.StateRequest(swarm.run_id, 0, 10**6), []),
+            "state it was never admitted to": (
+                first,
+                "rpc_fetch_state",
+                m.StateRequest(swarm.run_id, 0, now.round),
+                [],
+            ),
+            "forward with another view": (second, "rpc_forward", "x", [acts, toks]),
+            "forward from a stranger": (second, "rpc_forward", None, [acts, toks]),
+            "status of another run": (first, "rpc_status", m.StatusRequest("another-run"), []),
+        }
+        refusals = {}
+        for name, (peer, verb, request, tensors) in cases.items():
+            header = await forward(request) if verb == "rpc_forward" else request
+            with pytest.raises(RemoteRefused) as refused:
+                await transport.call(peer, verb, header, tensors, timeout=60)
+            refusals[name] = refused.value.reason
+        await asyncio.sleep(1.0)
+        return refusals, (now.step, (await status(first)).step)
+    finally:
+        await transport.shutdown()
 
 
 def num_flat_stage(cfg: RunConfig, stage: int) -> int:
@@ -241,9 +304,11 @@ def test_hivemind_dht_cli_is_a_working_entry_point(cache: Path) -> None:
 
 def test_noloco_status_shows_every_peer_of_a_running_swarm(cache: Path) -> None:
     """`noloco status --once` from a separate process finds the run through the DHT and gets an
-    answer from every peer; a run id nobody uses is a clear error."""
+    answer from every peer; a run id nobody uses is a clear error. Then a stranger sends the
+    running peers requests they must refuse (state they do not owe, rows from a non-member, a
+    status for another run): each is refused with a reason and the peers keep training."""
     steps = 1000  # the swarm is stopped once the status has been checked
-    cfg = small("noloco", num_replicas="1", **{"inner.total_steps": str(steps)})
+    cfg = small("noloco", num_replicas="1", **{"inner.total_steps": str(steps), **SLOWER})
     before = p2pd_descendants()
     with local_swarm(cfg, steps, step_timeout=60) as swarm:
         deadline = time.monotonic() + 120
@@ -269,7 +334,16 @@ def test_noloco_status_shows_every_peer_of_a_running_swarm(cache: Path) -> None:
             check=False,
         )
         ids = {next(e["peer_id"] for e in p.events() if e["event"] == "membership") for p in swarm.peers}
+        refusals, steps = asyncio.run(poke_with_bad_requests(swarm))
     assert p2pd_descendants() <= before
+    # Bad requests from a stranger are refused with a reason, and the peers keep training.
+    assert "this is stage 0" in refusals["state for another stage"]
+    assert "too far ahead" in refusals["state for a far round"]
+    assert "not admitted" in refusals["state it was never admitted to"]
+    assert "views of round" in refusals["forward with another view"]
+    assert "not replica 0 of stage 0" in refusals["forward from a stranger"]
+    assert "status request for run" in refusals["status of another run"]
+    assert steps[1] > steps[0], steps
     assert shown.returncode == 0, shown.stderr
     out = " ".join(shown.stdout.split())
     assert f"{swarm.run_id} [noloco]" in out and "tiny, 2 stages, H=3" in out
