@@ -29,14 +29,14 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from noloco_swarm.data.stream import embedded_stream
+from noloco_swarm.data.stream import train_batches
 from noloco_swarm.peer import evaluation
 from noloco_swarm.peer.directory import RunDirectory
 from noloco_swarm.peer.joining import (
@@ -135,7 +135,8 @@ class Peer:
         self.dropped_partners = 0
         self._seen_bytes: dict[str, tuple[int, int]] = {}
         self.dropped_samples = 0
-        self._streams: dict[tuple[int, int], Any] = {}
+        self._data: Iterator[torch.Tensor] | None = None  # stage 0's batches
+        self._data_at: tuple[tuple[int, int], int] = ((0, 0), 0)  # (shard layout, next step) of _data
         transport.register("rpc_forward", self.rpc_forward)
         transport.register("rpc_eval", self.rpc_eval)
         transport.register("rpc_fetch_state", self.rpc_fetch_state)
@@ -301,12 +302,17 @@ class Peer:
                     await self.advance_view()
 
     def _batch(self, t: int) -> torch.Tensor:
-        """Stage 0's data: shard `rank` of this round's stage-0 replica count, indexed by step."""
+        """Stage 0's data: shard `rank` of this round's stage-0 replica count, batch t.
+
+        The stream is reopened at step t whenever the shard layout changes or steps were skipped
+        (joining); a streaming dataset then reads its new shard forward to t (see data.hub).
+        """
         view = self.view_at(t)
         key = (view.rank_of(self.me)[1], view.replica_counts()[0])
-        if key not in self._streams:  # a new shard layout after a membership change
-            self._streams = {key: embedded_stream(self.cfg.data, key[0], key[1], self.B, self.cfg.seed)}
-        return self._streams[key].batch(t)
+        if self._data is None or self._data_at != (key, t):
+            self._data = train_batches(self.cfg.data, key[0], key[1], self.B, self.cfg.seed, start_step=t)
+        self._data_at = (key, t + 1)
+        return next(self._data)
 
     async def _first_stage_step(self, t: int) -> float:
         window = await asyncio.to_thread(self._batch, t)  # a new shard layout loads the corpus
@@ -688,8 +694,8 @@ class Peer:
     async def run(self) -> dict[str, Any]:
         announcements = await asyncio.to_thread(self.rounds.read_peers)
         late = self.rounds.run_in_progress(announcements, self.cfg.num_replicas)
-        if self.is_first:  # tokenize (or load) the corpus before anyone can route work to us
-            await asyncio.to_thread(embedded_stream, self.cfg.data, 0, 1, self.B, self.cfg.seed)
+        if self.is_first:  # tokenize the corpus (or open the dataset) before anyone routes work to us
+            await asyncio.to_thread(lambda: next(train_batches(self.cfg.data, 0, 1, self.B, self.cfg.seed)))
         heartbeat = asyncio.create_task(self._heartbeat())
         try:
             if late:

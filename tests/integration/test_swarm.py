@@ -98,6 +98,38 @@ def test_swarm_ends_with_the_simulators_weights(method: str, cache: Path, one_th
     assert all(s["val_loss"] is not None for s in summaries if s["stage"] == 0)
 
 
+def test_swarm_trains_on_a_streaming_dataset_like_the_simulator(
+    cache: Path, tmp_path: Path, one_thread: None
+) -> None:
+    """The hub path (data.source=hf, here the "json" builder over local files, as a volunteer
+    would stream C4) feeds stage 0 in a real swarm, and the run ends with the simulator's weights."""
+    from noloco_swarm.data.corpus import build_corpus
+
+    docs = [d.text[:3000] for d in build_corpus(cache).train[:80]]
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
+    val = tmp_path / "val.jsonl"
+    val.write_text("".join(json.dumps({"text": t}) + "\n" for t in docs[:8]))
+    hub = {
+        "data.source": "hf",
+        "data.dataset": "json",
+        "data.dataset_config": "none",
+        "data.data_files": str(train),
+        "data.val_data_files": str(val),
+        "data.shuffle_buffer": "16",
+    }
+    cfg = small("noloco", num_replicas="1", **hub)
+    with local_swarm(cfg, STEPS, step_timeout=60) as swarm:
+        wait(swarm, timeout=400)
+        summaries = swarm.summaries()
+    expected, _ = simulate(cfg, STEPS)
+    assert sorted((s["stage"], s["state_hash"]) for s in summaries) == [
+        (0, expected[0][0]),
+        (1, expected[1][0]),
+    ]
+    assert next(s["val_loss"] for s in summaries if s["stage"] == 0) > 0
+
+
 def test_diloco_with_three_replicas_all_reduces_to_the_simulators_weights(
     cache: Path, one_thread: None
 ) -> None:
