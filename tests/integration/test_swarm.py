@@ -142,8 +142,8 @@ def test_diloco_with_three_replicas_all_reduces_to_the_simulators_weights(
         summaries = swarm.summaries()
         outers = [e for p in swarm.peers for e in p.events() if e["event"] == "outer"]
     expected, after_outer = simulate(cfg, STEPS)
-    assert sorted((s["rank"], s["state_hash"]) for s in summaries) == list(enumerate(expected[0]))
-    assert len(outers) == 6 and all(e["failed"] == [] for e in outers)
+    assert len(outers) == 6 and all(e["failed"] == [] for e in outers), outers
+    assert sorted((s["rank"], s["state_hash"]) for s in summaries) == list(enumerate(expected[0])), outers
     assert all(e["state_hash"] == after_outer[e["step"]][0][0] for e in outers)  # DiLoCo: all equal
     stage_bytes = num_flat_stage(cfg, 0) * 4
     for e in outers:
