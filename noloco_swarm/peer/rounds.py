@@ -7,8 +7,10 @@ rule `protocol.membership.next_view`, and decides when another peer is gone:
   - a peer that fails a call, or stays silent while we wait on it, is probed with rpc_status;
     a slow peer answers and stays, a crashed one does not and is reported gone in the DHT, so that
     every member drops it at the same boundary (a crash costs seconds, slowness is never death);
-  - peers dial each other at their announced addresses, because a fresh p2pd only knows the
-    peers it has already talked to.
+  - a peer that does not answer is dialled once at its announced addresses before it is judged:
+    a fresh p2pd may not know the addresses of a peer it has never talked to. (Members do not
+    dial each other ahead of time: two peers opening connections to each other at once can end
+    up with two, and libp2p cuts the streams on the one it closes.)
 """
 
 from __future__ import annotations
@@ -55,9 +57,8 @@ class Rounds:
         self.transport, self.directory, self.metrics = transport, directory, metrics
         self.views: dict[int, MembershipView] = {}  # round -> frozen view
         self._ready: dict[int, asyncio.Event] = {}
-        self.dead: set[str] = set()  # peer ids that failed us; reported in the DHT
+        self.dead: dict[str, int] = {}  # peer id -> the round it failed us in (also reported in the DHT)
         self.addresses: dict[str, tuple[str, ...]] = {}  # peer id -> announced addresses
-        self._dialled: set[str] = set()
         self._reports: set[asyncio.Task[None]] = set()
 
     # ------------------------------------------------------------------ views
@@ -134,7 +135,6 @@ class Rounds:
                         f"more peers than num_replicas={num_replicas} announced for round 0: {counts}"
                     )
                 self.set(view)
-                await self.connect(view)
                 return view
             if time.monotonic() > deadline:
                 raise TimeoutError(
@@ -158,12 +158,14 @@ class Rounds:
                     "could not read the run's directory (%s)%s", e, "" if attempt else "; retrying"
                 )
         # A member missing from the read is only suspect: check it before telling everyone it is gone.
-        suspects = sorted(current.members() - {item.peer for item in listings} - self.dead - {self.me})
+        suspects = sorted(current.members() - {item.peer for item in listings} - set(self.dead) - {self.me})
         await asyncio.gather(*(self.suspect(p, "its announcement expired") for p in suspects))
         listings.insert(0, Listing(self.me, self.stage, joined_round))
-        for peer in self.dead:
-            gone[peer] = max(gone.get(peer, -1), current.round)
+        for peer, round_ in self.dead.items():  # what we saw ourselves, in case the DHT lost it
+            gone[peer] = min(gone.get(peer, round_), round_)
         view = next_view(current, listings, gone)
+        for peer in view.members() - current.members():
+            self.dead.pop(peer, None)  # a peer that rejoined is a member again
         if self.me not in view.members():
             raise PeerExcluded(f"the view of round {view.round} leaves this peer out (reported gone?)")
         if not view.is_complete():
@@ -178,20 +180,6 @@ class Rounds:
         return listings, self.directory.read_gone(members=current.members())
 
     # ------------------------------------------------------------------ reaching and losing peers
-
-    async def connect(self, view: MembershipView) -> None:
-        """Dial the peers this one talks to (previous, own and next stage) not dialled yet.
-
-        Only the lower peer id of a pair dials: two peers dialling each other at the same moment
-        can end up with two connections, and streams on the one libp2p then closes are cut.
-        """
-        lo, hi = max(self.stage - 1, 0), min(self.stage + 2, self.num_stages)
-        near = [p for s in range(lo, hi) for p in view.stages[s]]
-        todo = [p for p in near if p > self.me and p not in self._dialled and p in self.addresses]
-        ok = await asyncio.gather(
-            *(self.transport.connect(p, self.addresses[p], timeout=PROBE_TIMEOUT) for p in todo)
-        )
-        self._dialled.update(p for p, good in zip(todo, ok, strict=True) if good)
 
     async def alive(self, peer: str, run_id: str) -> bool:
         """Does `peer` answer a status request? (Refusing one counts: it is running.) If not, dial
@@ -226,9 +214,9 @@ class Rounds:
         """Stop waiting for, and sending to, a peer that failed us; tell the swarm through the DHT."""
         if peer in self.dead:
             return
-        self.dead.add(peer)
         latest = self.latest()
         round_ = latest.round if latest is not None else 0
+        self.dead[peer] = round_
         logger.warning("peer %s is gone (%s); continuing without it", peer, why)
         self.metrics.write("peer_gone", peer=peer, round=round_, reason=why)
         report = messages.GoneReport(self.directory.run_id, peer, self.me, round_)

@@ -49,7 +49,7 @@ from noloco_swarm.peer.joining import (
 )
 from noloco_swarm.peer.pipeline import Arrival, StepCollector, expected_rows, outgoing
 from noloco_swarm.peer.rounds import DHT_ERRORS, PROBE_PERIOD, PROBE_TIMEOUT, PeerExcluded, Rounds
-from noloco_swarm.peer.streams import PeerUnavailable, RemoteRefused
+from noloco_swarm.peer.streams import PeerUnavailable, RemoteRefused, StreamTruncated
 from noloco_swarm.peer.transport import Transport
 from noloco_swarm.protocol import gossip, messages, outer, routing
 from noloco_swarm.protocol.clock import StepClock
@@ -171,7 +171,6 @@ class Peer:
         for old in [r for r in self.snapshots if r < view.round]:
             del self.snapshots[old]
         self.rounds.set(view)
-        await self.rounds.connect(view)
 
     async def join_late(self) -> None:
         """Enter a running swarm two rounds ahead with a live replica's state (see peer.joining)."""
@@ -225,7 +224,6 @@ class Peer:
                     peer_id=self.me,
                 )
                 self.rounds.set(view)
-                await self.rounds.connect(view)
                 return
             if time.monotonic() > deadline:
                 raise TimeoutError(f"could not join the run within {self.opts.join_timeout:.0f} s")
@@ -361,20 +359,26 @@ class Peer:
             return positions, tensors[0], reply.losses
 
         async def call_or_drop(receiver: str, positions: list[int]):
-            if receiver in self.rounds.dead:
-                return None
-            try:
-                return await call(receiver, positions)
-            except RemoteRefused as e:  # alive but disagrees (e.g. another view): drop these rows only
-                logger.warning("stage %d peer %s refused step %d: %s", hop + 1, receiver, t, e)
-                self.metrics.write("refused", step=t, peer=receiver, reason=str(e))
-                return None
-            except PeerUnavailable as e:
-                await self.rounds.suspect(receiver, f"forward of step {t} failed: {e}")
-                return None
-            except MessageError as e:  # it answered with garbage: do not trust it again
-                self.rounds.mark_dead(receiver, f"malformed answer to the forward of step {t}: {e}")
-                return None
+            for attempt in range(2):  # a live receiver whose stream broke gets the rows once more
+                if receiver in self.rounds.dead:
+                    return None
+                try:
+                    return await call(receiver, positions)
+                except RemoteRefused as e:  # alive but disagrees (e.g. another view): drop these rows
+                    logger.warning("stage %d peer %s refused step %d: %s", hop + 1, receiver, t, e)
+                    self.metrics.write("refused", step=t, peer=receiver, reason=str(e))
+                    return None
+                except StreamTruncated as e:  # the connection broke mid-transfer
+                    if attempt or await self.rounds.suspect(receiver, f"forward of step {t} broke: {e}"):
+                        return None
+                    self.metrics.write("retried", step=t, peer=receiver, reason=str(e))
+                except PeerUnavailable as e:
+                    await self.rounds.suspect(receiver, f"forward of step {t} failed: {e}")
+                    return None
+                except MessageError as e:  # it answered with garbage: do not trust it again
+                    self.rounds.mark_dead(receiver, f"malformed answer to the forward of step {t}: {e}")
+                    return None
+            return None
 
         receivers = {view.peer_at(hop + 1, r): pos for r, pos in plan.items()}
         results = await asyncio.gather(*(call_or_drop(r, pos) for r, pos in sorted(receivers.items())))

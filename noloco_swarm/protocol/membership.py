@@ -102,7 +102,10 @@ def next_view(
     """The view of round `current.round + 1`, from this round's view and what the DHT lists now.
 
     - A member stays unless a report put it gone at a round at or after the round it joined
-      (`gone[peer]`), or it now lists another stage (it would have to join again). Being absent
+      (`gone[peer]`) and before this one, or it now lists another stage (it would have to join
+      again). A report takes effect one boundary late, for the same reason joiners announce two
+      rounds ahead: every member has read it by then, so all drop the peer at the same boundary.
+      Being absent
       from one read is not enough: a busy DHT returns partial reads, and evicting a live peer on
       one of them would split the swarm's views. Crashed peers are reported by the peers they fail.
     - A listed non-member enters exactly at the round it announced (`joined_round == next`), so
@@ -117,7 +120,7 @@ def next_view(
         listed.setdefault(item.peer, item)
 
     def reported(peer: str, joined_round: int) -> bool:
-        return peer in gone and gone[peer] >= joined_round
+        return peer in gone and joined_round <= gone[peer] < current.round
 
     pairs = []
     for stage, peers in enumerate(current.stages):

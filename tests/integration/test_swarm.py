@@ -221,7 +221,7 @@ def num_flat_stage(cfg: RunConfig, stage: int) -> int:
 
 def test_a_killed_peer_takes_its_daemon_and_the_rest_of_the_swarm_finishes(cache: Path) -> None:
     """Failure is normal control flow: samples routed to a dead replica are dropped, its partner
-    steps alone, every survivor drops it from the next round's view, and the run finishes."""
+    steps alone, every survivor drops it from the same later round's view, and the run finishes."""
     steps = 18
     # a step of this size takes long enough (~0.5 s here) for the kill to land mid-run
     cfg = small("noloco", **{"inner.total_steps": str(steps), **SLOWER})
@@ -253,8 +253,7 @@ def test_a_killed_peer_takes_its_daemon_and_the_rest_of_the_swarm_finishes(cache
     assert all(s["steps"] == steps for s in summaries.values())
     partner = next(s for s in summaries.values() if s["stage"] == 1)
     assert victim_id in partner["gone"] and partner["outer_steps"] == steps // 3
-    # The survivors agree on the view without the victim from the round after the failure was
-    # reported, and from then on nothing is routed to it (no more dropped samples).
+    # The survivors agree on every round's view, and the last one is without the victim.
     views = {}
     for events in survivor_events:
         for e in events:
@@ -264,9 +263,10 @@ def test_a_killed_peer_takes_its_daemon_and_the_rest_of_the_swarm_finishes(cache
     last = json.loads(next(iter(views[max(views)])))
     assert all(victim_id not in s for s in last) and len(last[1]) == 1
     # Samples routed to the victim after it died are dropped (none, if it died just as a round
-    # closed and its report came first), never later than the round after its death.
+    # closed and its report came first); its report takes effect one boundary after the round it
+    # was made in, so from two rounds after its death on nothing is routed to it.
     drops = [e["step"] for events in survivor_events for e in events if e["event"] == "dropped"]
-    assert all(step < (killed_in + 2) * 3 for step in drops), (drops, killed_in)
+    assert all(step < (killed_in + 3) * 3 for step in drops), (drops, killed_in)
 
 
 def test_a_peer_joins_a_running_swarm_at_a_round_boundary(cache: Path) -> None:

@@ -127,15 +127,18 @@ def test_next_view_keeps_listed_members_and_admits_joiners_at_their_round() -> N
 def test_next_view_drops_reported_members_only_and_readmits_a_rejoin() -> None:
     listings = [Listing("a", 0, 0), Listing("b", 1, 0), Listing("d", 1, 1)]
     # c is missing from this read (a partial DHT answer is no evidence): it stays; d was reported
-    assert next_view(_round3(), listings, gone={"d": 3}).stages == (("a", "c"), ("b",))
+    # in round 2, so every member drops it at the end of round 3
+    assert next_view(_round3(), listings, gone={"d": 2}).stages == (("a", "c"), ("b",))
+    # a report from the current round takes effect one boundary later, when everyone has read it
     view = next_view(_round3(), listings, gone={"c": 2, "d": 3})
-    assert view.stages == (("a",), ("b",))
-    assert not next_view(view, listings, gone={"c": 2, "d": 3}).members() & {"c", "d"}
-    # d, reported gone in round 3 but alive, announces round 6 and is admitted there
-    rejoin = [*listings[:2], Listing("d", 1, 6)]
-    v5 = next_view(view, rejoin, gone={"d": 3})
-    assert v5.round == 5 and "d" not in v5.members()
-    assert next_view(v5, rejoin, gone={"d": 3}).stages == (("a",), ("b", "d"))
+    assert view.stages == (("a",), ("b", "d"))
+    view = next_view(view, listings, gone={"c": 2, "d": 3})
+    assert view.round == 5 and view.stages == (("a",), ("b",))
+    # d, reported gone in round 3 but alive, announces round 7 and is admitted there
+    rejoin = [*listings[:2], Listing("d", 1, 7)]
+    v6 = next_view(view, rejoin, gone={"d": 3})
+    assert v6.round == 6 and "d" not in v6.members()
+    assert next_view(v6, rejoin, gone={"d": 3}).stages == (("a",), ("b", "d"))
 
 
 def test_next_view_ignores_stage_changes_and_out_of_range_stages() -> None:
@@ -166,5 +169,5 @@ def test_next_view_is_order_independent_and_never_admits_the_reported(
     for peer in a.members():
         item = first.get(peer, Listing(peer, _round3().rank_of(peer)[0] if peer in "abcd" else -1, 0))
         assert item.stage == a.rank_of(peer)[0]
-        assert not (peer in gone and gone[peer] >= item.joined_round)
+        assert not (peer in gone and item.joined_round <= gone[peer] < 3)
     assert a.digest() != _round3().digest()
