@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from hivemind import DHT
 from rich.console import Console, Group, RenderableType
@@ -21,6 +21,7 @@ from rich.text import Text
 
 from noloco_swarm.peer.directory import RunDirectory
 from noloco_swarm.peer.node import NetworkConfig
+from noloco_swarm.peer.rounds import ask_status
 from noloco_swarm.peer.streams import PeerUnavailable, RemoteRefused
 from noloco_swarm.peer.transport import Transport
 from noloco_swarm.protocol import messages
@@ -133,16 +134,10 @@ async def look(transport: Transport, directory: RunDirectory) -> SwarmStatus:
         row = PeerRow(a.peer_id, a.stage, a.joined_round, a.device)
         try:
             await transport.connect(a.peer_id, a.addresses, timeout=STATUS_TIMEOUT)
-            reply, _ = await transport.call(
-                a.peer_id, "rpc_status", messages.StatusRequest(directory.run_id), timeout=STATUS_TIMEOUT
-            )
+            status = await ask_status(transport, a.peer_id, directory.run_id, STATUS_TIMEOUT)
         except (PeerUnavailable, RemoteRefused, messages.MessageError) as e:
-            return PeerRow(row.peer_id, row.stage, row.joined_round, row.device, error=str(e))
-        if not isinstance(reply, messages.PeerStatus):
-            return PeerRow(
-                row.peer_id, row.stage, row.joined_round, row.device, error=f"answered {reply.TAG!r}"
-            )
-        return PeerRow(row.peer_id, row.stage, row.joined_round, row.device, status=reply)
+            return replace(row, error=str(e))
+        return replace(row, status=status)
 
     rows = await asyncio.gather(*(ask(a) for a in readout.announcements))
     return SwarmStatus(

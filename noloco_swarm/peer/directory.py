@@ -19,7 +19,7 @@ from hivemind import DHT
 from hivemind.utils import get_dht_time
 
 from noloco_swarm.protocol import messages
-from noloco_swarm.protocol.membership import Listing, MembershipView
+from noloco_swarm.protocol.membership import MembershipView
 
 MANIFEST_TTL = 7 * 24 * 3600.0  # the manifest outlives any one peer; re-stored by every heartbeat
 DEFAULT_HEARTBEAT_TTL = 30.0
@@ -148,10 +148,6 @@ class RunDirectory:
             if a.joined_round <= round_ and a.stage < num_stages
         ]
         return MembershipView.from_announcements(round_, num_stages, pairs)
-
-    def listings(self) -> list[Listing]:
-        """The live announcements as the round-boundary view transition reads them."""
-        return [Listing(a.peer_id, a.stage, a.joined_round) for a in self.read_peers().announcements]
 
     # ---------------------------------------------------------------- failures
 

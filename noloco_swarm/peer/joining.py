@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from noloco_swarm.peer.rounds import ask_status
 from noloco_swarm.peer.transport import Transport
 from noloco_swarm.protocol import messages
 from noloco_swarm.protocol.clock import StepClock
@@ -68,16 +69,10 @@ async def pick_join_round(
     """The round to join at: two after the furthest step any live peer reports (asked directly,
     since the announcements' step is only as fresh as the last heartbeat)."""
 
-    async def ask(peer: str) -> int:
-        reply, _ = await transport.call(
-            peer, "rpc_status", messages.StatusRequest(run_id), timeout=STATUS_TIMEOUT
-        )
-        if not isinstance(reply, messages.PeerStatus):
-            raise MessageError(f"{peer} answered a status request with {reply.TAG!r}")
-        return reply.step
-
-    answers = await asyncio.gather(*(ask(a.peer_id) for a in others), return_exceptions=True)
-    steps = [a.step for a in others] + [x for x in answers if isinstance(x, int)]
+    answers = await asyncio.gather(
+        *(ask_status(transport, a.peer_id, run_id, STATUS_TIMEOUT) for a in others), return_exceptions=True
+    )
+    steps = [a.step for a in others] + [x.step for x in answers if isinstance(x, messages.PeerStatus)]
     target = clock.round_of(max(steps, default=0)) + JOIN_MARGIN_ROUNDS
     if clock.round_start(target) >= end_step:
         raise RuntimeError(

@@ -37,6 +37,17 @@ PROBE_TIMEOUT = 5.0
 KEEP_ROUNDS = 3  # views kept: a request may name the round before ours or the next one
 
 
+async def ask_status(transport: Transport, peer: str, run_id: str, timeout: float) -> messages.PeerStatus:
+    """`peer`'s answer to rpc_status: joiners, probes and `noloco status` all ask this way.
+
+    Raises PeerUnavailable (no answer), RemoteRefused, or MessageError (an answer of another type).
+    """
+    reply, _ = await transport.call(peer, "rpc_status", messages.StatusRequest(run_id), timeout=timeout)
+    if not isinstance(reply, messages.PeerStatus):
+        raise MessageError(f"{peer} answered a status request with {reply.TAG!r}")
+    return reply
+
+
 class PeerExcluded(RuntimeError):
     """The swarm's next view leaves this (live) peer out, e.g. after a gone report: join again."""
 
@@ -181,14 +192,12 @@ class Rounds:
 
     # ------------------------------------------------------------------ reaching and losing peers
 
-    async def alive(self, peer: str, run_id: str) -> bool:
+    async def alive(self, peer: str) -> bool:
         """Does `peer` answer a status request? (Refusing one counts: it is running.) If not, dial
         it once at its announced addresses and ask again."""
         for attempt in range(2):
             try:
-                await self.transport.call(
-                    peer, "rpc_status", messages.StatusRequest(run_id), timeout=PROBE_TIMEOUT
-                )
+                await ask_status(self.transport, peer, self.directory.run_id, PROBE_TIMEOUT)
             except PeerUnavailable:
                 if attempt or not await self.transport.connect(
                     peer, self.addresses.get(peer, ()), timeout=PROBE_TIMEOUT
@@ -204,7 +213,7 @@ class Rounds:
         """`peer` failed us in a way a slow peer could too: it is gone only if it does not answer."""
         if peer in self.dead:
             return True
-        if await self.alive(peer, self.directory.run_id):
+        if await self.alive(peer):
             self.metrics.write("slow_peer", peer=peer, reason=why)
             return False
         self.mark_dead(peer, why)

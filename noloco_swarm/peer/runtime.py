@@ -457,7 +457,7 @@ class Peer:
                     collector.drop_sender(sender)
                 self.metrics.write("dropped", step=t, hop=self.stage - 1, senders=missing, gone=list(gone))
                 return
-            alive = await asyncio.gather(*(self.rounds.alive(p, self.opts.run_id) for p in peers))
+            alive = await asyncio.gather(*(self.rounds.alive(p) for p in peers))
             for sender, peer, ok in zip(missing, peers, alive, strict=True):
                 if not ok:
                     self.rounds.mark_dead(peer, f"stopped answering while we waited for step {t}")
@@ -661,7 +661,7 @@ class Peer:
                 done, _ = await asyncio.wait({waiting}, timeout=PROBE_PERIOD)
                 if done:
                     return waiting.result()
-                if not await self.rounds.alive(peer, self.opts.run_id):
+                if not await self.rounds.alive(peer):
                     raise PeerUnavailable(f"{peer} stopped answering before its outer exchange")
         finally:
             if not waiting.done():
