@@ -14,7 +14,7 @@ from rich.console import Console
 from noloco_swarm.peer.launch import run_peer
 from noloco_swarm.peer.node import NetworkConfig
 from noloco_swarm.peer.runtime import PeerOptions
-from noloco_swarm.sim.config import RunConfig
+from noloco_swarm.train.config import RunConfig
 
 _PR_SET_PDEATHSIG = 1
 
@@ -59,7 +59,7 @@ def run_join(
 
 
 def load_run_config(path: str | Path) -> RunConfig:
-    """A RunConfig from the JSON of `RunConfig.flat()` (how `noloco local` hands peers their config)."""
+    """A RunConfig from the JSON of `RunConfig.manifest()` (how `noloco local` hands peers their config)."""
     from noloco_swarm.cli.options import build_config
 
     flat = json.loads(Path(path).read_text())

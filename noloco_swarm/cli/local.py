@@ -19,9 +19,9 @@ from noloco_swarm.cli.swarm import LocalSwarm, local_swarm, wait
 from noloco_swarm.cli.view import ReplicaStatus, RunStatus, render
 from noloco_swarm.model.state import num_flat
 from noloco_swarm.protocol import gossip
-from noloco_swarm.sim.config import RunConfig
 from noloco_swarm.sim.engine import Simulator, StepStats
 from noloco_swarm.sim.run import run_simulation
+from noloco_swarm.train.config import RunConfig
 
 
 def outer_bytes_per_peer(sim: Simulator, stage: int) -> int:

@@ -20,13 +20,15 @@ from typing import Any
 from noloco_swarm.data.config import DataConfig
 from noloco_swarm.model.presets import ModelConfig
 from noloco_swarm.protocol.config import InnerConfig, OuterConfig
-from noloco_swarm.sim.config import RunConfig
+from noloco_swarm.train.config import NetworkConfig, PeerConfig, RunConfig
 
 SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "data": DataConfig,
     "inner": InnerConfig,
     "outer": OuterConfig,
+    "peer": PeerConfig,
+    "network": NetworkConfig,
 }
 TOP_LEVEL = {f.name for f in dataclasses.fields(RunConfig)} - set(SECTIONS)
 

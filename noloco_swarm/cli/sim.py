@@ -8,10 +8,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from noloco_swarm.sim.config import RunConfig
 from noloco_swarm.sim.engine import Simulator, StepStats
 from noloco_swarm.sim.report import write_results
 from noloco_swarm.sim.run import SimResult, run_simulation
+from noloco_swarm.train.config import RunConfig
 
 
 def run_sim(configs: dict[str, RunConfig], steps: int, out: Path) -> int:

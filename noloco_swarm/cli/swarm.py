@@ -23,7 +23,7 @@ from typing import Any
 from noloco_swarm.peer.directory import RunDirectory
 from noloco_swarm.peer.node import NetworkConfig, start_dht
 from noloco_swarm.protocol.messages import RunManifest
-from noloco_swarm.sim.config import RunConfig
+from noloco_swarm.train.config import RunConfig
 
 LOOPBACK = ("/ip4/127.0.0.1/tcp/0",)
 
@@ -118,8 +118,8 @@ def local_swarm(
     dht = start_dht(NetworkConfig(initial_peers=initial_peers, host_maddrs=LOOPBACK))
     try:
         swarm.bootstrap = initial_peers[0] if initial_peers else str(dht.get_visible_maddrs()[0])
-        RunDirectory(dht, run_id).publish_manifest(RunManifest.create(run_id, cfg.flat()))
-        swarm.config_path.write_text(json.dumps(cfg.flat()))
+        RunDirectory(dht, run_id).publish_manifest(RunManifest.create(run_id, cfg.manifest()))
+        swarm.config_path.write_text(json.dumps(cfg.manifest()))
         for s in range(cfg.num_stages):
             for _ in range(cfg.num_replicas):
                 swarm.start_peer(s)

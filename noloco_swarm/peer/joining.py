@@ -22,7 +22,7 @@ from noloco_swarm.protocol import messages
 from noloco_swarm.protocol.clock import StepClock
 from noloco_swarm.protocol.membership import MembershipView
 from noloco_swarm.protocol.messages import STATE_PARTS, MessageError, StateReply, TensorMeta
-from noloco_swarm.sim.replica import StageReplica
+from noloco_swarm.train.replica import StageReplica
 
 JOIN_MARGIN_ROUNDS = 2
 STATUS_TIMEOUT = 10.0

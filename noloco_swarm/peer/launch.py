@@ -19,7 +19,7 @@ from noloco_swarm.peer.runtime import Peer, PeerOptions
 from noloco_swarm.peer.transport import Transport
 from noloco_swarm.protocol import messages
 from noloco_swarm.protocol.membership import MembershipView
-from noloco_swarm.sim.config import RunConfig
+from noloco_swarm.train.config import RunConfig
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ async def run_peer(
             DHT, initial_peers=list(net.initial_peers), p2p=transport.p2p, start=True
         )
         directory = RunDirectory(dht, opts.run_id, ttl=opts.heartbeat_ttl)
-        manifest = messages.RunManifest.create(opts.run_id, cfg.flat())
+        manifest = messages.RunManifest.create(opts.run_id, cfg.manifest())
         await _join_manifest(directory, manifest, new_run, opts.start_timeout)
         stage = opts.stage
         if stage is None:  # --stage auto: the stage with the fewest live peers, joiners included

@@ -61,8 +61,8 @@ from noloco_swarm.protocol.messages import (
     MessageError,
     TensorMeta,
 )
-from noloco_swarm.sim.config import RunConfig
-from noloco_swarm.sim.replica import StageReplica
+from noloco_swarm.train.config import RunConfig
+from noloco_swarm.train.replica import StageReplica
 
 logger = logging.getLogger(__name__)
 

@@ -1,36 +1,16 @@
-"""The step clock: sample counter, inner step, outer round and phase as pure functions of counters.
+"""The step clock: inner step, outer round and the learning-rate schedule as pure functions.
 
 Peers agree on routes and groups without talking because every decision is a function of these
 counters. Round r covers inner steps [r*H, (r+1)*H); after the H-th inner step of round r the
-replica takes its outer step with the group drawn for step t = (r+1)*H (gossip.make_groups), and
+replica takes its outer step with the group drawn for step t = (r+1)*H (protocol.plan), and
 round r+1 begins. Membership is frozen per round, so a peer that joins waits for a round start.
-
-All phase transitions live here; nothing reads a wall clock.
+Nothing here reads a wall clock.
 """
 
 from __future__ import annotations
 
-import enum
 import math
 from dataclasses import dataclass
-
-
-class Phase(enum.Enum):
-    """Where a replica stands within an outer round."""
-
-    INNER = "inner"  # taking inner steps of the current round
-    OUTER = "outer"  # all H inner steps done; the outer step of the round is due
-    DONE = "done"  # the run's total number of inner steps has been taken
-
-
-@dataclass(frozen=True)
-class Position:
-    """A replica's position on the clock, derived from its two counters."""
-
-    step: int  # inner steps taken so far (the official code's counter after the increment)
-    round: int  # the outer round the next inner step belongs to, or the round whose outer step is due
-    inner: int  # inner steps taken within `round`
-    phase: Phase
 
 
 @dataclass(frozen=True)
@@ -63,40 +43,6 @@ class StepClock:
         """True when `steps_taken` closes a round, i.e. an outer step follows it."""
         _non_negative("steps_taken", steps_taken)
         return steps_taken > 0 and steps_taken % self.inner_steps == 0
-
-    def first_sample(self, step: int) -> int:
-        """Global counter of the first sample of inner step `step` (k = t*B)."""
-        _non_negative("step", step)
-        return step * self.batch_size
-
-    def samples_per_round(self, num_replicas: int) -> int:
-        """Samples all stage-0 replicas consume together in one round."""
-        return self.inner_steps * self.batch_size * num_replicas
-
-    def next_join_round(self, steps_taken: int) -> int:
-        """The round a peer joins at when the swarm has taken `steps_taken` inner steps."""
-        _non_negative("steps_taken", steps_taken)
-        return math.ceil(steps_taken / self.inner_steps)
-
-    def position(self, steps_taken: int, outer_steps_taken: int) -> Position:
-        """Phase of a replica that has taken `steps_taken` inner and `outer_steps_taken` outer steps."""
-        _non_negative("steps_taken", steps_taken)
-        _non_negative("outer_steps_taken", outer_steps_taken)
-        closed_rounds = steps_taken // self.inner_steps
-        if outer_steps_taken > closed_rounds:
-            raise ValueError(
-                f"{outer_steps_taken} outer steps after only {steps_taken} inner steps "
-                f"(H={self.inner_steps}) is not a reachable state"
-            )
-        if outer_steps_taken < closed_rounds - 1 or (
-            outer_steps_taken == closed_rounds - 1 and steps_taken % self.inner_steps
-        ):
-            raise ValueError(f"outer step of round {outer_steps_taken} was skipped at step {steps_taken}")
-        if outer_steps_taken < closed_rounds:
-            return Position(steps_taken, closed_rounds - 1, self.inner_steps, Phase.OUTER)
-        if self.total_steps is not None and steps_taken >= self.total_steps:
-            return Position(steps_taken, closed_rounds, steps_taken % self.inner_steps, Phase.DONE)
-        return Position(steps_taken, closed_rounds, steps_taken % self.inner_steps, Phase.INNER)
 
 
 def lr_at(step: int, *, base_lr: float, min_lr: float, warmup_steps: int, total_steps: int) -> float:

@@ -542,8 +542,10 @@ def _check_counters(*counters: int) -> None:
 
 
 def _check_samples(samples: tuple[int, ...], data: TensorMeta, tokens: TensorMeta | None) -> None:
-    if not samples or any(s < 0 for s in samples) or len(set(samples)) != len(samples):
-        raise ValueError("samples must be a non-empty list of distinct non-negative indices")
+    # Rows travel in (position, origin) order, so sample indices never decrease; one repeats when
+    # rows of two stage-0 origins reach one replica (uneven replica counts, see protocol.plan).
+    if not samples or samples[0] < 0 or list(samples) != sorted(samples):
+        raise ValueError("samples must be a non-empty, ascending list of non-negative indices")
     if not data.shape or data.shape[0] != len(samples):
         raise ValueError(f"tensor {data.shape} does not have one row per sample ({len(samples)})")
     if tokens is not None:

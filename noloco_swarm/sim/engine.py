@@ -26,8 +26,8 @@ import torch
 from noloco_swarm.model import Stage, build_stage, flat_params, load_flat_params_
 from noloco_swarm.protocol import gossip, outer, routing
 from noloco_swarm.protocol.clock import StepClock
-from noloco_swarm.sim.config import RunConfig
-from noloco_swarm.sim.replica import StageReplica
+from noloco_swarm.train.config import RunConfig
+from noloco_swarm.train.replica import StageReplica
 
 BatchFn = Callable[[int, int], torch.Tensor]
 """(replica, step) -> LongTensor (B, seq_len + 1): the training windows of a stage-0 replica."""

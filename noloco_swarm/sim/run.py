@@ -12,8 +12,8 @@ import torch
 
 from noloco_swarm.data.stream import TokenStream, embedded_stream, train_batches, validation_windows
 from noloco_swarm.data.tokenizer import load_tokenizer
-from noloco_swarm.sim.config import RunConfig
 from noloco_swarm.sim.engine import BatchFn, Simulator, StepStats
+from noloco_swarm.train.config import RunConfig
 
 
 @dataclass
@@ -94,7 +94,7 @@ def run_simulation(
     check_vocab(cfg, cache_dir)
     windows = validation_windows(cfg.data, cache_dir)[: cfg.eval_windows]
     sim = Simulator(cfg, data_batches(cfg, cache_dir))
-    result = SimResult(config=cfg.flat())
+    result = SimResult(config=cfg.manifest())
     start = time.perf_counter()
     eval_seconds = 0.0
 

@@ -15,7 +15,7 @@ from hivemind.utils import get_dht_time
 from noloco_swarm.peer.directory import ManifestMismatchError, RunDirectory, gone_key, peers_key
 from noloco_swarm.peer.node import NetworkConfig, reachability, start_dht
 from noloco_swarm.protocol import messages
-from noloco_swarm.sim.config import RunConfig
+from noloco_swarm.train.config import RunConfig
 from tests.integration.helpers import p2pd_descendants, process_group
 
 pytestmark = pytest.mark.integration
@@ -48,7 +48,7 @@ def two_peers(bootstrap: str) -> Iterator[tuple[DHT, DHT]]:
 
 
 def manifest(run_id: str, **overrides: object) -> messages.RunManifest:
-    return messages.RunManifest.create(run_id, RunConfig.create("tiny", "noloco", **overrides).flat())
+    return messages.RunManifest.create(run_id, RunConfig.create("tiny", "noloco", **overrides).manifest())
 
 
 def test_manifest_publish_join_and_mismatch(two_peers: tuple[DHT, DHT]) -> None:

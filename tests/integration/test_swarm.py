@@ -20,9 +20,9 @@ import torch
 from noloco_swarm.cli.options import build_config
 from noloco_swarm.cli.swarm import local_swarm, wait
 from noloco_swarm.model import num_flat
-from noloco_swarm.sim.config import RunConfig
 from noloco_swarm.sim.engine import Simulator
 from noloco_swarm.sim.run import data_batches
+from noloco_swarm.train.config import RunConfig
 from tests.integration.helpers import MADDR, descendants, p2pd_descendants, process_group
 
 pytestmark = pytest.mark.integration

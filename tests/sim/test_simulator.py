@@ -10,10 +10,10 @@ import torch
 
 from noloco_swarm.model import build_model, flat_params, state_hash
 from noloco_swarm.protocol.clock import lr_at
-from noloco_swarm.sim.config import RunConfig
 from noloco_swarm.sim.engine import Simulator
-from noloco_swarm.sim.replica import StageReplica
 from noloco_swarm.sim.run import data_batches, run_simulation
+from noloco_swarm.train.config import RunConfig
+from noloco_swarm.train.replica import StageReplica
 
 SEQ = 32
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from noloco_swarm.protocol.clock import Phase, StepClock, lr_at
+from noloco_swarm.protocol.clock import StepClock, lr_at
 from noloco_swarm.protocol.membership import Listing, MembershipView, next_view
 
 
@@ -18,33 +18,7 @@ def test_rounds_and_outer_steps() -> None:
     assert clock.round_of(0) == 0 and clock.round_of(49) == 0 and clock.round_of(50) == 1
     assert not clock.outer_step_due(0) and not clock.outer_step_due(49)
     assert clock.outer_step_due(50) and clock.outer_step_due(100)
-    assert clock.first_sample(3) == 24
     assert clock.round_start(2) == 100
-    assert clock.samples_per_round(4) == 50 * 8 * 4
-    assert clock.next_join_round(0) == 0 and clock.next_join_round(1) == 1 and clock.next_join_round(50) == 1
-
-
-@given(h=st.integers(1, 20), steps=st.integers(0, 500))
-def test_position_walks_inner_then_outer(h: int, steps: int) -> None:
-    clock = StepClock(inner_steps=h, batch_size=1)
-    # a replica that has kept up: one outer step per closed round
-    pos = clock.position(steps, steps // h)
-    assert pos.phase is Phase.INNER and pos.round == steps // h and pos.inner == steps % h
-    if steps and steps % h == 0:
-        due = clock.position(steps, steps // h - 1)
-        assert due.phase is Phase.OUTER and due.round == steps // h - 1 and due.inner == h
-
-
-def test_position_rejects_unreachable_states_and_ends() -> None:
-    clock = StepClock(inner_steps=10, batch_size=1, total_steps=30)
-    with pytest.raises(ValueError, match="not a reachable"):
-        clock.position(15, 2)
-    with pytest.raises(ValueError, match="skipped"):
-        clock.position(25, 1)
-    with pytest.raises(ValueError, match="skipped"):
-        clock.position(15, 0)
-    assert clock.position(30, 2).phase is Phase.OUTER
-    assert clock.position(30, 3).phase is Phase.DONE
     with pytest.raises(ValueError, match="inner_steps"):
         StepClock(inner_steps=0, batch_size=1)
 

@@ -13,9 +13,10 @@ ALLOWED: dict[str, set[str]] = {
     "protocol": set(),
     "model": {"protocol"},
     "data": {"protocol"},
-    "sim": {"protocol", "model", "data"},
-    "peer": {"protocol", "model", "data", "sim"},
-    "cli": {"protocol", "model", "data", "sim", "peer"},
+    "train": {"protocol", "model", "data"},
+    "sim": {"protocol", "model", "data", "train"},
+    "peer": {"protocol", "model", "data", "train"},
+    "cli": {"protocol", "model", "data", "train", "sim", "peer"},
 }
 # The protocol core does no I/O: no sockets, no asyncio, no hivemind, no wall clock, no files.
 PROTOCOL_FORBIDDEN = {

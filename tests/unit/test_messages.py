@@ -73,7 +73,7 @@ def forward_body(**changes: object) -> dict[str, object]:
         (raw("forward", forward_body(step=True)), "expected an int"),
         (raw("forward", forward_body(step=-1)), "counters"),
         (raw("forward", forward_body(samples=[])), "non-empty"),
-        (raw("forward", forward_body(samples=[5, 5])), "distinct"),
+        (raw("forward", forward_body(samples=[5, 4])), "ascending"),
         (raw("forward", forward_body(samples=[1, 2, 3])), "one row per sample"),
         (raw("forward", forward_body(run_id="bad id!")), "run id"),
         (raw("forward", forward_body(activations={"shape": [2, 16, 32], "dtype": "float128"})), "dtype"),

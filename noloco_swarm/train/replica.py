@@ -2,6 +2,10 @@
 
 The simulator holds N x P of these; a networked peer holds one. Both call the same methods in the
 same order, which is what lets the swarm end a run with the simulator's exact weights.
+
+The loss of a sample is its mean token cross-entropy divided by B, the per-replica batch (the
+official code's scaling), so every replica's gradient is the sum over the samples it served;
+`backward_losses` is the one place that turns per-sample losses into the backward pass.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import torch
 from noloco_swarm.model import Stage, build_stage, flat_params, load_flat_params_, state_hash
 from noloco_swarm.protocol import outer
 from noloco_swarm.protocol.clock import lr_at
-from noloco_swarm.sim.config import RunConfig
+from noloco_swarm.train.config import RunConfig
 
 
 class StageReplica:
@@ -47,6 +51,10 @@ class StageReplica:
             warmup_steps=inner.warmup_steps,
             total_steps=inner.total_steps,
         )
+
+    def backward_losses(self, losses: torch.Tensor) -> None:
+        """Backward from the last stage's per-sample losses, scaled as the official code does."""
+        (losses.sum() / self.cfg.inner.batch_size).backward()
 
     def optimizer_step(self, lr: float) -> None:
         """Clip this stage's gradient (per stage, as the official code does), then one AdamW step."""

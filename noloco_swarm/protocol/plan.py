@@ -1,0 +1,200 @@
+"""The step plan: who sends what to whom at inner step t, and who averages with whom after it.
+
+This is the one file that turns the draws (routing.py, gossip.py) and a round's replica counts
+into what one replica does. The simulator and the peer both run it, so every rule a peer follows
+is checked against the simulator's weights:
+
+  inner step t   a row is batch position i of stage-0 replica o (`Row`). Replica `rank` of stage s
+                 sends each row it holds to the replica of stage s+1 that the row's route names
+                 (`StepPlan.sends`); a replica of stage s+1 expects the rows whose routes name it
+                 (`StepPlan.expects`) and runs them as one batch in (position, origin) order, so
+                 arrival order never changes the result. Gradients return on the same rows.
+                 Uneven replica counts use routing.route_uneven; with S > R senders a receiver
+                 may hold two rows of one position (from different origins).
+  outer step     after inner step t = H, 2H, ... the replica averages with its group
+                 (`outer_plan`): NoLoCo draws pairs, DiLoCo takes the whole stage and, with more
+                 than two replicas, all-reduces in shards (`ShardLayout`). Within a group the lower
+                 rank calls the higher one; both name the exchange by `exchange_key`.
+  joining        a newcomer enters `JOIN_MARGIN_ROUNDS` rounds after the furthest step it hears of.
+  evaluation     fixed paths: path q is replica q of every stage, for q below the smallest count.
+
+Pure: no I/O, no clock; equal inputs give equal plans on every peer.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from noloco_swarm.protocol import gossip, routing
+
+# A joiner announces this many rounds after the furthest step it hears of, so that every member
+# has read its announcement before that boundary (peers read the DHT at slightly different times).
+JOIN_MARGIN_ROUNDS = 2
+
+
+@dataclass(frozen=True, order=True)
+class Row:
+    """One sample on its way through the pipeline: batch position i of stage-0 replica `origin`.
+
+    Every replica runs its rows as one batch sorted by (position, origin), so arrival order never
+    changes the result. (With equal replica counts a replica holds one row per position.)"""
+
+    position: int
+    origin: int
+
+
+@dataclass(frozen=True)
+class Incoming:
+    """A row that replica r of stage s > 0 receives: from which rank of stage s-1."""
+
+    row: Row
+    sender: int
+
+
+@functools.lru_cache(maxsize=1024)
+def _flow(
+    step: int, counts: tuple[int, ...], batch: int, random_routing: bool
+) -> tuple[tuple[tuple[Incoming, ...], ...], ...]:
+    """flow[s][r]: the rows replica r of stage s holds at `step`, in its batch order, with the
+    rank of stage s-1 each came from (stage 0: its own rows, sender = itself)."""
+    flow = [tuple(tuple(Incoming(Row(i, d), d) for i in range(batch)) for d in range(counts[0]))]
+    for hop in range(len(counts) - 1):
+        senders, receivers = counts[hop], counts[hop + 1]
+        held: list[list[Incoming]] = [[] for _ in range(receivers)]
+        for d, rows in enumerate(flow[-1]):
+            for item in rows:
+                i = item.row.position
+                if random_routing:
+                    k = routing.sample_index(step, i, batch)
+                    r = routing.route_uneven(k, hop, len(counts), senders, receivers)[d]
+                else:  # fixed chains (the routing ablation): replica d feeds replica d
+                    r = d % receivers
+                held[r].append(Incoming(item.row, d))
+        flow.append(tuple(tuple(sorted(rows, key=lambda x: x.row)) for rows in held))
+    return tuple(flow)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """The inner-step rules of one round: its replica counts per stage and the per-replica batch."""
+
+    counts: tuple[int, ...]
+    """Replicas of every stage this round (ranks are 0..count-1: sorted peer ids on a swarm)."""
+    batch_size: int
+    """B: rows every stage-0 replica feeds into the pipeline per inner step."""
+    random_routing: bool = True
+    """Per-sample random routes (the paper); False: replica d of every stage feeds replica d."""
+
+    def __post_init__(self) -> None:
+        if not self.counts or min(self.counts) < 1:
+            raise ValueError(f"every stage needs at least one replica, got counts {list(self.counts)}")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+
+    @classmethod
+    def of(cls, counts: Sequence[int], batch_size: int, random_routing: bool = True) -> StepPlan:
+        return cls(tuple(counts), batch_size, random_routing)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.counts)
+
+    def rows(self, step: int, stage: int, rank: int) -> tuple[Incoming, ...]:
+        """The rows replica `rank` of `stage` runs at `step`, in batch order, with their senders."""
+        self._check_rank(stage, rank)
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        return _flow(step, self.counts, self.batch_size, self.random_routing)[stage][rank]
+
+    def expects(self, step: int, stage: int, rank: int) -> tuple[Incoming, ...]:
+        """What replica `rank` of `stage` > 0 receives at `step`, in the order it runs the rows."""
+        if stage == 0:
+            raise ValueError("stage 0 reads its rows from its data shard; it expects none")
+        return self.rows(step, stage, rank)
+
+    def expects_from(self, step: int, stage: int, rank: int, sender: int) -> list[Row]:
+        """The rows `sender` (a rank of stage-1) sends replica `rank` of `stage`, in sending order."""
+        return [x.row for x in self.expects(step, stage, rank) if x.sender == sender]
+
+    def sends(self, step: int, stage: int, rank: int) -> dict[int, list[int]]:
+        """Receiver rank (of stage+1) -> indices into this replica's batch, ascending, of the rows
+        replica `rank` of `stage` sends it at `step` (gradients come back for the same rows)."""
+        if not 0 <= stage < self.num_stages - 1:
+            raise ValueError(f"stage {stage} of {self.num_stages} sends nothing on")
+        index = {x.row: j for j, x in enumerate(self.rows(step, stage, rank))}
+        out: dict[int, list[int]] = {}
+        for r in range(self.counts[stage + 1]):
+            mine = [index[row] for row in self.expects_from(step, stage + 1, r, rank)]
+            if mine:
+                out[r] = mine
+        return out
+
+    def _check_rank(self, stage: int, rank: int) -> None:
+        if not 0 <= stage < self.num_stages or not 0 <= rank < self.counts[stage]:
+            raise ValueError(f"no replica {rank} of stage {stage} with counts {list(self.counts)}")
+
+
+@dataclass(frozen=True)
+class OuterPlan:
+    """What replica `rank` of a stage with `num_replicas` replicas does after inner step `step`."""
+
+    step: int
+    rank: int
+    group: tuple[int, ...]
+    """The ranks that average together, this one included, ascending (the order means are reduced in)."""
+    sharded: bool
+    """All-reduce in shards (reduce-scatter, then all-gather) instead of whole-vector swaps."""
+
+    @property
+    def partners(self) -> tuple[int, ...]:
+        return tuple(m for m in self.group if m != self.rank)
+
+    def calls(self, partner: int) -> bool:
+        """True if this replica opens the exchange with `partner` (the lower rank calls)."""
+        return self.rank < partner
+
+
+def outer_plan(method: str, group_size: int, num_replicas: int, step: int, rank: int) -> OuterPlan | None:
+    """The outer step after inner step `step` (a multiple of H); None for methods without one."""
+    if not 0 <= rank < num_replicas:
+        raise ValueError(f"rank {rank} is outside 0..{num_replicas - 1}")
+    if method == "noloco":
+        group = tuple(sorted(gossip.group_of(num_replicas, step, group_size, rank)))
+        return OuterPlan(step, rank, group, sharded=False)
+    if method == "diloco":
+        return OuterPlan(step, rank, tuple(range(num_replicas)), sharded=num_replicas > 2)
+    return None
+
+
+def exchange_key(round_: int, step: int, phase: int = 0) -> tuple[int, ...]:
+    """The name both sides give one exchange: phase 0 is a whole-vector swap, phases 1 and 2 the
+    reduce-scatter and all-gather of a sharded all-reduce."""
+    return (round_, step) if phase == 0 else (round_, step, phase)
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """A flat vector of `numel` values cut into `parts` equal shards (the last one zero-padded)."""
+
+    numel: int
+    parts: int
+
+    @property
+    def size(self) -> int:
+        return -(-self.numel // self.parts)
+
+    @property
+    def padded(self) -> int:
+        return self.size * self.parts
+
+
+def join_round(furthest_step: int, inner_steps: int) -> int:
+    """The round a newcomer enters at, given the furthest inner step any live peer reports."""
+    return furthest_step // inner_steps + JOIN_MARGIN_ROUNDS
+
+
+def eval_paths(counts: Sequence[int]) -> int:
+    """Fixed evaluation paths: path q is replica q of every stage, for q below the smallest count."""
+    return min(counts)

@@ -1,0 +1,210 @@
+"""The one typed config tree: model, data, inner optimiser, outer step, topology, peer, network.
+
+Every front end fills this same tree: `noloco sim`, `noloco local` and `noloco join` flags, config
+files and `NOLOCO_*` environment variables (see `noloco_swarm.cli.options`). The run's part of it
+is the swarm manifest's content: `RunConfig.manifest()` is what peers compare before joining a
+run; the `peer` and `network` sections say how one peer runs and are its own business.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from noloco_swarm.data.config import DataConfig
+from noloco_swarm.model.presets import ModelConfig, get_preset
+from noloco_swarm.protocol.config import InnerConfig, OuterConfig
+
+
+@dataclass(frozen=True)
+class PeerConfig:
+    """How one peer runs (not part of the run's identity, so not in the manifest)."""
+
+    run_id: str = ""
+    """The run's name; peers of one run share it (`noloco join --run-id`)."""
+    stage: int | None = None
+    """The stage this peer hosts; None: the stage with the fewest replicas (`--stage auto`)."""
+    metrics: str | None = None
+    """Append the peer's typed events as JSON lines to this file."""
+    device: str = "cpu"
+    """Where this stage computes (cpu or cuda); tensors cross the network from the CPU."""
+    step_timeout: float = 120.0
+    """Seconds: deadline of one pipeline round trip or one collected batch."""
+    exchange_timeout: float = 120.0
+    """Seconds: deadline of an outer exchange with one partner."""
+    start_timeout: float = 120.0
+    """Seconds: deadline for the manifest and a complete round-0 membership to appear."""
+    join_timeout: float = 280.0
+    """Seconds: deadline for joining a running swarm (waiting for our round, fetching state)."""
+    heartbeat_ttl: float = 30.0
+    """Seconds an announcement lives in the DHT; re-stored every third of it."""
+
+    def __post_init__(self) -> None:
+        if self.stage is not None and self.stage < 0:
+            raise ValueError(f"peer.stage must be >= 0 or auto, got {self.stage}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"peer.device must be cpu or cuda, got {self.device!r}")
+        for name in ("step_timeout", "exchange_timeout", "start_timeout", "join_timeout", "heartbeat_ttl"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"peer.{name} must be > 0 seconds, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class NetworkConfig:
+    """How a peer listens and is reached; maps one to one onto hivemind's P2P options."""
+
+    initial_peers: tuple[str, ...] = ()
+    """Multiaddrs of any live peers of the swarm (the bootstrap node prints one)."""
+    host_maddrs: tuple[str, ...] = ("/ip4/0.0.0.0/tcp/0",)
+    """Addresses to listen on; a fixed port (e.g. /ip4/0.0.0.0/tcp/31337) helps port forwarding."""
+    announce_maddrs: tuple[str, ...] = ()
+    """Addresses to announce instead of the listen ones (your public IP behind a forwarded port)."""
+    identity_path: str | None = None
+    """Private key file; keeps the peer id across restarts (created if missing)."""
+    use_relay: bool = True
+    """Let libp2p circuit relays carry our traffic when direct connections fail."""
+    use_auto_relay: bool = False
+    """Look for relays automatically and announce relayed addresses (for peers behind NAT)."""
+    client_mode: bool = False
+    """Do not accept incoming DHT requests (peers that cannot be reached at all)."""
+
+    def __post_init__(self) -> None:
+        if not self.host_maddrs:
+            raise ValueError("network.host_maddrs needs at least one address to listen on")
+
+    def p2p_kwargs(self) -> dict[str, object]:
+        """hivemind's P2P/DHT keyword arguments for these settings."""
+        kwargs: dict[str, object] = {
+            "host_maddrs": list(self.host_maddrs),
+            "use_relay": self.use_relay,
+            "use_auto_relay": self.use_auto_relay,
+        }
+        if self.announce_maddrs:
+            kwargs["announce_maddrs"] = list(self.announce_maddrs)
+        if self.identity_path:
+            kwargs["identity_path"] = self.identity_path
+        return kwargs
+
+
+# Sections that say how one peer runs; every other key is the run's and goes into its manifest.
+LOCAL_SECTIONS = ("peer", "network")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """A whole run. Replicas of one stage share every field; peers of one run share the tree."""
+
+    model: ModelConfig = field(default_factory=lambda: get_preset("tiny"))
+    """Model shape (preset plus overrides); `vocab_size` must match the tokenizer."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Corpus, tokenizer and window length; `data.seq_len` must equal `model.seq_len`."""
+    inner: InnerConfig = field(default_factory=InnerConfig)
+    """Inner optimiser and schedule."""
+    outer: OuterConfig = field(default_factory=OuterConfig)
+    """Outer step: method, H, group size, alpha, beta, gamma."""
+    num_stages: int = 2
+    """P: pipeline stages the model is split into."""
+    num_replicas: int = 2
+    """D: replicas of every stage (the simulator's N), unless stage_replicas says otherwise."""
+    stage_replicas: tuple[int, ...] = ()
+    """Replicas per stage when they differ (e.g. 3,2); empty: num_replicas for every stage."""
+    seed: int = 0
+    """Run seed: initial weights of every replica and the data order."""
+    eval_every: int = 50
+    """Inner steps between validation passes (0: only at the end)."""
+    eval_windows: int = 64
+    """Validation windows per evaluation (the same ones every time)."""
+    peer: PeerConfig = field(default_factory=PeerConfig)
+    """How one peer runs (`noloco join`); not part of the manifest."""
+    network: NetworkConfig = field(default_factory=NetworkConfig)
+    """How one peer listens and is reached; not part of the manifest."""
+
+    def __post_init__(self) -> None:
+        if self.num_stages < 1 or self.num_replicas < 1:
+            raise ValueError(
+                f"need at least one stage and one replica, got P={self.num_stages}, D={self.num_replicas}"
+            )
+        if self.num_stages > self.model.num_layers:
+            raise ValueError(
+                f"{self.num_stages} stages but the model has {self.model.num_layers} layers; lower --stages"
+            )
+        if self.data.seq_len != self.model.seq_len:
+            raise ValueError(
+                f"data.seq_len {self.data.seq_len} != model.seq_len {self.model.seq_len}; set them equal"
+            )
+        if self.eval_every < 0 or self.eval_windows < 1:
+            raise ValueError("eval_every must be >= 0 and eval_windows >= 1")
+        if self.stage_replicas and (
+            len(self.stage_replicas) != self.num_stages or min(self.stage_replicas) < 1
+        ):
+            raise ValueError(
+                f"stage_replicas {list(self.stage_replicas)} must give one count >= 1 for each of the "
+                f"{self.num_stages} stages (or be empty)"
+            )
+
+    @property
+    def replica_counts(self) -> tuple[int, ...]:
+        """Replicas of every stage at the start of the run."""
+        return self.stage_replicas or (self.num_replicas,) * self.num_stages
+
+    @classmethod
+    def create(
+        cls,
+        preset: str = "tiny",
+        method: str = "noloco",
+        *,
+        model: dict[str, Any] | None = None,
+        data: dict[str, Any] | None = None,
+        inner: dict[str, Any] | None = None,
+        outer: dict[str, Any] | None = None,
+        peer: dict[str, Any] | None = None,
+        network: dict[str, Any] | None = None,
+        **top: Any,
+    ) -> RunConfig:
+        """A config from a preset and a method's paper defaults, with per-section overrides.
+
+        The inner schedule defaults to the preset's (lr, min_lr, warm-up, total steps) and the
+        data window to the model's sequence length, so one override changes both ends.
+        """
+        model_cfg = get_preset(preset, **(model or {}))
+        inner_defaults = {
+            "lr": model_cfg.lr,
+            "min_lr": model_cfg.min_lr,
+            "warmup_steps": model_cfg.warmup_steps,
+            "total_steps": model_cfg.total_steps,
+        }
+        data_cfg = DataConfig(
+            **{"seq_len": model_cfg.seq_len, "vocab_size": model_cfg.vocab_size, **(data or {})}
+        )
+        return cls(
+            model=model_cfg,
+            data=data_cfg,
+            inner=InnerConfig(**{**inner_defaults, **(inner or {})}),
+            outer=OuterConfig.for_method(method, **(outer or {})),
+            peer=PeerConfig(**(peer or {})),
+            network=NetworkConfig(**(network or {})),
+            **top,
+        )
+
+    def replace(self, **changes: Any) -> RunConfig:
+        return dataclasses.replace(self, **changes)
+
+    def flat(self) -> dict[str, Any]:
+        """Dotted key -> value for every leaf, in a stable order (the manifest and result files)."""
+        out: dict[str, Any] = {}
+
+        def walk(prefix: str, obj: Any) -> None:
+            for f in dataclasses.fields(obj):
+                value = getattr(obj, f.name)
+                if dataclasses.is_dataclass(value):
+                    walk(f"{prefix}{f.name}.", value)
+                else:
+                    out[f"{prefix}{f.name}"] = list(value) if isinstance(value, tuple) else value
+
+        walk("", self)
+        return out
+
+    def manifest(self) -> dict[str, Any]:
+        """The run's identity: every key but the peer's own sections. Peers of a run share it."""
+        return {k: v for k, v in self.flat().items() if k.split(".", 1)[0] not in LOCAL_SECTIONS}
