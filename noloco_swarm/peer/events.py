@@ -1,0 +1,299 @@
+"""Typed metric events of a peer, and the sinks they go to (JSON lines now; Prometheus later).
+
+A peer reports what it did as frozen records (`Step`, `Outer`, `Membership`, ...) through one
+`Events` object, which hands each record to every sink. `JsonLines` writes one JSON object per
+line, `{"event": KIND, "time": unix seconds, **fields}`; `read` turns such a file back into the
+same records, so the live view, `noloco local`'s summary, the benchmarks and the tests all read
+typed records and no one parses free-form dicts by string.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Protocol, TypeVar
+
+
+@dataclass(frozen=True)
+class Event:
+    """Base of every event: its kind (the JSON `event` field) and when it happened."""
+
+    KIND: ClassVar[str] = ""
+    time: float = field(default=0.0, kw_only=True)
+
+    def fields(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "time"}
+
+
+@dataclass(frozen=True)
+class Step(Event):
+    """One inner step done. Every replica serves B samples of T tokens per step, whatever its stage."""
+
+    KIND: ClassVar[str] = "step"
+    step: int  # inner steps taken, this one included
+    loss: float | None  # mean loss of the samples whose loss came back (None: none did)
+    lr: float
+    seconds: float
+    tokens: int  # tokens fed into the pipeline so far (stage 0; 0 on later stages)
+    tokens_per_second: float
+
+
+@dataclass(frozen=True)
+class Outer(Event):
+    """One outer step: the group, who failed, the bytes moved and the resulting state."""
+
+    KIND: ClassVar[str] = "outer"
+    step: int
+    group: list[int]  # ranks that averaged, this replica included
+    partners: list[str]  # their peer ids, this replica excluded
+    failed: list[int]  # ranks whose tensors never arrived
+    sent_bytes: int
+    received_bytes: int
+    seconds: float
+    state_hash: str  # comparable with the simulator's
+
+
+@dataclass(frozen=True)
+class Membership(Event):
+    """The frozen view of a round, as this peer holds it."""
+
+    KIND: ClassVar[str] = "membership"
+    round: int
+    stages: list[list[str]]
+    rank: int
+    peer_id: str
+
+
+@dataclass(frozen=True)
+class Joining(Event):
+    """This peer announced itself for `round`, which starts at `step`."""
+
+    KIND: ClassVar[str] = "joining"
+    round: int
+    step: int
+
+
+@dataclass(frozen=True)
+class Joined(Event):
+    """This peer loaded its stage's state for `round` from `server`."""
+
+    KIND: ClassVar[str] = "joined"
+    round: int
+    step: int
+    server: str
+    state_hash: str
+    peer_id: str
+
+
+@dataclass(frozen=True)
+class Joiners(Event):
+    """Peers that enter this peer's stage at `round`; this peer keeps its state for them."""
+
+    KIND: ClassVar[str] = "joiners"
+    round: int
+    peers: list[str]
+
+
+@dataclass(frozen=True)
+class ServedState(Event):
+    """One part of this replica's state sent to a joiner."""
+
+    KIND: ClassVar[str] = "served_state"
+    round: int
+    peer: str
+    part: str
+
+
+@dataclass(frozen=True)
+class Excluded(Event):
+    """The swarm's next view leaves this live peer out; it joins again."""
+
+    KIND: ClassVar[str] = "excluded"
+    step: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Dropped(Event):
+    """Samples of step `step` lost on hop `hop` (their gradient is zero this step).
+
+    side "sender": rows this replica sent whose gradient never came back; side "receiver": rows
+    this replica expected from `senders`, who sent nothing in time.
+    """
+
+    KIND: ClassVar[str] = "dropped"
+    step: int
+    hop: int
+    samples: int
+    side: str
+    senders: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Refused(Event):
+    """A live peer refused our rows of step `step` (e.g. it holds another view)."""
+
+    KIND: ClassVar[str] = "refused"
+    step: int
+    peer: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Retried(Event):
+    """A forward whose stream broke was sent once more to a receiver that still answers."""
+
+    KIND: ClassVar[str] = "retried"
+    step: int
+    peer: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class ViewMismatch(Event):
+    """A forward request came under another view of its round; it was refused."""
+
+    KIND: ClassVar[str] = "view_mismatch"
+    step: int
+    peer: str
+
+
+@dataclass(frozen=True)
+class SlowPeer(Event):
+    """A peer failed us but answers a probe: slow, not gone."""
+
+    KIND: ClassVar[str] = "slow_peer"
+    peer: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class PeerGone(Event):
+    """A peer failed us and does not answer; reported gone in the DHT."""
+
+    KIND: ClassVar[str] = "peer_gone"
+    peer: str
+    round: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Final(Event):
+    """The peer's summary when it finishes."""
+
+    KIND: ClassVar[str] = "final"
+    stage: int
+    rank: int
+    peer_id: str
+    joined_round: int
+    steps: int
+    outer_steps: int
+    dropped_partners: int
+    dropped_samples: int
+    gone: list[str]
+    final_view: list[list[str]]
+    train_seconds: float
+    tokens: int
+    val_loss: float | None
+    state_hash: str
+    bytes: dict[str, dict[str, int]]
+
+
+KINDS: dict[str, type[Event]] = {
+    cls.KIND: cls
+    for cls in (
+        Step,
+        Outer,
+        Membership,
+        Joining,
+        Joined,
+        Joiners,
+        ServedState,
+        Excluded,
+        Dropped,
+        Refused,
+        Retried,
+        ViewMismatch,
+        SlowPeer,
+        PeerGone,
+        Final,
+    )
+}
+E = TypeVar("E", bound=Event)
+
+
+class Sink(Protocol):
+    """Where events go: a JSON-lines file, a Prometheus registry, a test's list."""
+
+    def emit(self, event: Event) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class JsonLines:
+    """One JSON object per line, appended and flushed per line (readers follow it live)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._file = self.path.open("a", buffering=1)
+
+    def emit(self, event: Event) -> None:
+        self._file.write(json.dumps(to_dict(event)) + "\n")
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class Events:
+    """The peer's one event interface: stamps each record with the time and fans it out."""
+
+    def __init__(self, sinks: Iterable[Sink] = ()) -> None:
+        self.sinks = list(sinks)
+
+    def emit(self, event: Event) -> None:
+        stamped = dataclasses.replace(event, time=time.time())
+        for sink in self.sinks:
+            sink.emit(stamped)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+
+
+def to_dict(event: Event) -> dict[str, Any]:
+    return {"event": event.KIND, "time": event.time, **event.fields()}
+
+
+def from_dict(obj: dict[str, Any]) -> Event:
+    """The record a JSON line holds; ValueError if it is not one of ours."""
+    cls = KINDS.get(obj.get("event", ""))
+    if cls is None:
+        raise ValueError(f"unknown event kind {obj.get('event')!r}")
+    names = {f.name for f in dataclasses.fields(cls)}
+    try:
+        return cls(**{k: v for k, v in obj.items() if k in names})
+    except TypeError as e:
+        raise ValueError(f"malformed {cls.KIND} event: {e}") from e
+
+
+def read(path: str | Path) -> list[Event]:
+    """Every complete event in a JSON-lines file so far (a torn last line, mid-write, is skipped)."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(from_dict(json.loads(line)))
+        except (json.JSONDecodeError, ValueError):
+            continue
+    return out
+
+
+def of_kind(events: Iterable[Event], kind: type[E]) -> list[E]:
+    """The events of one type, in order."""
+    return [e for e in events if isinstance(e, kind)]
