@@ -1,15 +1,15 @@
-"""The reference simulator: N replicas x P stages of one model, trained in one process.
+"""The reference simulator: replicas of every stage of one model, trained in one process.
 
-It drives the same protocol functions the peers use (routing.route_permutation for every sample
-and hop, gossip.make_groups and outer.noloco_step / diloco_step at every outer step, clock.lr_at
-for the schedule), with no network. It is the fast tool for algorithm experiments and the oracle
-the networked swarm must reproduce (DESIGN.md section 4).
+It runs the same step plan as the peers (protocol.plan: which rows each replica receives, in which
+order, and who averages with whom), the same StageReplica (train/) and the same schedule, with no
+network. It is the fast tool for algorithm experiments and the oracle the networked swarm must
+reproduce bit for bit (DESIGN.md section 4). Stages may hold different numbers of replicas
+(`RunConfig.stage_replicas`).
 
-Batching: replica r of stage s+1 receives, for each batch position i, the sample that the route
-of sample k = t*B + i sends it; since every route is a bijection it receives exactly B samples per
-step, which it runs as one batch in position order. Gradients flow back along the same rows.
-The loss of a sample is its mean token cross-entropy divided by B (the official code's scaling),
-so every replica's gradient is the sum over the samples it served.
+Every replica computes the way a peer does: stage by stage, each replica runs the rows the plan
+routes to it as one batch in (position, origin) order; the last stage turns per-sample losses
+into the backward pass (StageReplica.backward_losses); gradients flow back stage by stage along
+the same rows, each replica backpropagating its whole batch once.
 """
 
 from __future__ import annotations
@@ -17,15 +17,15 @@ from __future__ import annotations
 import copy
 import hashlib
 import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from noloco_swarm.model import Stage, build_stage, flat_params, load_flat_params_
-from noloco_swarm.protocol import gossip, outer, routing
+from noloco_swarm.protocol import outer
 from noloco_swarm.protocol.clock import StepClock
+from noloco_swarm.protocol.plan import StepPlan, eval_paths, outer_plan
 from noloco_swarm.train.config import RunConfig
 from noloco_swarm.train.replica import StageReplica
 
@@ -44,19 +44,19 @@ class StepStats:
 
 
 class Simulator:
-    """N replicas x P stages with AdamW inner steps and the configured outer step."""
+    """Replicas x stages with AdamW inner steps and the configured outer step."""
 
     def __init__(self, cfg: RunConfig, batches: BatchFn) -> None:
         self.cfg = cfg
         self.batches = batches
         self.clock = StepClock(cfg.outer.inner_steps, cfg.inner.batch_size, cfg.inner.total_steps)
-        P, D = cfg.num_stages, cfg.num_replicas
+        self.plan = StepPlan.of(cfg.replica_counts, cfg.inner.batch_size, cfg.outer.random_routing)
         # Every replica starts from the same weights, derived from the run seed (DESIGN.md 2).
-        first = [build_stage(cfg.model, s, P, cfg.seed) for s in range(P)]
-        self.replicas: list[list[StageReplica]] = [
-            [StageReplica(cfg, s, first[s] if d == 0 else copy.deepcopy(first[s])) for d in range(D)]
-            for s in range(P)
-        ]
+        self.replicas: list[list[StageReplica]] = []
+        for s, count in enumerate(cfg.replica_counts):
+            first = build_stage(cfg.model, s, cfg.num_stages, cfg.seed)
+            row = [StageReplica(cfg, s, first if d == 0 else copy.deepcopy(first)) for d in range(count)]
+            self.replicas.append(row)
         self.step = 0
         self.tokens = 0
         self.outer_steps = 0
@@ -69,38 +69,53 @@ class Simulator:
 
     # ------------------------------------------------------------------ inner step
 
-    def route(self, hop: int) -> list[list[int]]:
-        """senders[r][i]: the replica of stage `hop` whose position-i sample goes to replica r."""
-        P, D, B = self.cfg.num_stages, self.cfg.num_replicas, self.cfg.inner.batch_size
-        if not self.cfg.outer.random_routing:
-            return [[r] * B for r in range(D)]
-        inverses = [
-            routing.inverse_permutation(routing.route_permutation(self.step * B + i, hop, P, D))
-            for i in range(B)
-        ]
-        return [[inverses[i][r] for i in range(B)] for r in range(D)]
-
     def forward_backward(self) -> float:
-        """Forward every replica's batch along its routes, backward, leave gradients in place."""
-        P, D, B = self.cfg.num_stages, self.cfg.num_replicas, self.cfg.inner.batch_size
-        windows = [self.batches(d, self.step) for d in range(D)]
+        """Run every replica's rows through the pipeline and back; leave gradients in place."""
+        cfg, plan, t = self.cfg, self.plan, self.step
+        P, B = cfg.num_stages, cfg.inner.batch_size
+        windows = [self.batches(d, t) for d in range(plan.counts[0])]
         for d, w in enumerate(windows):
-            if w.shape != (B, self.cfg.model.seq_len + 1):
+            if w.shape != (B, cfg.model.seq_len + 1):
                 raise ValueError(
                     f"replica {d} got a batch of shape {tuple(w.shape)}, expected ({B}, seq_len + 1)"
                 )
+        # Forward, stage by stage: inputs[r] are replica r's rows, a leaf as a peer receives them.
         inputs = [w[:, :-1] for w in windows]
         targets = [w[:, 1:] for w in windows]
+        leaves: list[list[torch.Tensor]] = []
+        outputs: list[list[torch.Tensor]] = []
         for s in range(P):
             if s > 0:
-                senders = self.route(s - 1)
-                inputs = [torch.stack([inputs[senders[r][i]][i] for i in range(B)]) for r in range(D)]
-                targets = [torch.stack([targets[senders[r][i]][i] for i in range(B)]) for r in range(D)]
+                index = [
+                    {x.row: j for j, x in enumerate(plan.rows(t, s - 1, d))}
+                    for d in range(plan.counts[s - 1])
+                ]
+                rows = [plan.rows(t, s, r) for r in range(plan.counts[s])]
+                inputs = [
+                    torch.stack([outputs[-1][x.sender][index[x.sender][x.row]].detach() for x in rs])
+                    for rs in rows
+                ]
+                inputs = [x.requires_grad_(True) for x in inputs]
+                targets = [
+                    torch.stack([windows[x.row.origin][x.row.position, 1:] for x in rs]) for rs in rows
+                ]
+            leaves.append(inputs)
             last = s == P - 1
-            inputs = [self.stages[s][r](inputs[r], targets[r] if last else None) for r in range(D)]
-        losses = torch.stack(inputs)  # (D, B) per-sample losses at the last stage
-        (losses.sum() / B).backward()
-        return float(losses.detach().mean())
+            outputs.append(
+                [self.replicas[s][r].module(x, targets[r] if last else None) for r, x in enumerate(inputs)]
+            )
+        losses = outputs[-1]
+        for replica, sample_losses in zip(self.replicas[-1], losses, strict=True):
+            replica.backward_losses(sample_losses)
+        # Backward, stage by stage: each replica's output rows get the gradients of the rows it sent.
+        for s in range(P - 2, -1, -1):
+            for d, out in enumerate(outputs[s]):
+                grad = torch.zeros_like(out)
+                for r, sent in plan.sends(t, s, d).items():
+                    mine = [j for j, x in enumerate(plan.rows(t, s + 1, r)) if x.sender == d]
+                    grad[sent] = leaves[s + 1][r].grad[mine]
+                out.backward(grad)
+        return float(torch.cat([x.detach() for x in losses]).mean())
 
     def inner_step(self) -> StepStats:
         cfg = self.cfg
@@ -112,7 +127,7 @@ class Simulator:
             for replica in row:
                 replica.optimizer_step(lr)
         self.step += 1
-        self.tokens += cfg.num_replicas * cfg.inner.batch_size * cfg.model.seq_len
+        self.tokens += self.plan.counts[0] * cfg.inner.batch_size * cfg.model.seq_len
         due = cfg.outer.method in ("noloco", "diloco") and self.clock.outer_step_due(self.step)
         if due:
             self.outer_step()
@@ -130,21 +145,22 @@ class Simulator:
 
     @torch.no_grad()
     def outer_step(self) -> None:
-        """The outer step that follows inner step `self.step` (a multiple of H)."""
-        o, D = self.cfg.outer, self.cfg.num_replicas
+        """The outer step that follows inner step `self.step` (a multiple of H), by the plan."""
+        o = self.cfg.outer
         all_thetas = [{d: r.theta() for d, r in enumerate(row)} for row in self.replicas]
         self.spread_before_outer = _spread([list(t.values()) for t in all_thetas])
         for row, thetas in zip(self.replicas, all_thetas, strict=True):
-            if o.method == "diloco":
-                for replica in row:
-                    replica.apply_diloco(thetas)
-                continue
             # Every member computes its step from the group's values as they were before the
             # step: phis are read here, before any member of the group updates its own.
-            for group in gossip.make_groups(D, self.step, o.group_size):
-                phis = {m: row[m].phi for m in group}
-                for d in group:
-                    row[d].apply_noloco({m: thetas[m] for m in group}, phis)
+            phis = {d: r.phi for d, r in enumerate(row)}
+            for d, replica in enumerate(row):
+                plan = outer_plan(o.method, o.group_size, len(row), self.step, d)
+                assert plan is not None
+                group_thetas = {m: thetas[m] for m in plan.group}
+                if o.method == "diloco":
+                    replica.apply_diloco(group_thetas)
+                else:
+                    replica.apply_noloco(group_thetas, {m: phis[m] for m in plan.group})
         self.outer_steps += 1
 
     # ------------------------------------------------------------------ inspection
@@ -168,13 +184,15 @@ class Simulator:
 
     @torch.no_grad()
     def evaluate(self, windows: torch.Tensor, batch_size: int = 16) -> dict[str, float]:
-        """Validation loss/perplexity: each replica on its own fixed path, averaged in log space.
+        """Validation loss/perplexity: each fixed path (protocol.plan.eval_paths), averaged in log space.
 
         Also the perplexity of the averaged model (every stage's replicas averaged), the model a
         run would publish.
         """
-        D = self.cfg.num_replicas
-        per_replica = [_chain_loss([row[d] for row in self.stages], windows, batch_size) for d in range(D)]
+        paths = eval_paths(self.plan.counts)
+        per_replica = [
+            _chain_loss([row[q] for row in self.stages], windows, batch_size) for q in range(paths)
+        ]
         averaged = []
         for row in self.stages:
             mean = outer.group_mean({d: flat_params(m) for d, m in enumerate(row)})
@@ -182,7 +200,7 @@ class Simulator:
             load_flat_params_(module, mean)
             averaged.append(module)
         avg_loss = _chain_loss(averaged, windows, batch_size)
-        val_loss = sum(per_replica) / D
+        val_loss = sum(per_replica) / paths
         return {
             "val_loss": val_loss,
             "val_ppl": math.exp(val_loss),
@@ -212,10 +230,3 @@ def _chain_loss(stages: list[Stage], windows: torch.Tensor, batch_size: int) -> 
         total += float(x.sum())
         count += len(w)
     return total / count
-
-
-def timed_steps(sim: Simulator, steps: int) -> tuple[list[StepStats], float]:
-    """Run `steps` inner steps; return their stats and the wall seconds they took."""
-    start = time.perf_counter()
-    stats = [sim.inner_step() for _ in range(steps)]
-    return stats, time.perf_counter() - start

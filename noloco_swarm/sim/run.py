@@ -61,7 +61,7 @@ def check_vocab(cfg: RunConfig, cache_dir: str | os.PathLike[str] | None = None)
 
 def data_batches(cfg: RunConfig, cache_dir: str | os.PathLike[str] | None = None) -> BatchFn:
     """Training windows for every stage-0 replica: replica d reads shard d of D, indexed by step."""
-    D, B = cfg.num_replicas, cfg.inner.batch_size
+    D, B = cfg.replica_counts[0], cfg.inner.batch_size
     if cfg.data.source == "embedded":
         streams: list[TokenStream] = [
             embedded_stream(cfg.data, d, D, B, cfg.seed, cache_dir) for d in range(D)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from noloco_swarm.model import build_model, flat_params, state_hash
+from noloco_swarm.model import build_model, build_stage, flat_params, state_hash
 from noloco_swarm.protocol.clock import lr_at
 from noloco_swarm.sim.engine import Simulator
 from noloco_swarm.sim.run import data_batches, run_simulation
@@ -123,13 +123,26 @@ def test_methods_differ_as_expected() -> None:
 
 def test_routing_moves_samples_between_replicas() -> None:
     sim = Simulator(config(num_replicas=4), synthetic(config(num_replicas=4)))
-    senders = sim.route(0)
+    senders = [[x.sender for x in sim.plan.rows(0, 1, r)] for r in range(4)]
     assert all(sorted(col) == [0, 1, 2, 3] for col in zip(*senders, strict=True))  # a bijection per position
     assert any(senders[r][i] != r for r in range(4) for i in range(4))
     fixed = Simulator(
         config(num_replicas=4, outer={"random_routing": False}), synthetic(config(num_replicas=4))
     )
-    assert fixed.route(0) == [[r] * 4 for r in range(4)]
+    assert [[x.sender for x in fixed.plan.rows(0, 1, r)] for r in range(4)] == [[r] * 4 for r in range(4)]
+
+
+def test_uneven_stages_train_every_replica_and_stay_deterministic() -> None:
+    """3 replicas of stage 0, 2 of stage 1 (and 3 stages 2-3-1): every replica trains, the run is
+    deterministic, and the per-stage outer groups come from each stage's own count."""
+    for counts in ((3, 2), (2, 3, 1)):
+        cfg = config(num_stages=len(counts), num_replicas=max(counts), stage_replicas=counts)
+        first, again = train(cfg, 9), train(cfg, 9)
+        assert [len(row) for row in first.replicas] == list(counts)
+        assert first.replica_hashes() == again.replica_hashes()
+        assert first.outer_steps == 2 and first.tokens == 9 * counts[0] * 4 * SEQ
+        initial = [state_hash(build_stage(cfg.model, s, len(counts), cfg.seed)) for s in range(len(counts))]
+        assert all(h != initial[s] for s, row in enumerate(first.replica_hashes()) for h in row)
 
 
 def test_bad_batch_shape_is_a_clear_error() -> None:

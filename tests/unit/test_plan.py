@@ -1,0 +1,112 @@
+"""The step plan: every row crosses every stage exactly once, senders and receivers agree, and
+with equal replica counts the routes are the official code's draws."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from noloco_swarm.protocol import gossip, routing
+from noloco_swarm.protocol.plan import (
+    Row,
+    ShardLayout,
+    StepPlan,
+    eval_paths,
+    exchange_key,
+    join_round,
+    outer_plan,
+)
+
+counts_st = st.lists(st.integers(1, 5), min_size=1, max_size=4).map(tuple)
+
+
+@settings(max_examples=60, deadline=None)
+@given(counts=counts_st, batch=st.integers(1, 5), step=st.integers(0, 1000), fixed=st.booleans())
+def test_every_row_crosses_every_stage_once_and_both_sides_agree(
+    counts: tuple[int, ...], batch: int, step: int, fixed: bool
+) -> None:
+    plan = StepPlan.of(counts, batch, random_routing=not fixed)
+    every_row = sorted(Row(i, o) for o in range(counts[0]) for i in range(batch))
+    for s in range(len(counts)):
+        held = [plan.rows(step, s, r) for r in range(counts[s])]
+        assert sorted(x.row for rows in held for x in rows) == every_row
+        for rows in held:  # each replica runs its rows in (position, origin) order
+            assert [x.row for x in rows] == sorted(x.row for x in rows)
+        if s + 1 < len(counts):
+            for d in range(counts[s]):
+                mine = plan.rows(step, s, d)
+                for r, indices in plan.sends(step, s, d).items():
+                    assert [mine[j].row for j in indices] == plan.expects_from(step, s + 1, r, d)
+                sent = sorted(j for indices in plan.sends(step, s, d).values() for j in indices)
+                assert sent == list(range(len(mine)))
+
+
+@given(d=st.integers(1, 6), batch=st.integers(1, 4), step=st.integers(0, 500), stages=st.integers(2, 4))
+def test_equal_counts_follow_the_official_permutation(d: int, batch: int, step: int, stages: int) -> None:
+    plan = StepPlan.of((d,) * stages, batch)
+    for hop in range(stages - 1):
+        for sender in range(d):
+            for r, indices in plan.sends(step, hop, sender).items():
+                for j in indices:
+                    i = plan.rows(step, hop, sender)[j].row.position
+                    k = routing.sample_index(step, i, batch)
+                    assert routing.route_permutation(k, hop, stages, d)[sender] == r
+        for r in range(d):  # one row per position: a replica holds exactly B rows
+            assert [x.row.position for x in plan.rows(step, hop + 1, r)] == list(range(batch))
+
+
+def test_fixed_routing_keeps_each_replicas_chain() -> None:
+    plan = StepPlan.of((3, 3, 3), 2, random_routing=False)
+    assert all({x.row.origin for x in plan.rows(7, 2, r)} == {r} for r in range(3))
+    assert plan.sends(7, 0, 1) == {1: [0, 1]}
+
+
+def test_uneven_receivers_get_fair_shares() -> None:
+    plan = StepPlan.of((3, 2), 4)
+    loads = [len(plan.rows(5, 1, r)) for r in range(2)]
+    assert sum(loads) == 12 and max(loads) - min(loads) <= 4
+    fewer = StepPlan.of((2, 3), 4)  # S < R: a receiver may get nothing at one position
+    assert sum(len(fewer.rows(5, 1, r)) for r in range(3)) == 8
+
+
+def test_bad_queries_are_errors() -> None:
+    plan = StepPlan.of((2, 2), 2)
+    with pytest.raises(ValueError, match="no replica 2"):
+        plan.rows(0, 1, 2)
+    with pytest.raises(ValueError, match="expects none"):
+        plan.expects(0, 0, 0)
+    with pytest.raises(ValueError, match="sends nothing"):
+        plan.sends(0, 1, 0)
+    with pytest.raises(ValueError, match="at least one replica"):
+        StepPlan.of((2, 0), 2)
+
+
+@given(n=st.integers(1, 9), step=st.integers(0, 10_000), size=st.integers(1, 4))
+def test_outer_groups_partition_the_stage_and_one_side_calls(n: int, step: int, size: int) -> None:
+    plans = [outer_plan("noloco", size, n, step, r) for r in range(n)]
+    assert all(p is not None and p.rank in p.group and list(p.group) == sorted(p.group) for p in plans)
+    groups = {p.group for p in plans if p is not None}
+    assert sorted(r for g in groups for r in g) == list(range(n))
+    assert groups == {tuple(sorted(g)) for g in gossip.make_groups(n, step, size)}
+    for p in plans:
+        assert p is not None
+        for m in p.partners:
+            other = plans[m]
+            assert other is not None and p.calls(m) != other.calls(p.rank)  # exactly one side calls
+
+
+def test_diloco_takes_the_whole_stage_and_shards_beyond_two() -> None:
+    two, three = outer_plan("diloco", 2, 2, 10, 0), outer_plan("diloco", 2, 3, 10, 2)
+    assert two is not None and two.group == (0, 1) and not two.sharded
+    assert three is not None and three.group == (0, 1, 2) and three.sharded and three.partners == (0, 1)
+    assert outer_plan("local", 2, 3, 10, 0) is None and outer_plan("allreduce", 2, 3, 10, 0) is None
+
+
+def test_keys_shards_join_round_and_eval_paths() -> None:
+    assert exchange_key(2, 150) == (2, 150) and exchange_key(2, 150, 1) == (2, 150, 1)
+    assert exchange_key(2, 150) < exchange_key(2, 150, 1) < exchange_key(2, 150, 2) < exchange_key(3, 200)
+    layout = ShardLayout(10, 3)
+    assert (layout.size, layout.padded) == (4, 12)
+    assert join_round(0, 50) == 2 and join_round(99, 50) == 3 and join_round(100, 50) == 4
+    assert eval_paths((3, 2, 4)) == 2
