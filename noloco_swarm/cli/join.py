@@ -3,46 +3,34 @@
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import json
 import signal
-import sys
 from pathlib import Path
 
 from rich.console import Console
 
+from noloco_swarm.peer.events import Final, to_dict
 from noloco_swarm.peer.launch import run_peer
-from noloco_swarm.peer.node import NetworkConfig
-from noloco_swarm.peer.runtime import PeerOptions
 from noloco_swarm.train.config import RunConfig
 
-_PR_SET_PDEATHSIG = 1
 
-
-def die_with_parent() -> None:
-    """Ask the kernel to SIGTERM us when the process that started us dies (noloco local)."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
-
-
-def run_join(
-    cfg: RunConfig, net: NetworkConfig, opts: PeerOptions, *, new_run: bool, quiet: bool = False
-) -> int:
+def run_join(cfg: RunConfig, steps: int, *, new_run: bool, quiet: bool = False) -> int:
     console = Console(stderr=True, quiet=quiet)
+    opts, net = cfg.peer, cfg.network
     stage = "auto" if opts.stage is None else str(opts.stage)
-    console.print(f"[bold]noloco join[/]: run {opts.run_id}, stage {stage}, {opts.steps} steps")
+    console.print(f"[bold]noloco join[/]: run {opts.run_id}, stage {stage}, {steps} steps")
     if net.announce_maddrs:
         console.print(f"announcing {', '.join(net.announce_maddrs)} to other peers")
     if not net.use_relay:
         console.print("circuit relays are off: peers that cannot dial us directly cannot reach us")
 
-    async def main() -> dict[str, object]:
+    async def main() -> Final:
         loop = asyncio.get_running_loop()
         task = asyncio.current_task()
         assert task is not None
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, task.cancel)  # unwind through every finally: no daemon left
-        return await run_peer(cfg, net, opts, new_run=new_run)
+        return await run_peer(cfg, steps, new_run=new_run)
 
     try:
         summary = asyncio.run(main())
@@ -50,11 +38,11 @@ def run_join(
         console.print("stopped by a signal; shut down cleanly")
         return 130
     console.print(
-        f"done: stage {summary['stage']} replica {summary['rank']}, {summary['steps']} steps, "
-        f"{summary['outer_steps']} outer steps, state {str(summary['state_hash'])[:16]}"
+        f"done: stage {summary.stage} replica {summary.rank}, {summary.steps} steps, "
+        f"{summary.outer_steps} outer steps, state {summary.state_hash[:16]}"
     )
-    if opts.metrics_path is None:
-        print(json.dumps(summary, default=str))
+    if opts.metrics is None:
+        print(json.dumps(to_dict(summary), default=str))
     return 0
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from collections.abc import Sequence
@@ -56,7 +57,7 @@ def _network(p: argparse.ArgumentParser, *, identity_default: str | None) -> Non
 
 
 def _network_config(args: argparse.Namespace):
-    from noloco_swarm.peer.node import NetworkConfig
+    from noloco_swarm.train.config import NetworkConfig
 
     identity = str(Path(args.identity).expanduser()) if args.identity else None
     return NetworkConfig(
@@ -183,7 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_dht(_network_config(args), address_file=args.address_file)
         if args.command == "status":
             from noloco_swarm.cli.status import run_status
-            from noloco_swarm.peer.node import NetworkConfig
+            from noloco_swarm.train.config import NetworkConfig
 
             net = NetworkConfig(initial_peers=tuple(args.initial_peers), host_maddrs=tuple(args.host_maddrs))
             return run_status(net, args.run_id, once=args.once, interval=args.interval)
@@ -229,8 +230,8 @@ def _check_swarm_method(method: str) -> None:
 
 
 def _join(args: argparse.Namespace) -> int:
-    from noloco_swarm.cli.join import die_with_parent, load_run_config, run_join
-    from noloco_swarm.peer.runtime import PeerOptions
+    from noloco_swarm.cli.join import load_run_config, run_join
+    from noloco_swarm.peer.lifetime import die_with_parent
 
     if args.die_with_parent:
         die_with_parent()
@@ -247,16 +248,17 @@ def _join(args: argparse.Namespace) -> int:
     cfg = load_run_config(args.run_config) if args.run_config else _config(args, args.method)
     _check_swarm_method(cfg.outer.method)
     stage = None if args.stage == "auto" else int(args.stage)
-    opts = PeerOptions(
+    peer = dataclasses.replace(
+        cfg.peer,
         run_id=args.run_id,
         stage=stage,
-        steps=args.steps,
-        metrics_path=args.metrics,
+        metrics=str(args.metrics) if args.metrics else None,
         step_timeout=args.step_timeout,
         exchange_timeout=args.step_timeout,
         device=args.device,
     )
-    return run_join(cfg, _network_config(args), opts, new_run=args.new_run)
+    cfg = cfg.replace(peer=peer, network=_network_config(args))
+    return run_join(cfg, args.steps, new_run=args.new_run)
 
 
 def _presets() -> int:

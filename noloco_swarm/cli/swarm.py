@@ -120,8 +120,8 @@ def local_swarm(
         swarm.bootstrap = initial_peers[0] if initial_peers else str(dht.get_visible_maddrs()[0])
         RunDirectory(dht, run_id).publish_manifest(RunManifest.create(run_id, cfg.manifest()))
         swarm.config_path.write_text(json.dumps(cfg.manifest()))
-        for s in range(cfg.num_stages):
-            for _ in range(cfg.num_replicas):
+        for s, count in enumerate(cfg.replica_counts):
+            for _ in range(count):
                 swarm.start_peer(s)
         yield swarm
     finally:

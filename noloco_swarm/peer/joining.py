@@ -1,4 +1,4 @@
-"""Joining a running swarm: which round to enter at, and a stage's state at that round's start.
+"""Joining a running swarm and serving state to joiners: the round to enter at, and the state.
 
 A newcomer asks the live peers where they are (rpc_status), announces the round two after the
 furthest step it hears of (so every member reads the announcement before that boundary), and
@@ -12,19 +12,28 @@ adopts the server's view of the round, which admits it.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import torch
 
-from noloco_swarm.peer.rounds import ask_status
+from noloco_swarm.peer import events
+from noloco_swarm.peer.context import PeerContext
+from noloco_swarm.peer.exchange import ByteLedger
+from noloco_swarm.peer.rounds import PROBE_TIMEOUT, ask_status
+from noloco_swarm.peer.streams import PeerUnavailable, RemoteRefused
 from noloco_swarm.peer.transport import Transport
 from noloco_swarm.protocol import messages
 from noloco_swarm.protocol.clock import StepClock
 from noloco_swarm.protocol.membership import MembershipView
 from noloco_swarm.protocol.messages import STATE_PARTS, MessageError, StateReply, TensorMeta
+from noloco_swarm.protocol.plan import JOIN_MARGIN_ROUNDS, join_round
 from noloco_swarm.train.replica import StageReplica
 
-JOIN_MARGIN_ROUNDS = 2
+logger = logging.getLogger(__name__)
 STATUS_TIMEOUT = 10.0
 
 
@@ -73,7 +82,7 @@ async def pick_join_round(
         *(ask_status(transport, a.peer_id, run_id, STATUS_TIMEOUT) for a in others), return_exceptions=True
     )
     steps = [a.step for a in others] + [x.step for x in answers if isinstance(x, messages.PeerStatus)]
-    target = clock.round_of(max(steps, default=0)) + JOIN_MARGIN_ROUNDS
+    target = join_round(max(steps, default=0), clock.inner_steps)
     if clock.round_start(target) >= end_step:
         raise RuntimeError(
             f"the run ends at step {end_step}, before round {target} (step {clock.round_start(target)}) "
@@ -143,3 +152,90 @@ def check_request(header: messages.Message, run_id: str, stage: int) -> messages
             f"this is stage {stage} of {run_id!r}, not stage {header.stage} of {header.run_id!r}"
         )
     return header
+
+
+class Joining:
+    """This peer's joins (at start-up or after an exclusion) and the state it serves to joiners."""
+
+    def __init__(self, ctx: PeerContext, ledger: ByteLedger, announce: Callable[[], Awaitable[None]]) -> None:
+        self.ctx, self.ledger, self._announce = ctx, ledger, announce
+        self.joined_round = 0
+        self.snapshots: dict[int, Snapshot] = {}  # round -> state served to that round's joiners
+        ctx.transport.register("rpc_fetch_state", self.rpc_fetch_state)
+
+    async def keep_for_joiners(self, previous: MembershipView, view: MembershipView) -> None:
+        """At a boundary: snapshot our state (just after the outer step) if `view` admits joiners."""
+        ctx = self.ctx
+        joiners = [p for p in view.stages[ctx.stage] if p not in previous.members()]
+        if joiners:
+            self.snapshots[view.round] = await asyncio.to_thread(Snapshot.take, ctx.replica, view, ctx.step)
+            ctx.events.emit(events.Joiners(round=view.round, peers=joiners))
+        for old in [r for r in self.snapshots if r < view.round]:
+            del self.snapshots[old]
+
+    async def join_late(self, end_step: int) -> None:
+        """Enter a running swarm two rounds ahead with a live replica's state."""
+        ctx = self.ctx
+        timeout = ctx.cfg.peer.join_timeout
+        deadline = time.monotonic() + timeout
+        while True:
+            others = [a for a in await asyncio.to_thread(ctx.rounds.read_peers) if a.peer_id != ctx.me]
+            async with asyncio.TaskGroup() as group:
+                for a in others:
+                    group.create_task(ctx.transport.connect(a.peer_id, a.addresses, timeout=PROBE_TIMEOUT))
+            target = await pick_join_round(ctx.transport, ctx.run_id, others, ctx.clock, end_step)
+            self.joined_round = target
+            await self._announce()
+            start = ctx.clock.round_start(target)
+            ctx.events.emit(events.Joining(round=target, step=start))
+            logger.warning("joining the running swarm at round %d (step %d)", target, start)
+            servers = servers_for(others, ctx.stage, target)
+            if not servers:
+                raise RuntimeError(
+                    f"no live replica of stage {ctx.stage} holds its state; this peer cannot join"
+                )
+            # Spread joiners over the servers; each joiner tries them all, in its own order.
+            servers.sort(key=lambda p: hashlib.sha256(f"{ctx.me}/{p}".encode()).digest())
+            for server in servers:
+                try:
+                    view, step = await fetch_state(
+                        ctx.transport, server, ctx.run_id, target, ctx.replica, me=ctx.me, timeout=timeout
+                    )
+                except (PeerUnavailable, RemoteRefused, MessageError) as e:
+                    logger.warning("state fetch from %s for round %d failed: %s", server, target, e)
+                    continue
+                ctx.step = step
+                self.ledger.reset()  # the fetch is no outer exchange
+                ctx.events.emit(
+                    events.Joined(
+                        round=target,
+                        step=step,
+                        server=server,
+                        state_hash=ctx.replica.state_hash(),
+                        peer_id=ctx.me,
+                    )
+                )
+                ctx.rounds.set(view)
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"could not join the run within {timeout:.0f} s")
+            await asyncio.sleep(1.0)
+
+    async def rpc_fetch_state(
+        self, peer_id: str, header: messages.Message, tensors: list[torch.Tensor]
+    ) -> tuple[messages.Message, list[torch.Tensor]]:
+        """A peer joining our stage at a round boundary downloads our state at that boundary."""
+        ctx = self.ctx
+        request = check_request(header, ctx.run_id, ctx.stage)
+        if request.round > ctx.clock.round_of(ctx.step) + JOIN_MARGIN_ROUNDS + 1:
+            raise MessageError(f"round {request.round} is too far ahead (this peer is at step {ctx.step})")
+        wait = min(ctx.cfg.peer.join_timeout, ctx.transport.config.serve_timeout - 5.0)
+        view = await ctx.rounds.wait(request.round, timeout=wait)
+        snapshot = self.snapshots.get(request.round)
+        if snapshot is None or peer_id not in snapshot.view.stages[ctx.stage] or snapshot.view != view:
+            raise MessageError(f"peer {peer_id} is not admitted at round {request.round} by this peer's view")
+        reply, tensor = snapshot.reply(ctx.run_id, ctx.stage, request.part)
+        ctx.events.emit(events.ServedState(round=request.round, peer=peer_id, part=request.part))
+        # Keep the state we serve out of the next outer step's byte count with this peer.
+        self.ledger.exclude(peer_id, tensor.numel() * tensor.element_size())
+        return reply, [tensor]

@@ -9,13 +9,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
 
 from hivemind import DHT
 
+from noloco_swarm.peer import events
 from noloco_swarm.peer.directory import RunDirectory
-from noloco_swarm.peer.node import NetworkConfig, reachability
-from noloco_swarm.peer.runtime import Peer, PeerOptions
+from noloco_swarm.peer.node import reachability
+from noloco_swarm.peer.runtime import Peer
 from noloco_swarm.peer.transport import Transport
 from noloco_swarm.protocol import messages
 from noloco_swarm.protocol.membership import MembershipView
@@ -24,10 +24,12 @@ from noloco_swarm.train.config import RunConfig
 logger = logging.getLogger(__name__)
 
 
-async def run_peer(
-    cfg: RunConfig, net: NetworkConfig, opts: PeerOptions, *, new_run: bool = False
-) -> dict[str, Any]:
-    """Start this peer's libp2p daemon and DHT node, join the run, train, and shut everything down."""
+async def run_peer(cfg: RunConfig, steps: int, *, new_run: bool = False) -> events.Final:
+    """Start this peer's libp2p daemon and DHT node, join the run, train `steps` inner steps,
+    and shut everything down. Settings come from `cfg.peer` and `cfg.network`."""
+    opts, net = cfg.peer, cfg.network
+    if not opts.run_id:
+        raise ValueError("a peer needs a run id: --run-id or peer.run_id")
     transport = await Transport.create(
         host_maddrs=net.host_maddrs,
         initial_peers=net.initial_peers,
@@ -37,6 +39,7 @@ async def run_peer(
         use_auto_relay=net.use_auto_relay,
     )
     dht = None
+    sink = events.Events([events.JsonLines(opts.metrics)] if opts.metrics else [])
     try:
         # The DHT shares the transport's daemon: one libp2p identity and one p2pd per peer.
         dht = await asyncio.to_thread(
@@ -46,21 +49,19 @@ async def run_peer(
         manifest = messages.RunManifest.create(opts.run_id, cfg.manifest())
         await _join_manifest(directory, manifest, new_run, opts.start_timeout)
         stage = opts.stage
-        if stage is None:  # --stage auto: the stage with the fewest live peers, joiners included
+        if stage is None:  # --stage auto: the stage furthest below its share, joiners included
             announcements = (await asyncio.to_thread(directory.read_peers)).announcements
             pairs = [(a.peer_id, a.stage) for a in announcements if a.stage < cfg.num_stages]
-            stage = MembershipView.from_announcements(0, cfg.num_stages, pairs).least_served_stage()
+            view = MembershipView.from_announcements(0, cfg.num_stages, pairs)
+            stage = view.least_served_stage()
         if not 0 <= stage < cfg.num_stages:
             raise ValueError(f"--stage {stage} is outside 0..{cfg.num_stages - 1} for this run")
         addresses = tuple(await transport.visible_addresses())
         for line in reachability(addresses):
             logger.warning("reachable as %s", line)  # warning: shown by default, once, at start
-        peer = Peer(cfg, opts, transport, directory, stage, addresses)
-        try:
-            return await peer.run()
-        finally:
-            peer.metrics.close()
+        return await Peer(cfg, steps, transport, directory, stage, sink, addresses).run()
     finally:
+        sink.close()
         if dht is not None:
             await asyncio.to_thread(dht.shutdown)
         await transport.shutdown()

@@ -18,8 +18,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
 
+from noloco_swarm.peer import events
 from noloco_swarm.peer.directory import RunDirectory
 from noloco_swarm.peer.streams import PeerUnavailable, RemoteRefused
 from noloco_swarm.peer.transport import Transport
@@ -62,10 +62,10 @@ class Rounds:
         num_stages: int,
         transport: Transport,
         directory: RunDirectory,
-        metrics: Any,
+        sink: events.Events,
     ) -> None:
         self.me, self.stage, self.num_stages = me, stage, num_stages
-        self.transport, self.directory, self.metrics = transport, directory, metrics
+        self.transport, self.directory, self.events = transport, directory, sink
         self.views: dict[int, MembershipView] = {}  # round -> frozen view
         self._ready: dict[int, asyncio.Event] = {}
         self.dead: dict[str, int] = {}  # peer id -> the round it failed us in (also reported in the DHT)
@@ -80,12 +80,13 @@ class Rounds:
         for old in [r for r in self.views if r <= view.round - KEEP_ROUNDS]:
             del self.views[old]
             self._ready.pop(old, None)
-        self.metrics.write(
-            "membership",
-            round=view.round,
-            stages=[list(s) for s in view.stages],
-            rank=view.rank_of(self.me)[1],
-            peer_id=self.me,
+        self.events.emit(
+            events.Membership(
+                round=view.round,
+                stages=[list(s) for s in view.stages],
+                rank=view.rank_of(self.me)[1],
+                peer_id=self.me,
+            )
         )
         self._event(view.round).set()
 
@@ -118,18 +119,20 @@ class Rounds:
             self.addresses[a.peer_id] = a.addresses
         return announcements
 
-    def run_in_progress(self, announcements: list[messages.PeerAnnouncement], num_replicas: int) -> bool:
+    def run_in_progress(
+        self, announcements: list[messages.PeerAnnouncement], counts: tuple[int, ...]
+    ) -> bool:
         """True when round 0 is already complete (or past): a newcomer must join a later round."""
         others = [a for a in announcements if a.peer_id != self.me]
         if any(a.step > 0 or a.joined_round > 0 for a in others):
             return True
-        counts = [
+        there = [
             sum(1 for a in others if a.stage == s and a.joined_round == 0) for s in range(self.num_stages)
         ]
-        return all(c >= num_replicas for c in counts)
+        return all(c >= n for c, n in zip(there, counts, strict=True))
 
-    async def freeze_round_zero(self, num_replicas: int, timeout: float) -> MembershipView:
-        """Wait until every stage has `num_replicas` peers announced for round 0, then freeze it."""
+    async def freeze_round_zero(self, counts: tuple[int, ...], timeout: float) -> MembershipView:
+        """Wait until every stage has its `counts[s]` peers announced for round 0, then freeze it."""
         deadline = time.monotonic() + timeout
         while True:
             announcements = await asyncio.to_thread(self.read_peers)
@@ -139,18 +142,16 @@ class Rounds:
                 if a.joined_round == 0 and a.stage < self.num_stages
             ]
             view = MembershipView.from_announcements(0, self.num_stages, pairs)
-            counts = view.replica_counts()
-            if all(c >= num_replicas for c in counts):
-                if any(c > num_replicas for c in counts):
+            there = view.replica_counts()
+            if all(c >= n for c, n in zip(there, counts, strict=True)):
+                if any(c > n for c, n in zip(there, counts, strict=True)):
                     raise RuntimeError(
-                        f"more peers than num_replicas={num_replicas} announced for round 0: {counts}"
+                        f"more peers than the run's {list(counts)} announced for round 0: {there}"
                     )
                 self.set(view)
                 return view
             if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"only {counts} peers per stage after {timeout:.0f} s; need {num_replicas}"
-                )
+                raise TimeoutError(f"only {there} peers per stage after {timeout:.0f} s; need {list(counts)}")
             await asyncio.sleep(0.5)
 
     async def next(self, current: MembershipView, joined_round: int) -> MembershipView:
@@ -170,7 +171,9 @@ class Rounds:
                 )
         # A member missing from the read is only suspect: check it before telling everyone it is gone.
         suspects = sorted(current.members() - {item.peer for item in listings} - set(self.dead) - {self.me})
-        await asyncio.gather(*(self.suspect(p, "its announcement expired") for p in suspects))
+        async with asyncio.TaskGroup() as group:
+            for p in suspects:
+                group.create_task(self.suspect(p, "its announcement expired"))
         listings.insert(0, Listing(self.me, self.stage, joined_round))
         for peer, round_ in self.dead.items():  # what we saw ourselves, in case the DHT lost it
             gone[peer] = min(gone.get(peer, round_), round_)
@@ -214,7 +217,7 @@ class Rounds:
         if peer in self.dead:
             return True
         if await self.alive(peer):
-            self.metrics.write("slow_peer", peer=peer, reason=why)
+            self.events.emit(events.SlowPeer(peer=peer, reason=why))
             return False
         self.mark_dead(peer, why)
         return True
@@ -227,7 +230,7 @@ class Rounds:
         round_ = latest.round if latest is not None else 0
         self.dead[peer] = round_
         logger.warning("peer %s is gone (%s); continuing without it", peer, why)
-        self.metrics.write("peer_gone", peer=peer, round=round_, reason=why)
+        self.events.emit(events.PeerGone(peer=peer, round=round_, reason=why))
         report = messages.GoneReport(self.directory.run_id, peer, self.me, round_)
         task = asyncio.get_running_loop().create_task(asyncio.to_thread(self._report, report))
         self._reports.add(task)

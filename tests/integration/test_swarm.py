@@ -98,6 +98,31 @@ def test_swarm_ends_with_the_simulators_weights(method: str, cache: Path, one_th
     assert all(s["val_loss"] is not None for s in summaries if s["stage"] == 0)
 
 
+def test_uneven_stages_end_with_the_simulators_weights(cache: Path, one_thread: None) -> None:
+    """3 replicas of stage 0 and 2 of stage 1 from the start: the peers and the simulator run the
+    same step plan (a stage-1 replica receives more than B rows at some positions), and every
+    replica ends with the simulator's exact weights, after every outer step too."""
+    cfg = small("noloco", num_replicas="3", stage_replicas="3,2")
+    with local_swarm(cfg, STEPS, step_timeout=60) as swarm:
+        wait(swarm, timeout=400)
+        summaries = swarm.summaries()
+        outers = []
+        for p in swarm.peers:
+            events = p.events()
+            rank = next(e["rank"] for e in events if e["event"] == "membership")
+            outers += [(p.stage, rank, e) for e in events if e["event"] == "outer"]
+    expected, after_outer = simulate(cfg, STEPS)
+    assert [len(row) for row in expected] == [3, 2]
+    got = {(s["stage"], s["rank"]): s["state_hash"] for s in summaries}
+    assert got == {(s, r): expected[s][r] for s in range(2) for r in range(len(expected[s]))}
+    assert len(outers) == 10 and all(e["failed"] == [] for _, _, e in outers)
+    for stage, rank, e in outers:
+        assert e["state_hash"] == after_outer[e["step"]][stage][rank], f"outer step {e['step']} differs"
+    # With 3 replicas NoLoCo's odd group holds all three; with 2 the pair is the whole stage.
+    assert sorted({(stage, len(e["group"])) for stage, _, e in outers}) == [(0, 3), (1, 2)]
+    assert all(s["dropped_samples"] == 0 for s in summaries)
+
+
 def test_swarm_trains_on_a_streaming_dataset_like_the_simulator(
     cache: Path, tmp_path: Path, one_thread: None
 ) -> None:

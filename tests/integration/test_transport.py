@@ -17,6 +17,7 @@ import torch
 from hivemind.p2p import PeerID
 
 from noloco_swarm.peer import streams
+from noloco_swarm.peer.exchange import ExchangeBoard
 from noloco_swarm.peer.transport import (
     PROTOCOL,
     PeerUnavailable,
@@ -32,6 +33,11 @@ pytestmark = pytest.mark.integration
 LIMIT = 64 << 20  # tensor bytes one frame may announce, in these tests
 CONFIG = TransportConfig(max_frame_bytes=LIMIT, max_inflight_bytes=2 * LIMIT, serve_timeout=20)
 T = TypeVar("T")
+BOARDS: dict[str, ExchangeBoard] = {}  # each transport's outer-exchange sessions, by peer id
+
+
+def board(transport: Transport) -> ExchangeBoard:
+    return BOARDS[transport.peer_id]
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +61,7 @@ def pair(loop: asyncio.AbstractEventLoop) -> Iterator[tuple[Transport, Transport
         started.append(b)
         for verb, handler in HANDLERS.items():
             b.register(verb, handler)
+        BOARDS[a.peer_id], BOARDS[b.peer_id] = ExchangeBoard(a), ExchangeBoard(b)
         yield a, b
     finally:
         for transport in reversed(started):
@@ -162,13 +169,13 @@ def test_exchange_16mib_both_ways_bitwise_with_1x_bytes(
 
     async def higher_rank() -> tuple[torch.Tensor, ...]:
         await asyncio.sleep(0.3)  # the caller arrives first and the server waits for our tensor
-        b.provide_exchange(key, theirs)
-        return await b.received_exchange(key, a.peer_id, timeout=20)
+        board(b).provide(key, theirs)
+        return await board(b).received(key, a.peer_id, timeout=20)
 
-    async def both() -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-        return await asyncio.gather(a.exchange(b.peer_id, header, ours, timeout=20), higher_rank())
+    async def both() -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        return await asyncio.gather(board(a).swap(b.peer_id, header, (ours,), timeout=20), higher_rank())
 
-    got_a, (got_b,) = run(loop, both())
+    (got_a,), (got_b,) = run(loop, both())
     assert torch.equal(got_a, theirs) and torch.equal(got_b, ours)
 
     nbytes = ours.numel() * 4
@@ -182,18 +189,18 @@ def test_exchange_16mib_both_ways_bitwise_with_1x_bytes(
 
     # A replay of the same exchange, a shape that is not ours, and a stale key are all refused.
     with pytest.raises(RemoteRefused) as refused:
-        run(loop, a.exchange(b.peer_id, header, ours, timeout=10))
+        run(loop, board(a).swap(b.peer_id, header, (ours,), timeout=10))
     assert refused.value.code == "duplicate"
     small = torch.randn(10)
-    b.provide_exchange((1, 100), torch.randn(11))
+    board(b).provide((1, 100), torch.randn(11))
     wrong = m.ExchangeHeader("run", 1, 100, 0, 0, ("theta",), m.TensorMeta.of(small), 1 << 20)
     with pytest.raises(RemoteRefused) as refused:
-        run(loop, a.exchange(b.peer_id, wrong, small, timeout=10))
+        run(loop, board(a).swap(b.peer_id, wrong, (small,), timeout=10))
     assert refused.value.code == "mismatch"
     with pytest.raises(RemoteRefused) as refused:
-        run(loop, a.exchange(b.peer_id, header, ours, timeout=10))
+        run(loop, board(a).swap(b.peer_id, header, (ours,), timeout=10))
     assert refused.value.code == "stale"
-    b.forget_exchange((1, 100))
+    board(b).forget((1, 100))
 
 
 def test_exchange_partner_that_never_provides_times_out(
@@ -204,11 +211,11 @@ def test_exchange_partner_that_never_provides_times_out(
     header = m.ExchangeHeader("run", 2, 50, 0, 0, ("theta",), m.TensorMeta.of(x), 1 << 20)
     start = time.monotonic()
     with pytest.raises(PeerUnavailable, match="within"):
-        run(loop, a.exchange(b.peer_id, header, x, timeout=1.0))
+        run(loop, board(a).swap(b.peer_id, header, (x,), timeout=1.0))
     with pytest.raises(PeerUnavailable, match="within"):
-        run(loop, b.received_exchange((2, 50), a.peer_id, timeout=0.2))
+        run(loop, board(b).received((2, 50), a.peer_id, timeout=0.2))
     assert time.monotonic() - start < 5
-    b.forget_exchange((2, 50))
+    board(b).forget((2, 50))
     healthy(loop, a, b)
 
 

@@ -1,0 +1,74 @@
+"""What every room of a peer shares: its config, stage, replica, views, transport and events.
+
+The rooms (inner steps, the outer exchange, joining, evaluation) each own their own state; this
+is the part they all read, and `step`, which only the run loop (and a join) advances.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from noloco_swarm.peer.events import Events
+from noloco_swarm.peer.rounds import Rounds
+from noloco_swarm.peer.transport import Transport
+from noloco_swarm.protocol.clock import StepClock
+from noloco_swarm.protocol.membership import MembershipView
+from noloco_swarm.protocol.plan import StepPlan
+from noloco_swarm.train.config import RunConfig
+from noloco_swarm.train.replica import StageReplica
+
+
+@dataclass
+class PeerContext:
+    cfg: RunConfig
+    stage: int
+    transport: Transport
+    rounds: Rounds
+    replica: StageReplica
+    events: Events
+    step: int = 0
+    """Inner steps this replica has completed."""
+
+    def __post_init__(self) -> None:
+        self.clock = StepClock(self.cfg.outer.inner_steps, self.B, self.cfg.inner.total_steps)
+
+    @property
+    def me(self) -> str:
+        return self.transport.peer_id
+
+    @property
+    def run_id(self) -> str:
+        return self.cfg.peer.run_id
+
+    @property
+    def B(self) -> int:  # noqa: N802 - the paper's name
+        return self.cfg.inner.batch_size
+
+    @property
+    def P(self) -> int:  # noqa: N802 - the paper's name
+        return self.cfg.num_stages
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.P - 1
+
+    @property
+    def device(self) -> torch.device:
+        return self.replica.device
+
+    def view_at(self, t: int) -> MembershipView:
+        """The frozen view of inner step t's round."""
+        return self.rounds.at(self.clock.round_of(t))
+
+    def rank_at(self, t: int) -> int:
+        return self.view_at(t).rank_of(self.me)[1]
+
+    def plan_at(self, t: int) -> StepPlan:
+        """The step plan of inner step t's round (its replica counts)."""
+        return StepPlan.of(self.view_at(t).replica_counts(), self.B, self.cfg.outer.random_routing)

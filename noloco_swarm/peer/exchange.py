@@ -1,0 +1,376 @@
+"""The outer exchange: one object per outer step with a group, and the sessions that serve it.
+
+After inner step t = H, 2H, ... a replica swaps theta with the other members of its group
+(protocol.plan.outer_plan): the lower rank calls the higher one with `rpc_exchange`, and both
+directions stream on that one stream at once. `ExchangeBoard` is the serving side's session
+table: what this peer offers per exchange key, and what each caller sent. `OuterExchange` is one
+group round (like hivemind's AllReduceRunner): it runs the swaps, or the sharded all-reduce of
+DiLoCo with more than two replicas, owns the failures and the bytes, and is finalised once.
+
+Errors a swap reports per member: PeerUnavailable (gone or too slow: the member is probed, and
+reported if it does not answer), RemoteRefused, MessageError (it sent garbage: not trusted again).
+A member that fails is left out of this step's mean; the replica steps with the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import torch
+
+from noloco_swarm.peer import events, streams
+from noloco_swarm.peer.context import PeerContext
+from noloco_swarm.peer.rounds import PROBE_PERIOD
+from noloco_swarm.peer.streams import InboundStream, PeerUnavailable, Refused, RemoteRefused
+from noloco_swarm.peer.transport import Transport
+from noloco_swarm.protocol import outer
+from noloco_swarm.protocol.messages import Ack, Envelope, ExchangeHeader, Message, MessageError, TensorMeta
+from noloco_swarm.protocol.plan import OuterPlan, ShardLayout, exchange_key, outer_plan
+
+VERB = "rpc_exchange"
+Key = tuple[int, ...]  # protocol.plan.exchange_key: (outer round, inner step[, phase])
+Tensors = tuple[torch.Tensor, ...]
+
+
+class ExchangeBoard:
+    """Exchange sessions by key: our tensors on offer, and what each partner sent us.
+
+    State is created only by the local peer (provide, received) or by a completed exchange for a
+    key we provided, so no remote can grow it by asking for keys we never offer.
+    """
+
+    def __init__(self, transport: Transport) -> None:
+        self.transport = transport
+        self._provided: dict[Key, Tensors] = {}
+        self._provided_to: dict[tuple[Key, str], Tensors] = {}  # per partner (an all-reduce shard)
+        self._changed = asyncio.Event()
+        # What each caller sent per (key, peer); None marks a slot already delivered (replays refused).
+        self._received: dict[tuple[Key, str], asyncio.Future[Tensors] | None] = {}
+        self._tasks: dict[Key, set[asyncio.Task[object]]] = {}
+        self._retired: Key | None = None  # newest finished key; older ones are refused
+        transport.register_stream(VERB, self._serve, on_close=self.close)
+
+    # -- the local peer's side -------------------------------------------------------------
+
+    def provide(self, key: Key, tensors: torch.Tensor | Tensors, *, to: str | None = None) -> None:
+        """Offer our flat weights for exchange `key` to every partner that calls for it (or only
+        to `to`). Sent in place: do not modify them until `forget(key)` or a newer key is provided;
+        both abort streams still sending them, so no partner accepts a torn tensor."""
+        if self._retired is not None and key <= self._retired:
+            raise ValueError(f"exchange {key} is not newer than the last finished one, {self._retired}")
+        for old in {*self._provided, *(k for k, _ in self._provided_to), *(k for k, _ in self._received)}:
+            if old < key:
+                self.forget(old)
+        ours = tuple(streams.prepare((tensors,) if isinstance(tensors, torch.Tensor) else tensors))
+        if to is None:
+            self._provided[key] = ours
+        else:
+            self._provided_to[(key, to)] = ours
+        self._notify()
+
+    async def received(self, key: Key, peer: str, *, timeout: float) -> Tensors:
+        """What `peer` sent us when it called for `key` (awaits it, within `timeout`)."""
+        slot = (key, peer)
+        if slot in self._received and self._received[slot] is None:
+            raise RuntimeError(f"exchange {key} with {peer} was already delivered")
+        future = self._received.get(slot) or asyncio.get_running_loop().create_future()
+        self._received[slot] = future
+        try:
+            result = await asyncio.wait_for(asyncio.shield(future), timeout)
+        except TimeoutError as e:
+            raise PeerUnavailable(f"peer {peer} did not exchange {key} within {timeout:.1f} s") from e
+        self._received[slot] = None  # delivered: free the tensors, refuse replays
+        return result
+
+    async def swap(self, peer: str, header: ExchangeHeader, tensors: Tensors, *, timeout: float) -> Tensors:
+        """Call `peer` for the exchange `header` names: send ours, get theirs, both ways at once."""
+        expect = streams.declared_tensors(header)
+        _, theirs = await self.transport.call(peer, VERB, header, tensors, timeout=timeout, expect=expect)
+        return tuple(theirs)
+
+    def forget(self, key: Key) -> None:
+        """Finish exchange `key`: drop our tensors and partners', abort its streams, fail its waiters."""
+        self._retired = max(key, self._retired or key)
+        self._provided.pop(key, None)
+        for slot in [s for s in self._provided_to if s[0] == key]:
+            del self._provided_to[slot]
+        self._notify()  # servers waiting for this key find it retired and refuse
+        for task in self._tasks.pop(key, set()):
+            task.cancel()  # it may still be sending our tensors, which the caller may now change
+        for slot in [s for s in self._received if s[0] == key]:
+            future = self._received.pop(slot)
+            if future is not None and not future.done():
+                future.set_exception(PeerUnavailable(f"exchange {key} was abandoned"))
+                future.exception()  # retrieved: nobody may be waiting any more
+
+    def close(self) -> None:
+        for key in {*self._provided, *(k for k, _ in self._provided_to), *(k for k, _ in self._received)}:
+            self.forget(key)
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    # -- serving a caller ------------------------------------------------------------------
+
+    async def _ours(self, key: Key, peer: str) -> Tensors:
+        while key not in self._provided and (key, peer) not in self._provided_to:
+            if self._retired is not None and key <= self._retired:
+                raise Refused("stale", f"exchange {key} was finished here while you waited")
+            await self._changed.wait()
+        return self._provided_to.get((key, peer)) or self._provided[key]
+
+    async def _serve(self, stream: InboundStream, header: Message, envelope: Envelope) -> None:
+        """Receive the caller's weights while waiting for ours, then stream ours back (duplex)."""
+        if not isinstance(header, ExchangeHeader):
+            raise MessageError(f"{VERB} needs an exchange header, got {header.TAG!r}")
+        key, slot = header.key, (header.key, stream.peer)
+        if self._retired is not None and key <= self._retired:
+            raise Refused("stale", f"exchange {key} is over here (last finished: {self._retired})")
+        if slot in self._received and (self._received[slot] is None or self._received[slot].done()):
+            raise Refused("duplicate", f"exchange {key} with this peer already happened")
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.setdefault(key, set()).add(task)
+        try:
+            theirs = await self._duplex(stream, key, envelope)
+        except BaseException as e:
+            future = self._received.get(slot)
+            if future is not None and not future.done():  # the local peer waits: tell it now
+                future.set_exception(_partner_error(e, stream.peer, key))
+                future.exception()  # retrieved: that waiter may have given up already
+            raise
+        finally:
+            tasks = self._tasks.get(key, set())
+            tasks.discard(task)
+            if not tasks:
+                self._tasks.pop(key, None)
+        # Only now, with both directions complete, does the local peer see the partner's weights.
+        future = self._received.setdefault(slot, asyncio.get_running_loop().create_future())
+        if future is not None and not future.done():
+            future.set_result(theirs)
+
+    async def _duplex(self, stream: InboundStream, key: Key, envelope: Envelope) -> Tensors:
+        part = self.transport.config.part_bytes
+        with self.transport.reserve(envelope.nbytes):
+            receiving = asyncio.create_task(
+                streams.read_tensors(
+                    stream.reader, envelope.tensors, stream.counts, part, stream.writer.transport
+                )
+            )
+            try:
+                waiting = asyncio.create_task(self._ours(key, stream.peer))
+                try:
+                    await asyncio.wait({receiving, waiting}, return_when=asyncio.FIRST_COMPLETED)
+                    if receiving.done():
+                        receiving.result()  # raises now if the caller sent garbage
+                    ours = await waiting
+                finally:
+                    waiting.cancel()
+                mine = tuple(TensorMeta.of(t) for t in ours)
+                if mine != envelope.tensors:
+                    raise Refused("mismatch", f"we hold {mine}, you sent {envelope.tensors}: check the run")
+                await streams.reply(stream, Ack(), ours)
+                return tuple(await receiving)
+            finally:
+                receiving.cancel()
+                await asyncio.gather(receiving, return_exceptions=True)
+
+
+def _partner_error(error: BaseException, peer: str, key: Key) -> Exception:
+    """What the local peer awaiting `received` sees when the partner's call failed."""
+    if isinstance(error, MessageError | PeerUnavailable):
+        return error
+    if isinstance(error, Refused):  # e.g. a shape that is not ours: the partner's data does not fit
+        return MessageError(f"exchange {key} from {peer}: {error.reason}")
+    return PeerUnavailable(f"exchange {key} with {peer} did not complete ({type(error).__name__})")
+
+
+class ByteLedger:
+    """Bytes (framing included) moved with each partner since our previous outer step with it.
+
+    Only outer exchanges (and a joiner's one state fetch, which `exclude` keeps out) flow between
+    replicas of one stage, so the growth of those peers' counters is this exchange's traffic,
+    including what an early partner streamed to us before we reached the step.
+    """
+
+    def __init__(self, transport: Transport) -> None:
+        self.transport = transport
+        self._seen: dict[str, tuple[int, int]] = {}
+
+    def settle(self, peers: list[str]) -> tuple[int, int]:
+        """(sent, received) with `peers` since the last settlement; marks them settled."""
+        counts = self.transport.byte_counts()
+        sent = received = 0
+        for peer in peers:
+            now = counts.get(peer, {})
+            seen = self._seen.get(peer, (0, 0))
+            sent += now.get("sent_total", 0) - seen[0]
+            received += now.get("received_total", 0) - seen[1]
+            self._seen[peer] = (now.get("sent_total", 0), now.get("received_total", 0))
+        return sent, received
+
+    def exclude(self, peer: str, sent: int) -> None:
+        """Keep `sent` bytes (state served to a joiner) out of the next exchange's count."""
+        seen = self._seen.get(peer, (0, 0))
+        self._seen[peer] = (seen[0] + sent, seen[1])
+
+    def reset(self) -> None:
+        """After joining: everything moved so far was the state fetch, no outer exchange."""
+        self._seen = {}
+        self.settle(list(self.transport.byte_counts()))
+
+
+class OuterExchange:
+    """One outer step's exchange with this round's group; run once, then finished."""
+
+    def __init__(self, ctx: PeerContext, board: ExchangeBoard, plan: OuterPlan, round_: int) -> None:
+        self.ctx, self.board, self.plan, self.round = ctx, board, plan, round_
+        view = ctx.rounds.at(round_)
+        self.members = {m: view.peer_at(ctx.stage, m) for m in plan.partners}
+        self.failed: set[int] = set()
+        self._keys: list[Key] = []
+
+    async def mean_inputs(
+        self, theta: torch.Tensor
+    ) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor] | None]:
+        """The group's thetas (and phis when gamma != beta) by rank, ours included; for DiLoCo
+        with more than two replicas, {rank: the stage's mean theta} by sharded all-reduce."""
+        me, phi = self.plan.rank, self.ctx.replica.phi
+        try:
+            if self.plan.sharded:
+                return {me: await self._allreduce_mean(theta)}, None
+            sends_phi = self.ctx.cfg.outer.sends_phi
+            parts = (theta, phi) if sends_phi else (theta,)
+            names = ("theta", "phi") if sends_phi else ("theta",)
+            got = await self._swap_all(0, names, lambda m: parts)
+            thetas = {me: theta} | {m: x[0] for m, x in got.items()}
+            phis = ({me: phi} | {m: x[1] for m, x in got.items()}) if sends_phi else None
+            return thetas, phis
+        finally:
+            for key in self._keys:
+                self.board.forget(key)
+
+    async def _allreduce_mean(self, theta: torch.Tensor) -> torch.Tensor:
+        """The stage's mean theta by reduce-scatter then all-gather over equal padded shards.
+
+        Shard owners sum in ascending rank, the same order as `outer.group_mean`, so the result
+        is bit-identical to the simulator's mean. A member that fails phase 1 is left out of the
+        mean of this member's shard; a shard whose owner fails phase 2 keeps our own values.
+        """
+        layout = ShardLayout(theta.numel(), len(self.plan.group))
+        padded = torch.zeros(layout.padded, dtype=theta.dtype, device=theta.device)
+        padded[: theta.numel()] = theta
+        shards = padded.view(layout.parts, layout.size)
+        me = self.plan.rank
+        got = await self._swap_all(1, ("theta_shard",), lambda m: (shards[m],))
+        mine = outer.group_mean({me: shards[me]} | {m: x[0].to(theta.device) for m, x in got.items()})
+        got = await self._swap_all(2, ("mean_shard",), lambda m: (mine,))
+        means = padded.clone().view(layout.parts, layout.size)  # a shard we never get keeps ours
+        means[me] = mine
+        for m, x in got.items():
+            means[m] = x[0].to(theta.device)
+        return means.view(-1)[: theta.numel()].clone()
+
+    async def _swap_all(
+        self, phase: int, names: tuple[str, ...], payload: Callable[[int], Tensors]
+    ) -> dict[int, Tensors]:
+        """Swap `payload(m)` with every member m; what arrived (members that failed are noted)."""
+        key = exchange_key(self.round, self.plan.step, phase)
+        self._keys.append(key)
+        for m, peer in self.members.items():
+            if not self.plan.calls(m):  # they call us and get what we provide for them
+                self.board.provide(key, payload(m), to=peer)
+        results: dict[int, asyncio.Task[Tensors | BaseException]] = {}
+        async with asyncio.TaskGroup() as group:
+            for m in self.members:
+                results[m] = group.create_task(self._swap_one(key, phase, names, m, payload(m)))
+        self.board.forget(key)
+        got = {}
+        for m, task in results.items():
+            result = task.result()
+            if isinstance(result, BaseException):
+                self.failed.add(m)
+                await self._blame(self.members[m], result)
+            else:
+                got[m] = result
+        return got
+
+    async def _swap_one(
+        self, key: Key, phase: int, names: tuple[str, ...], m: int, ours: Tensors
+    ) -> Tensors | BaseException:
+        ctx, peer = self.ctx, self.members[m]
+        if peer in ctx.rounds.dead:
+            return PeerUnavailable(f"{peer} is gone")
+        header = ExchangeHeader(
+            run_id=ctx.run_id,
+            round=self.round,
+            step=self.plan.step,
+            stage=ctx.stage,
+            sender_rank=self.plan.rank,
+            parts=names,
+            meta=TensorMeta.of(ours[0]),
+            chunk_bytes=ctx.transport.config.part_bytes,
+            phase=phase,
+        )
+        try:
+            if self.plan.calls(m):
+                return await self.board.swap(peer, header, ours, timeout=ctx.cfg.peer.exchange_timeout)
+            return await self._await_caller(key, peer)
+        except (PeerUnavailable, RemoteRefused, MessageError) as e:
+            return e
+
+    async def _await_caller(self, key: Key, peer: str) -> Tensors:
+        """Await a lower-ranked partner's call, probing it so that a crash ends the wait."""
+        waiting = asyncio.ensure_future(
+            self.board.received(key, peer, timeout=self.ctx.cfg.peer.exchange_timeout)
+        )
+        try:
+            while True:
+                done, _ = await asyncio.wait({waiting}, timeout=PROBE_PERIOD)
+                if done:
+                    return waiting.result()
+                if not await self.ctx.rounds.alive(peer):
+                    raise PeerUnavailable(f"{peer} stopped answering before its outer exchange")
+        finally:
+            if not waiting.done():
+                waiting.cancel()
+                await asyncio.gather(waiting, return_exceptions=True)
+
+    async def _blame(self, peer: str, error: BaseException) -> None:
+        t = self.plan.step
+        if isinstance(error, PeerUnavailable):
+            await self.ctx.rounds.suspect(peer, f"outer exchange at step {t} failed: {error}")
+        elif isinstance(error, MessageError):
+            self.ctx.rounds.mark_dead(peer, f"malformed outer exchange at step {t}: {error}")
+
+
+async def take_outer_step(ctx: PeerContext, board: ExchangeBoard, ledger: ByteLedger) -> events.Outer:
+    """Exchange theta with the group of the round that just closed and apply the outer step
+    (the same StageReplica code as the simulator). Returns the event describing it."""
+    t, o = ctx.step, ctx.cfg.outer
+    view = ctx.view_at(t - 1)  # the round that just closed
+    rank = view.rank_of(ctx.me)[1]
+    plan = outer_plan(o.method, o.group_size, len(view.stages[ctx.stage]), t, rank)
+    assert plan is not None, "only methods with an outer step get here"
+    exchange = OuterExchange(ctx, board, plan, view.round)
+    theta = await asyncio.to_thread(ctx.replica.theta)
+    start = time.perf_counter()
+    thetas, phis = await exchange.mean_inputs(theta)
+    if o.method == "noloco":
+        await asyncio.to_thread(ctx.replica.apply_noloco, thetas, phis)
+    else:
+        await asyncio.to_thread(ctx.replica.apply_diloco, thetas)
+    sent, received = ledger.settle(list(exchange.members.values()))
+    return events.Outer(
+        step=t,
+        group=list(plan.group),
+        partners=list(exchange.members.values()),
+        failed=sorted(exchange.failed),
+        sent_bytes=sent,
+        received_bytes=received,
+        seconds=time.perf_counter() - start,
+        state_hash=await asyncio.to_thread(ctx.replica.state_hash),  # comparable with the simulator
+    )

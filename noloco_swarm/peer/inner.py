@@ -1,0 +1,399 @@
+"""Inner steps on a swarm: stage-0 data, sending rows on, collecting them, and rpc_forward.
+
+Which rows go where comes from the step plan (protocol.plan) of the step's round:
+
+  stage 0      reads its data shard, runs its stage, sends each row's activations (with its token
+               ids) to the replica the plan names, and gets the gradients back in the reply.
+  stage s > 0  collects the rows the plan routes to it (`StepCollector`, any arrival order), runs
+               them as one batch in the plan's order, forwards them on (or computes the loss on
+               the last stage), and answers each sender with the gradients of its rows.
+
+A row whose gradient never comes back is dropped from the step (its gradient stays zero); a sender
+that stays silent is probed, and dropped from the step (and reported) if it does not answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from noloco_swarm.data.stream import train_batches
+from noloco_swarm.peer import events
+from noloco_swarm.peer.context import PeerContext
+from noloco_swarm.peer.rounds import PROBE_PERIOD
+from noloco_swarm.peer.streams import PeerUnavailable, RemoteRefused, StreamTruncated
+from noloco_swarm.protocol import messages, routing
+from noloco_swarm.protocol.membership import MembershipView
+from noloco_swarm.protocol.messages import BackwardHeader, ForwardHeader, MessageError, TensorMeta
+from noloco_swarm.protocol.plan import Incoming, Row
+
+logger = logging.getLogger(__name__)
+GradRows = tuple[list[int], torch.Tensor, tuple[float, ...]]  # batch rows, their gradients, losses
+
+
+@dataclass
+class Arrival:
+    """One forward request's rows, waiting for the batch to run and its gradients to return."""
+
+    sender: int
+    positions: list[int]
+    activations: torch.Tensor
+    tokens: torch.Tensor
+    result: asyncio.Future[tuple[torch.Tensor, list[float]]] = field(default_factory=asyncio.Future)
+
+
+class StepCollector:
+    """Rows for one inner step of one receiving replica; complete when every expected row is in."""
+
+    def __init__(self, step: int, expected: tuple[Incoming, ...]) -> None:
+        self.step = step
+        self.expected = list(expected)  # in the order the batch runs them
+        self.arrivals: dict[int, Arrival] = {}
+        self.complete = asyncio.Event()
+        self._check_complete()
+
+    def rows_from(self, sender: int) -> list[Row]:
+        return [x.row for x in self.expected if x.sender == sender]
+
+    def add(self, arrival: Arrival) -> None:
+        """Accept one sender's rows; a sender that sends twice, or other rows than the plan's, is refused."""
+        if arrival.sender in self.arrivals:
+            raise MessageError(f"sender {arrival.sender} already sent step {self.step}")
+        mine = [row.position for row in self.rows_from(arrival.sender)]
+        if arrival.positions != mine or not mine:
+            raise MessageError(
+                f"sender {arrival.sender} sent positions {arrival.positions}, the plan gives {mine}"
+            )
+        self.arrivals[arrival.sender] = arrival
+        self._check_complete()
+
+    def drop_sender(self, sender: int) -> None:
+        """Stop expecting rows from a sender that is gone; the step runs with the rest."""
+        if sender not in self.arrivals:
+            self.expected = [x for x in self.expected if x.sender != sender]
+            self._check_complete()
+
+    def missing_senders(self) -> list[int]:
+        """Senders we expect rows from and have not heard from."""
+        return sorted({x.sender for x in self.expected} - set(self.arrivals))
+
+    def batch(self) -> tuple[torch.Tensor, torch.Tensor, list[tuple[Arrival, list[int]]]]:
+        """Inputs and targets in the plan's order, and where each arrival's rows landed."""
+        taken: dict[int, int] = {}
+        acts, toks, rows = [], [], {}
+        for x in self.expected:
+            arrival, j = self.arrivals[x.sender], taken.get(x.sender, 0)
+            taken[x.sender] = j + 1
+            rows.setdefault(x.sender, []).append(len(acts))
+            acts.append(arrival.activations[j])
+            toks.append(arrival.tokens[j])
+        placement = [(self.arrivals[s], r) for s, r in sorted(rows.items())]
+        return torch.stack(acts), torch.stack(toks), placement
+
+    def abandon(self, error: BaseException) -> None:
+        """This step will not run here: fail every sender still waiting for its gradients, now."""
+        for arrival in self.arrivals.values():
+            if not arrival.result.done():
+                arrival.result.set_exception(error)
+                arrival.result.exception()  # retrieved: the caller may have given up already
+
+    def _check_complete(self) -> None:
+        if {x.sender for x in self.expected} <= set(self.arrivals):
+            self.complete.set()
+
+
+class InnerSteps:
+    """One replica's part of every inner step's pipeline."""
+
+    def __init__(self, ctx: PeerContext) -> None:
+        self.ctx = ctx
+        self.collectors: dict[int, StepCollector] = {}
+        self.consumed = -1  # the last step whose rows were taken out of its collector
+        self.dropped_samples = 0
+        self._data: Iterator[torch.Tensor] | None = None  # stage 0's batches
+        self._data_at: tuple[tuple[int, int], int] = ((0, 0), 0)  # (shard layout, next step) of _data
+        ctx.transport.register("rpc_forward", self.rpc_forward)
+
+    async def run(self, t: int) -> float | None:
+        """Forward and backward of inner step t; the mean loss of the rows whose loss came back."""
+        if self.ctx.is_first:
+            losses = await self._first_stage(t)
+        else:
+            losses = await self._receiving(t)
+        return sum(losses) / len(losses) if losses else None
+
+    def abandon(self, reason: str) -> None:
+        """Forget every step collected so far (a join or the end of training), failing its senders."""
+        for collector in self.collectors.values():
+            collector.abandon(PeerUnavailable(reason))
+        self.collectors.clear()
+
+    # ------------------------------------------------------------------ stage 0
+
+    def _batch(self, t: int) -> torch.Tensor:
+        """Stage 0's data: shard `rank` of this round's stage-0 replica count, batch t.
+
+        The stream is reopened at step t whenever the shard layout changes or steps were skipped
+        (joining); a streaming dataset then reads its new shard forward to t (see data.hub).
+        """
+        cfg, view = self.ctx.cfg, self.ctx.view_at(t)
+        key = (view.rank_of(self.ctx.me)[1], view.replica_counts()[0])
+        if self._data is None or self._data_at != (key, t):
+            self._data = train_batches(cfg.data, key[0], key[1], self.ctx.B, cfg.seed, start_step=t)
+        self._data_at = (key, t + 1)
+        return next(self._data)
+
+    async def _first_stage(self, t: int) -> list[float]:
+        ctx = self.ctx
+        window = await asyncio.to_thread(self._batch, t)  # a new shard layout loads the corpus
+        x, y = window[:, :-1].to(ctx.device), window[:, 1:]
+        if ctx.is_last:  # one stage: the whole model here
+
+            def whole() -> list[float]:
+                losses = ctx.replica.module(x, y.to(ctx.device))
+                ctx.replica.backward_losses(losses)
+                return [float(v) for v in losses.detach()]
+
+            return await asyncio.to_thread(whole)
+        out = await asyncio.to_thread(ctx.replica.module, x)
+        grad, losses = await self._send_on(t, out.detach(), y)
+        await asyncio.to_thread(out.backward, grad)
+        return losses
+
+    # ------------------------------------------------------------------ sending rows on
+
+    async def _send_on(
+        self, t: int, out: torch.Tensor, tokens: torch.Tensor
+    ) -> tuple[torch.Tensor, list[float]]:
+        """Send each row to the replica the plan names; return the gradient rows and losses."""
+        ctx = self.ctx
+        view, plan = ctx.view_at(t), ctx.plan_at(t)
+        rank = view.rank_of(ctx.me)[1]
+        held = plan.rows(t, ctx.stage, rank)
+        results: dict[int, asyncio.Task[GradRows | None]] = {}
+        async with asyncio.TaskGroup() as group:
+            for receiver, sent in plan.sends(t, ctx.stage, rank).items():
+                samples = tuple(routing.sample_index(t, held[j].row.position, ctx.B) for j in sent)
+                call = self._call_or_drop(view, receiver, sent, samples, out, tokens, t)
+                results[receiver] = group.create_task(call)
+        # Rows whose gradient never came back are dropped from this step: their gradient stays 0.
+        grad = torch.zeros_like(out)
+        losses: list[float] = []
+        for task in results.values():
+            result = task.result()
+            if result is not None:
+                sent, rows, sample_losses = result
+                grad[sent] = rows.to(grad.device)
+                losses.extend(sample_losses)
+        dropped = out.shape[0] - len(losses)
+        if dropped:
+            self.dropped_samples += dropped
+            ctx.events.emit(events.Dropped(step=t, hop=ctx.stage, samples=dropped, side="sender"))
+        return grad, losses
+
+    async def _call_or_drop(
+        self,
+        view: MembershipView,
+        receiver_rank: int,
+        sent: list[int],
+        samples: tuple[int, ...],
+        out: torch.Tensor,
+        tokens: torch.Tensor,
+        t: int,
+    ) -> GradRows | None:
+        """Forward `sent` rows to one receiver; None if they are lost (the reason is recorded)."""
+        ctx, hop = self.ctx, self.ctx.stage
+        receiver = view.peer_at(hop + 1, receiver_rank)
+        acts, toks = out[sent].contiguous(), tokens[sent].contiguous()
+        header = ForwardHeader(
+            run_id=ctx.run_id,
+            round=view.round,
+            step=t,
+            hop=hop,
+            sender_rank=view.rank_of(ctx.me)[1],
+            samples=samples,
+            activations=TensorMeta.of(acts),
+            tokens=TensorMeta.of(toks),
+            view=view.digest(),
+        )
+        for attempt in range(2):  # a live receiver whose stream broke gets the rows once more
+            if receiver in ctx.rounds.dead:
+                return None
+            try:
+                reply, tensors = await ctx.transport.call(
+                    receiver, "rpc_forward", header, [acts, toks], timeout=ctx.cfg.peer.step_timeout
+                )
+                if (
+                    not isinstance(reply, BackwardHeader)
+                    or len(tensors) != 1
+                    or tensors[0].shape != acts.shape
+                ):
+                    raise MessageError(f"{receiver} answered step {t} with a malformed reply")
+                return sent, tensors[0], reply.losses
+            except RemoteRefused as e:  # alive but disagrees (e.g. another view): drop these rows
+                logger.warning("stage %d peer %s refused step %d: %s", hop + 1, receiver, t, e)
+                ctx.events.emit(events.Refused(step=t, peer=receiver, reason=str(e)))
+                return None
+            except StreamTruncated as e:  # the connection broke mid-transfer
+                if attempt or await ctx.rounds.suspect(receiver, f"forward of step {t} broke: {e}"):
+                    return None
+                ctx.events.emit(events.Retried(step=t, peer=receiver, reason=str(e)))
+            except PeerUnavailable as e:
+                await ctx.rounds.suspect(receiver, f"forward of step {t} failed: {e}")
+                return None
+            except MessageError as e:  # it answered with garbage: do not trust it again
+                ctx.rounds.mark_dead(receiver, f"malformed answer to the forward of step {t}: {e}")
+                return None
+        return None
+
+    # ------------------------------------------------------------------ stages after the first
+
+    def _collector(self, t: int) -> StepCollector:
+        if t not in self.collectors:
+            ctx = self.ctx
+            view = ctx.view_at(t)
+            expected = ctx.plan_at(t).expects(t, ctx.stage, view.rank_of(ctx.me)[1])
+            alive = tuple(x for x in expected if view.peer_at(ctx.stage - 1, x.sender) not in ctx.rounds.dead)
+            self.collectors[t] = StepCollector(t, alive)
+        return self.collectors[t]
+
+    async def _receiving(self, t: int) -> list[float]:
+        ctx = self.ctx
+        collector = self._collector(t)
+        try:
+            await self._collect(t, collector)
+        except BaseException:
+            collector.abandon(PeerUnavailable(f"step {t} was abandoned by the receiving replica"))
+            raise
+        finally:
+            del self.collectors[t]
+            self.consumed = t  # rows for this step that arrive from now on are too late
+        if not collector.arrivals:  # nobody alive routes to us this step: nothing to compute
+            ctx.events.emit(
+                events.Dropped(step=t, hop=ctx.stage - 1, samples=len(collector.expected), side="receiver")
+            )
+            return []
+        try:
+            acts, toks, placement = collector.batch()
+            x = acts.to(ctx.device).requires_grad_(True)
+            if ctx.is_last:
+
+                def last() -> torch.Tensor:
+                    losses = ctx.replica.module(x, toks.to(ctx.device))
+                    ctx.replica.backward_losses(losses)
+                    return losses.detach()
+
+                sample_losses = [float(v) for v in await asyncio.to_thread(last)]
+            else:
+                out = await asyncio.to_thread(ctx.replica.module, x)
+                grad, sample_losses = await self._send_on(t, out.detach(), toks)
+                await asyncio.to_thread(out.backward, grad)
+        except BaseException:
+            collector.abandon(PeerUnavailable(f"step {t} failed on the receiving replica"))
+            raise
+        assert x.grad is not None
+        x_grad = x.grad.cpu()  # replies leave from the CPU
+        for arrival, rows in placement:
+            if not arrival.result.done():  # the sender may have given up on us meanwhile
+                arrival.result.set_result((x_grad[rows].contiguous(), [sample_losses[r] for r in rows]))
+        return sample_losses
+
+    async def _collect(self, t: int, collector: StepCollector) -> None:
+        """Wait for step t's rows; probe silent senders while waiting and stop expecting dead ones."""
+        ctx = self.ctx
+        view, timeout = ctx.view_at(t), ctx.cfg.peer.step_timeout
+        deadline = time.monotonic() + timeout
+        while not collector.complete.is_set():
+            left = deadline - time.monotonic()
+            try:
+                await asyncio.wait_for(collector.complete.wait(), min(PROBE_PERIOD, max(left, 0.0)))
+                return
+            except TimeoutError:
+                pass
+            missing = collector.missing_senders()
+            peers = [view.peer_at(ctx.stage - 1, s) for s in missing]
+            if left <= PROBE_PERIOD:  # the deadline: whoever is still silent failed us
+                why = f"sent nothing for step {t} within {timeout:.0f} s"
+                async with asyncio.TaskGroup() as group:
+                    for p in peers:
+                        group.create_task(ctx.rounds.suspect(p, why))
+                lost = sum(len(collector.rows_from(s)) for s in missing)
+                for sender in missing:
+                    collector.drop_sender(sender)
+                ctx.events.emit(
+                    events.Dropped(step=t, hop=ctx.stage - 1, samples=lost, side="receiver", senders=missing)
+                )
+                return
+            async with asyncio.TaskGroup() as group:
+                probes = [group.create_task(ctx.rounds.alive(p)) for p in peers]
+            for sender, peer, probe in zip(missing, peers, probes, strict=True):
+                if not probe.result():
+                    ctx.rounds.mark_dead(peer, f"stopped answering while we waited for step {t}")
+                    collector.drop_sender(sender)
+
+    async def rpc_forward(
+        self, peer_id: str, header: messages.Message, tensors: list[torch.Tensor]
+    ) -> tuple[messages.Message, list[torch.Tensor]]:
+        """Rows routed to us by a replica of the previous stage; answered with their gradients."""
+        ctx = self.ctx
+        if not isinstance(header, ForwardHeader):
+            raise MessageError("expected a forward header")
+        if header.round != ctx.clock.round_of(header.step):
+            raise MessageError(f"step {header.step} is not in round {header.round}")
+        if not ctx.step <= header.step < ctx.step + 2 and header.round in ctx.rounds.views:
+            raise MessageError(f"forward for step {header.step}, this replica is at step {ctx.step}")
+        # A sender may start a round a moment before we do: wait for our view of it, then compare.
+        view = await ctx.rounds.wait(header.round, timeout=ctx.cfg.peer.step_timeout)
+        if header.view != view.digest():
+            ctx.events.emit(events.ViewMismatch(step=header.step, peer=peer_id))
+            raise MessageError(
+                f"views of round {header.round} differ (theirs {header.view}, ours {view.digest()})"
+            )
+        self.check_sender(peer_id, view, header.run_id, header.hop, header.sender_rank)
+        if not ctx.step <= header.step < ctx.step + 2 or header.step <= self.consumed:
+            raise MessageError(f"forward for step {header.step}, this replica is at step {ctx.step}")
+        positions = [k - header.step * ctx.B for k in header.samples]
+        acts, toks = self.checked_rows(tensors)
+        arrival = Arrival(header.sender_rank, positions, acts, toks)
+        self._collector(header.step).add(arrival)
+        grad, losses = await asyncio.wait_for(arrival.result, ctx.cfg.peer.step_timeout * 2)
+        reply = BackwardHeader(
+            run_id=header.run_id,
+            round=header.round,
+            step=header.step,
+            hop=header.hop,
+            sender_rank=view.rank_of(ctx.me)[1],
+            samples=header.samples,
+            grad=TensorMeta.of(grad),
+            losses=tuple(losses),
+        )
+        return reply, [grad]
+
+    def checked_rows(self, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Activations and token ids from another peer, checked against this model before use.
+
+        (The transport already checked them against the header's metas and for NaN/inf.)"""
+        model = self.ctx.cfg.model
+        if len(tensors) != 2:
+            raise MessageError(f"expected activations and token ids, got {len(tensors)} tensors")
+        acts, toks = tensors
+        if acts.dtype != torch.float32 or acts.shape[1:] != (model.seq_len, model.hidden_size):
+            raise MessageError(f"activations {acts.dtype} {tuple(acts.shape)} do not fit this model")
+        if toks.dtype != torch.int64 or int(toks.min()) < 0 or int(toks.max()) >= model.vocab_size:
+            raise MessageError("token ids must be int64 within the vocabulary")
+        return acts, toks
+
+    def check_sender(self, peer_id: str, view: MembershipView, run_id: str, hop: int, rank: int) -> None:
+        """The request must come from the peer `view` puts at (hop, rank), for our stage."""
+        ctx = self.ctx
+        if run_id != ctx.run_id or hop != ctx.stage - 1:
+            raise MessageError(
+                f"request for run {run_id!r} hop {hop}; this is stage {ctx.stage} of {ctx.run_id!r}"
+            )
+        if not 0 <= rank < len(view.stages[hop]) or view.peer_at(hop, rank) != peer_id:
+            raise MessageError(f"peer {peer_id} is not replica {rank} of stage {hop} in round {view.round}")

@@ -1,0 +1,62 @@
+"""A peer's processes die with it: the kernel's parent-death signal, set in one place.
+
+hivemind starts p2pd (and its DHT runs in a child process) without tying their lives to ours, so a
+SIGKILLed peer would leave them running. Two uses of PR_SET_PDEATHSIG(SIGTERM):
+  - `die_with_parent()`: this process gets SIGTERM when the process that started it dies
+    (`noloco local` starts its peers so);
+  - `children_die_with_us()`: subprocesses started through asyncio inside the block get it too,
+    so the kernel signals p2pd when the thread that started it (our event loop's) exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import ctypes
+import signal
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+_PR_SET_PDEATHSIG = 1
+_ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("children_die_with_us", default=False)
+
+
+def _prctl_die_with_parent() -> None:
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
+
+
+def die_with_parent() -> None:
+    """Ask the kernel to SIGTERM this process when its parent dies (Linux; a no-op elsewhere)."""
+    if sys.platform.startswith("linux"):
+        _prctl_die_with_parent()
+
+
+@contextlib.contextmanager
+def children_die_with_us() -> Iterator[None]:
+    """Within the block, asyncio subprocesses get SIGTERM when their starting thread exits."""
+    _install_hook()
+    token = _ACTIVE.set(True)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def _install_hook() -> None:
+    original = asyncio.subprocess.create_subprocess_exec
+    if not sys.platform.startswith("linux") or getattr(original, "_noloco_hook", False):
+        return
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here: the child must not dlopen
+
+    def in_child() -> None:
+        prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
+
+    async def create_subprocess_exec(*args: Any, **kwargs: Any) -> asyncio.subprocess.Process:
+        if _ACTIVE.get() and "preexec_fn" not in kwargs:
+            kwargs["preexec_fn"] = in_child
+        return await original(*args, **kwargs)
+
+    create_subprocess_exec._noloco_hook = True  # type: ignore[attr-defined]
+    asyncio.subprocess.create_subprocess_exec = create_subprocess_exec  # type: ignore[assignment]
