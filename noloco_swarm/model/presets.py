@@ -98,7 +98,7 @@ class ModelConfig:
         return dataclasses.replace(self, vocab_size=vocab_size)
 
 
-# Shapes of the paper's runs (official configs, see REFERENCE.md); `tiny` is ours, sized to
+# Shapes of the paper's runs (the official code's configs); `tiny` is ours, sized to
 # train on two CPU cores: about 2 M parameters, and a short schedule to match.
 PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(

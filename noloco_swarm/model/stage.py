@@ -55,7 +55,7 @@ def derive_seed(seed: int, name: str) -> int:
 def init_parameters_(module: nn.Module, seed: int, std: float) -> None:
     """Fill every parameter from its own generator seeded by (seed, global parameter name).
 
-    Linear and embedding weights ~ N(0, std), RMSNorm weights = 1 (REFERENCE.md). Keying the
+    Linear and embedding weights ~ N(0, std), RMSNorm weights = 1 (as the official code). Keying the
     draw on the global name, not on construction order, is what makes stage s built alone equal
     to the same layers of the unsplit model, and every replica with the same seed identical.
     The global torch RNG is never touched. Draws happen on the CPU so that every device gets the

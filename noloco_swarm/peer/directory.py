@@ -19,7 +19,6 @@ from hivemind import DHT
 from hivemind.utils import get_dht_time
 
 from noloco_swarm.protocol import messages
-from noloco_swarm.protocol.membership import MembershipView
 
 MANIFEST_TTL = 7 * 24 * 3600.0  # the manifest outlives any one peer; re-stored by every heartbeat
 DEFAULT_HEARTBEAT_TTL = 30.0
@@ -139,15 +138,6 @@ class RunDirectory:
                 continue
             good.append(record)
         return good, bad
-
-    def membership(self, round_: int, num_stages: int) -> MembershipView:
-        """The frozen view of round `round_`: peers announced for a round <= round_, stage in range."""
-        pairs = [
-            (a.peer_id, a.stage)
-            for a in self.read_peers().announcements
-            if a.joined_round <= round_ and a.stage < num_stages
-        ]
-        return MembershipView.from_announcements(round_, num_stages, pairs)
 
     # ---------------------------------------------------------------- failures
 

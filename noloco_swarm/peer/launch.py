@@ -53,7 +53,7 @@ async def run_peer(cfg: RunConfig, steps: int, *, new_run: bool = False) -> even
             announcements = (await asyncio.to_thread(directory.read_peers)).announcements
             pairs = [(a.peer_id, a.stage) for a in announcements if a.stage < cfg.num_stages]
             view = MembershipView.from_announcements(0, cfg.num_stages, pairs)
-            stage = view.least_served_stage()
+            stage = view.least_served_stage(cfg.replica_counts)
         if not 0 <= stage < cfg.num_stages:
             raise ValueError(f"--stage {stage} is outside 0..{cfg.num_stages - 1} for this run")
         addresses = tuple(await transport.visible_addresses())

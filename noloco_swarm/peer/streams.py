@@ -342,13 +342,6 @@ def check_finite(tensor: torch.Tensor) -> None:
             raise MessageError("tensor holds NaN or infinite values")
 
 
-def check_metas(tensors: list[torch.Tensor], expected: tuple[TensorMeta, ...]) -> None:
-    """Raise MessageError unless the received tensors are exactly the expected ones (shape, dtype)."""
-    got = tuple(TensorMeta.of(t) for t in tensors)
-    if got != expected:
-        raise MessageError(f"expected tensors {expected}, got {got}")
-
-
 def _dtype(meta: TensorMeta) -> torch.dtype:
     return getattr(torch, meta.dtype)  # TensorMeta only admits names of torch dtypes
 

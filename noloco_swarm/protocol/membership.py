@@ -8,7 +8,7 @@ peers that saw the same announcements derive the same decisions without further 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 
@@ -81,10 +81,13 @@ class MembershipView:
     def members(self) -> set[str]:
         return {p for peers in self.stages for p in peers}
 
-    def least_served_stage(self) -> int:
-        """The stage with the fewest replicas (lowest index on ties): `--stage auto`."""
+    def least_served_stage(self, targets: Sequence[int] | None = None) -> int:
+        """`--stage auto`: the stage furthest below its target replica count (with no targets, the
+        one with the fewest replicas); the lowest index on ties."""
         counts = self.replica_counts()
-        return counts.index(min(counts))
+        goals = list(targets) if targets is not None else [0] * len(counts)
+        deficits = [goal - count for goal, count in zip(goals, counts, strict=True)]
+        return deficits.index(max(deficits))
 
 
 @dataclass(frozen=True)

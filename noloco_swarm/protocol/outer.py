@@ -1,6 +1,6 @@
 """Outer-step math for NoLoCo and DiLoCo: tensors in, tensors out, no I/O.
 
-Notation (DESIGN.md section 2): theta = fast weights after H inner steps, phi = slow weights
+Notation (the paper's section 2): theta = fast weights after H inner steps, phi = slow weights
 (the weights at the start of the round), delta = outer momentum, alpha = outer momentum
 coefficient, beta = outer learning rate, gamma = local-averaging coefficient.
 

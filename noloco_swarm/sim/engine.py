@@ -3,7 +3,7 @@
 It runs the same step plan as the peers (protocol.plan: which rows each replica receives, in which
 order, and who averages with whom), the same StageReplica (train/) and the same schedule, with no
 network. It is the fast tool for algorithm experiments and the oracle the networked swarm must
-reproduce bit for bit (DESIGN.md section 4). Stages may hold different numbers of replicas
+reproduce bit for bit. Stages may hold different numbers of replicas
 (`RunConfig.stage_replicas`).
 
 Every replica computes the way a peer does: stage by stage, each replica runs the rows the plan
@@ -51,7 +51,7 @@ class Simulator:
         self.batches = batches
         self.clock = StepClock(cfg.outer.inner_steps, cfg.inner.batch_size, cfg.inner.total_steps)
         self.plan = StepPlan.of(cfg.replica_counts, cfg.inner.batch_size, cfg.outer.random_routing)
-        # Every replica starts from the same weights, derived from the run seed (DESIGN.md 2).
+        # Every replica starts from the same weights, derived from the run seed.
         self.replicas: list[list[StageReplica]] = []
         for s, count in enumerate(cfg.replica_counts):
             first = build_stage(cfg.model, s, cfg.num_stages, cfg.seed)

@@ -15,6 +15,7 @@ from hivemind.utils import get_dht_time
 from noloco_swarm.peer.directory import ManifestMismatchError, RunDirectory, gone_key, peers_key
 from noloco_swarm.peer.node import NetworkConfig, reachability, start_dht
 from noloco_swarm.protocol import messages
+from noloco_swarm.protocol.membership import Listing, MembershipView, next_view
 from noloco_swarm.train.config import RunConfig
 from tests.integration.helpers import p2pd_descendants, process_group
 
@@ -78,10 +79,21 @@ def test_announcements_build_the_same_view_everywhere(two_peers: tuple[DHT, DHT]
         get_dht_time() + 30,
         subkey="liar",
     )
-    view_a, view_b = da.membership(2, 2), db.membership(2, 2)
-    assert view_a == view_b
-    assert view_a.stages == ((str(b.peer_id),), (str(a.peer_id),))  # late-peer joins at round 3
-    assert "late-peer" in da.membership(3, 2).stages[0]
+
+    def views(directory: RunDirectory) -> list[MembershipView]:
+        """Rounds 0..3 as a peer builds them: round 0 from its announcements, then next_view."""
+        listed = directory.read_peers().announcements
+        pairs = [(x.peer_id, x.stage) for x in listed if x.joined_round == 0]
+        out = [MembershipView.from_announcements(0, 2, pairs)]
+        listings = [Listing(x.peer_id, x.stage, x.joined_round) for x in listed]
+        while len(out) < 4:
+            out.append(next_view(out[-1], listings, directory.read_gone(members=out[-1].members())))
+        return out
+
+    views_a, views_b = views(da), views(db)
+    assert views_a == views_b
+    assert views_a[2].stages == ((str(b.peer_id),), (str(a.peer_id),))  # late-peer joins at round 3
+    assert "late-peer" in views_a[3].stages[0]
     assert da.read_peers().malformed == 2
 
 

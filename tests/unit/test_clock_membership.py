@@ -46,6 +46,7 @@ def test_membership_ranks_are_sorted_ids() -> None:
     assert view.peer_at(1, 0) == "peer-b"
     assert view.replica_counts() == [2, 1]
     assert view.least_served_stage() == 1
+    assert view.least_served_stage((3, 1)) == 0  # stage 0 is one short of its 3, stage 1 is full
     assert view.is_complete()
     with pytest.raises(KeyError):
         view.rank_of("peer-z")

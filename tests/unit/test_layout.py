@@ -1,4 +1,4 @@
-"""The import direction of DESIGN.md section 1, and the purity of the protocol core."""
+"""The import direction of the package (README, Layout), and the purity of the protocol core."""
 
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def test_import_direction(sub: str) -> None:
         for target, line in project_imports(path)
         if target != sub and target not in ALLOWED[sub]
     ]
-    assert not bad, "import direction broken (see DESIGN.md section 1):\n" + "\n".join(bad)
+    assert not bad, "import direction broken (see the README's Layout section):\n" + "\n".join(bad)
 
 
 def test_protocol_core_does_no_io() -> None:
