@@ -21,6 +21,7 @@ import torch
 from noloco_swarm.cli.options import build_config
 from noloco_swarm.cli.swarm import local_swarm, wait
 from noloco_swarm.model import build_stage, num_flat
+from noloco_swarm.peer.events import Outer, of_kind
 from noloco_swarm.sim.engine import Simulator
 from noloco_swarm.sim.run import data_batches
 
@@ -57,11 +58,11 @@ def main() -> None:
         with local_swarm(cfg, args.steps, step_timeout=120) as swarm:
             wait(swarm, timeout=1800)
             summaries = swarm.summaries()
-            outers = [(p.stage, e) for p in swarm.peers for e in p.events() if e["event"] == "outer"]
-        seconds = max(s["train_seconds"] for s in summaries if s["stage"] == 0)
+            outers = [(p.stage, e) for p in swarm.peers for e in of_kind(p.events(), Outer)]
+        seconds = max(s.train_seconds for s in summaries if s.stage == 0)
         swarm_tps.append(args.steps * tokens_per_step / seconds)
-        sent_ratio += [e["sent_bytes"] / floor[s] for s, e in outers]
-        recv_ratio += [e["received_bytes"] / floor[s] for s, e in outers]
+        sent_ratio += [e.sent_bytes / floor[s] for s, e in outers]
+        recv_ratio += [e.received_bytes / floor[s] for s, e in outers]
 
         torch.set_num_threads(2)
         sim = Simulator(cfg, data_batches(cfg))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from rich.console import Console
@@ -18,6 +19,7 @@ from rich.table import Table
 from noloco_swarm.cli.swarm import LocalSwarm, local_swarm, wait
 from noloco_swarm.cli.view import ReplicaStatus, RunStatus, render
 from noloco_swarm.model.state import num_flat
+from noloco_swarm.peer.events import Event, Final, Membership, Outer, Step, of_kind
 from noloco_swarm.protocol import gossip
 from noloco_swarm.sim.engine import Simulator, StepStats
 from noloco_swarm.sim.run import run_simulation
@@ -153,61 +155,60 @@ def _summary(tracker: _Tracker, sim: Simulator | None, result, interrupted: bool
 # The real swarm: peer processes on loopback
 
 
-def swarm_status(swarm: LocalSwarm, start: float, *, keep: bool = False) -> RunStatus:
-    """A view snapshot from what the peers' metrics files say so far (pure given those files)."""
-    cfg = swarm.cfg
-    events = {(p.stage, p.replica): p.events() for p in swarm.peers}
-    steps = [e for (s, _), ev in events.items() if s == 0 for e in ev if e["event"] == "step"]
-    last_stage = [
-        e for (s, _), ev in events.items() if s == cfg.num_stages - 1 for e in ev if e["event"] == "step"
-    ]
-    last_stage.sort(key=lambda e: e["step"])
+def swarm_status(
+    cfg: RunConfig,
+    total_steps: int,
+    peers: Mapping[tuple[int, int], Sequence[Event]],
+    *,
+    elapsed: float,
+    note: str = "",
+) -> RunStatus:
+    """A view snapshot from the events each peer, keyed by (stage, replica), reported so far.
+
+    Pure: the same events, elapsed time and note always give the same snapshot. The training loss
+    is the last stage's (the only one that computes it), averaged over its replicas per step; a
+    step whose loss did not come back (`Step.loss` None) leaves that replica out of the average.
+    """
+    steps = {key: of_kind(ev, Step) for key, ev in peers.items()}
+    first = [e for (s, _), ev in steps.items() if s == 0 for e in ev]
+    last_stage = sorted(
+        (e for (s, _), ev in steps.items() if s == cfg.num_stages - 1 for e in ev), key=lambda e: e.step
+    )
     by_step: dict[int, list[float]] = {}
     for e in last_stage:
-        by_step.setdefault(e["step"], []).append(e["loss"])
+        if e.loss is not None:
+            by_step.setdefault(e.step, []).append(e.loss)
     history = tuple(sum(v) / len(v) for _, v in sorted(by_step.items()))
-    done = min(
-        (max((e["step"] for e in ev if e["event"] == "step"), default=0) for ev in events.values()), default=0
-    )
-    outer = min((sum(e["event"] == "outer" for e in ev) for ev in events.values()), default=0)
-    tokens = sum(
-        max((e["tokens"] for e in ev if e["event"] == "step"), default=0)
-        for (s, _), ev in events.items()
-        if s == 0
-    )
-    elapsed = time.perf_counter() - start
+    done = min((max((e.step for e in ev), default=0) for ev in steps.values()), default=0)
+    outer = min((len(of_kind(ev, Outer)) for ev in peers.values()), default=0)
+    tokens = sum(max((e.tokens for e in ev), default=0) for (s, _), ev in steps.items() if s == 0)
     replicas = []
-    for (s, d), ev in sorted(events.items()):
-        outers = [e for e in ev if e["event"] == "outer"]
-        final = next((e for e in ev if e["event"] == "final"), None)
-        ranks = [e["rank"] for e in ev if e["event"] == "membership"]  # the view changes per round
+    for (s, d), ev in sorted(peers.items(), key=lambda item: item[0]):
+        outers = of_kind(ev, Outer)
+        finals = of_kind(ev, Final)
+        ranks = [m.rank for m in of_kind(ev, Membership)]  # the view changes per round
         rank = ranks[-1] if ranks else d
         partner = "-"
         if outers:
-            others = [str(m) for m in outers[-1]["group"] if m != rank]
-            partner = ",".join(others) or "(alone)"
-        replicas.append(ReplicaStatus(s, rank, partner, final["state_hash"] if final else ""))
+            partner = ",".join(str(m) for m in outers[-1].group if m != rank) or "(alone)"
+        replicas.append(ReplicaStatus(s, rank, partner, finals[0].state_hash if finals else ""))
     replicas.sort(key=lambda r: (r.stage, r.replica))
-    lr = steps[-1]["lr"] if steps else 0.0
-    finals = [
-        e["val_loss"] for ev in events.values() for e in ev if e["event"] == "final" and e.get("val_loss")
-    ]
+    val = [f.val_loss for ev in peers.values() for f in of_kind(ev, Final) if f.val_loss]
     return RunStatus(
         title=f"local swarm {cfg.num_stages} stages x {cfg.num_replicas} replicas, {cfg.model.name} preset",
         method=cfg.outer.method,
         step=done,
-        total_steps=swarm.steps,
+        total_steps=total_steps,
         outer_steps=outer,
         train_loss=sum(history[-10:]) / len(history[-10:]) if history else None,
-        val_ppl=math.exp(sum(finals) / len(finals)) if finals else None,  # evaluated at the end
-        lr=lr,
+        val_ppl=math.exp(sum(val) / len(val)) if val else None,  # evaluated at the end
+        lr=first[-1].lr if first else 0.0,
         tokens=tokens,
         tokens_per_second=tokens / elapsed if elapsed else 0.0,
         elapsed=elapsed,
         loss_history=history,
         replicas=tuple(replicas),
-        note=f"{len(swarm.peers)} peer processes on loopback; logs and metrics in {swarm.workdir}"
-        + ("" if keep else " (removed at exit; keep them with --keep DIR)"),
+        note=note,
     )
 
 
@@ -227,7 +228,11 @@ def run_local_swarm(cfg: RunConfig, steps: int, *, plain: bool = False, keep: Pa
 
         def on_poll(sw: LocalSwarm) -> None:
             nonlocal status
-            status = swarm_status(sw, start, keep=keep is not None)
+            note = f"{len(sw.peers)} peer processes on loopback; logs and metrics in {sw.workdir}" + (
+                "" if keep is not None else " (removed at exit; keep them with --keep DIR)"
+            )
+            peers = {(p.stage, p.replica): p.events() for p in sw.peers}
+            status = swarm_status(sw.cfg, sw.steps, peers, elapsed=time.perf_counter() - start, note=note)
             if live is not None:
                 live.update(render(status))
             elif status.step >= last_print[0] + 10 or (status.step == steps and last_print[0] != steps):
@@ -258,7 +263,7 @@ def run_local_swarm(cfg: RunConfig, steps: int, *, plain: bool = False, keep: Pa
 
 
 def _swarm_summary(
-    status: RunStatus | None, summaries: list[dict], events: list[dict], interrupted: bool
+    status: RunStatus | None, summaries: Sequence[Final], events: Sequence[Event], interrupted: bool
 ) -> Table:
     table = Table(title="summary (interrupted)" if interrupted else "summary", show_header=False)
     table.add_column(style="bold")
@@ -267,23 +272,23 @@ def _swarm_summary(
         head, tail = status.loss_history[:20], status.loss_history[-20:]
         table.add_row("train loss (first 20 steps)", f"{sum(head) / len(head):.3f}")
         table.add_row("train loss (last 20 steps)", f"{sum(tail) / len(tail):.3f}")
-    val = [s["val_loss"] for s in summaries if s.get("val_loss") is not None]
+    val = [s.val_loss for s in summaries if s.val_loss is not None]
     if val:
         mean = sum(val) / len(val)
         table.add_row("validation loss (each replica's own path)", f"{mean:.3f}")
         table.add_row("validation perplexity", f"{math.exp(mean):.1f}")
     if summaries:
-        seconds = max(s["train_seconds"] for s in summaries)
-        tokens = sum(s["tokens"] for s in summaries)
+        seconds = max(s.train_seconds for s in summaries)
+        tokens = sum(s.tokens for s in summaries)
         table.add_row("tokens/s (training)", f"{tokens / seconds:,.0f}" if seconds else "-")
-        table.add_row("outer steps", str(min(s["outer_steps"] for s in summaries)))
-    outers = [e for e in events if e["event"] == "outer"]
+        table.add_row("outer steps", str(min(s.outer_steps for s in summaries)))
+    outers = of_kind(events, Outer)
     if outers:
-        sent = sum(e["sent_bytes"] for e in outers) / len(outers)
-        recv = sum(e["received_bytes"] for e in outers) / len(outers)
+        sent = sum(e.sent_bytes for e in outers) / len(outers)
+        recv = sum(e.received_bytes for e in outers) / len(outers)
         table.add_row(
             "bytes per outer step per peer", f"{sent / 2**20:.2f} MiB sent, {recv / 2**20:.2f} MiB received"
         )
-    for s in sorted(summaries, key=lambda s: (s["stage"], s["rank"])):
-        table.add_row(f"stage {s['stage']} replica {s['rank']} state", s["state_hash"][:16])
+    for s in sorted(summaries, key=lambda s: (s.stage, s.rank)):
+        table.add_row(f"stage {s.stage} replica {s.rank} state", s.state_hash[:16])
     return table

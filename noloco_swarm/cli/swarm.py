@@ -18,9 +18,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from noloco_swarm.peer.directory import RunDirectory
+from noloco_swarm.peer.events import Event, Final, of_kind, read
 from noloco_swarm.peer.node import NetworkConfig, start_dht
 from noloco_swarm.protocol.messages import RunManifest
 from noloco_swarm.train.config import RunConfig
@@ -36,14 +36,9 @@ class PeerProcess:
     metrics: Path
     log: Path
 
-    def events(self) -> list[dict[str, Any]]:
-        """Metrics lines written so far (a torn last line, mid-write, is skipped)."""
-        out = []
-        if self.metrics.exists():
-            for line in self.metrics.read_text().splitlines():
-                with suppress(json.JSONDecodeError):
-                    out.append(json.loads(line))
-        return out
+    def events(self) -> list[Event]:
+        """The peer's events so far, as typed records (a torn last line, mid-write, is skipped)."""
+        return read(self.metrics)
 
     def log_tail(self, lines: int = 25) -> str:
         return (
@@ -90,8 +85,9 @@ class LocalSwarm:
     def finished(self) -> bool:
         return all(p.proc.poll() == 0 for p in self.peers)
 
-    def summaries(self) -> list[dict[str, Any]]:
-        return [e for p in self.peers for e in p.events() if e["event"] == "final"]
+    def summaries(self) -> list[Final]:
+        """The summary of every peer that has finished so far."""
+        return [f for p in self.peers for f in of_kind(p.events(), Final)]
 
 
 @contextmanager

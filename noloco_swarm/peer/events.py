@@ -270,9 +270,12 @@ def to_dict(event: Event) -> dict[str, Any]:
 
 def from_dict(obj: dict[str, Any]) -> Event:
     """The record a JSON line holds; ValueError if it is not one of ours."""
-    cls = KINDS.get(obj.get("event", ""))
+    if not isinstance(obj, dict):  # any JSON value parses, e.g. a stray `[...]` or number line
+        raise ValueError(f"an event is a JSON object, not {type(obj).__name__}")
+    kind = obj.get("event")
+    cls = KINDS.get(kind) if isinstance(kind, str) else None
     if cls is None:
-        raise ValueError(f"unknown event kind {obj.get('event')!r}")
+        raise ValueError(f"unknown event kind {kind!r}")
     names = {f.name for f in dataclasses.fields(cls)}
     try:
         return cls(**{k: v for k, v in obj.items() if k in names})

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from noloco_swarm.peer.events import Final, of_kind, read
 from tests.integration.helpers import descendants, p2pd_descendants
 from tests.small import SMALL_RUN
 
@@ -60,3 +61,6 @@ def test_local_swarm_run_to_the_end(cache: Path, tmp_path: Path) -> None:
         assert expected in done.stdout, expected
     metrics = sorted(p.name for p in (tmp_path / "run").glob("peer-*.jsonl"))
     assert metrics == ["peer-0-0.jsonl", "peer-0-1.jsonl", "peer-1-0.jsonl", "peer-1-1.jsonl"]
+    # The kept metrics are typed events: each peer's file reads back with its one final summary.
+    finals = [of_kind(read(tmp_path / "run" / name), Final) for name in metrics]
+    assert [[f.steps for f in peer] for peer in finals] == [[6]] * 4

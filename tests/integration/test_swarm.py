@@ -11,7 +11,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import pytest
@@ -20,6 +20,18 @@ import torch
 from noloco_swarm.cli.options import build_config
 from noloco_swarm.cli.swarm import local_swarm, wait
 from noloco_swarm.model import num_flat
+from noloco_swarm.peer.events import (
+    Dropped,
+    Event,
+    Joined,
+    Membership,
+    Outer,
+    PeerGone,
+    Refused,
+    Step,
+    ViewMismatch,
+    of_kind,
+)
 from noloco_swarm.sim.engine import Simulator
 from noloco_swarm.sim.run import data_batches
 from noloco_swarm.train.config import RunConfig
@@ -77,13 +89,13 @@ def test_swarm_ends_with_the_simulators_weights(method: str, cache: Path, one_th
         outers = []
         for p in swarm.peers:
             events = p.events()
-            rank = next(e["rank"] for e in events if e["event"] == "membership")
-            outers += [(p.stage, rank, e) for e in events if e["event"] == "outer"]
+            rank = next(e.rank for e in of_kind(events, Membership))
+            outers += [(p.stage, rank, e) for e in of_kind(events, Outer)]
     assert p2pd_descendants() <= before, "the swarm left p2pd daemons behind"
     expected, after_outer = simulate(cfg, STEPS)
-    got = {(s["stage"], s["rank"]): s["state_hash"] for s in summaries}
+    got = {(s.stage, s.rank): s.state_hash for s in summaries}
     assert len(got) == 4
-    assert all(s["steps"] == STEPS and s["outer_steps"] == 2 for s in summaries)
+    assert all(s.steps == STEPS and s.outer_steps == 2 for s in summaries)
     for (stage, rank), digest in got.items():
         assert digest == expected[stage][rank], f"stage {stage} replica {rank} differs from the simulator"
     assert expected[0][0] != expected[0][1], "replicas should differ after the last inner step"
@@ -91,11 +103,11 @@ def test_swarm_ends_with_the_simulators_weights(method: str, cache: Path, one_th
     theta_bytes = {s: num_flat_stage(cfg, s) * 4 for s in range(2)}
     assert len(outers) == 8
     for stage, rank, e in outers:
-        assert e["state_hash"] == after_outer[e["step"]][stage][rank], f"outer step {e['step']} differs"
-        assert theta_bytes[stage] <= e["sent_bytes"] <= theta_bytes[stage] * 1.01 + 4096
-        assert theta_bytes[stage] <= e["received_bytes"] <= theta_bytes[stage] * 1.01 + 4096
-        assert e["failed"] == [] and len(e["partners"]) == 1 and len(e["state_hash"]) == 64
-    assert all(s["val_loss"] is not None for s in summaries if s["stage"] == 0)
+        assert e.state_hash == after_outer[e.step][stage][rank], f"outer step {e.step} differs"
+        assert theta_bytes[stage] <= e.sent_bytes <= theta_bytes[stage] * 1.01 + 4096
+        assert theta_bytes[stage] <= e.received_bytes <= theta_bytes[stage] * 1.01 + 4096
+        assert e.failed == [] and len(e.partners) == 1 and len(e.state_hash) == 64
+    assert all(s.val_loss is not None for s in summaries if s.stage == 0)
 
 
 def test_uneven_stages_end_with_the_simulators_weights(cache: Path, one_thread: None) -> None:
@@ -148,11 +160,11 @@ def test_swarm_trains_on_a_streaming_dataset_like_the_simulator(
         wait(swarm, timeout=400)
         summaries = swarm.summaries()
     expected, _ = simulate(cfg, STEPS)
-    assert sorted((s["stage"], s["state_hash"]) for s in summaries) == [
+    assert sorted((s.stage, s.state_hash) for s in summaries) == [
         (0, expected[0][0]),
         (1, expected[1][0]),
     ]
-    assert next(s["val_loss"] for s in summaries if s["stage"] == 0) > 0
+    assert next(s.val_loss for s in summaries if s.stage == 0) > 0
 
 
 def test_diloco_with_three_replicas_all_reduces_to_the_simulators_weights(
@@ -165,15 +177,15 @@ def test_diloco_with_three_replicas_all_reduces_to_the_simulators_weights(
     with local_swarm(cfg, STEPS, step_timeout=60) as swarm:
         wait(swarm, timeout=400)
         summaries = swarm.summaries()
-        outers = [e for p in swarm.peers for e in p.events() if e["event"] == "outer"]
+        outers = [e for p in swarm.peers for e in of_kind(p.events(), Outer)]
     expected, after_outer = simulate(cfg, STEPS)
-    assert len(outers) == 6 and all(e["failed"] == [] for e in outers), outers
-    assert sorted((s["rank"], s["state_hash"]) for s in summaries) == list(enumerate(expected[0])), outers
-    assert all(e["state_hash"] == after_outer[e["step"]][0][0] for e in outers)  # DiLoCo: all equal
+    assert len(outers) == 6 and all(e.failed == [] for e in outers), outers
+    assert sorted((s.rank, s.state_hash) for s in summaries) == list(enumerate(expected[0])), outers
+    assert all(e.state_hash == after_outer[e.step][0][0] for e in outers)  # DiLoCo: all equal
     stage_bytes = num_flat_stage(cfg, 0) * 4
     for e in outers:
-        for direction in ("sent_bytes", "received_bytes"):
-            assert 4 / 3 * stage_bytes <= e[direction] <= 4 / 3 * stage_bytes * 1.01 + 8192, e
+        for moved in (e.sent_bytes, e.received_bytes):
+            assert 4 / 3 * stage_bytes <= moved <= 4 / 3 * stage_bytes * 1.01 + 8192, e
 
 
 async def poke_with_bad_requests(swarm) -> tuple[dict[str, str], tuple[int, int]]:
@@ -197,7 +209,7 @@ async def poke_with_bad_requests(swarm) -> tuple[dict[str, str], tuple[int, int]
 
         now = await status(first)
         acts, toks = torch.zeros(1, 128, 128), torch.zeros(1, 128, dtype=torch.int64)
-        stages = next(e["stages"] for e in swarm.peers[0].events() if e["event"] == "membership")
+        stages = next(e.stages for e in of_kind(swarm.peers[0].events(), Membership))
 
         async def forward(view: str | None) -> m.ForwardHeader:
             """Rows for the step the stage-1 peer is on (digest None: the right view's)."""
@@ -238,6 +250,15 @@ async def poke_with_bad_requests(swarm) -> tuple[dict[str, str], tuple[int, int]
         await transport.shutdown()
 
 
+def views_by_round(peer_events: Iterable[list[Event]]) -> dict[int, set[tuple[tuple[str, ...], ...]]]:
+    """Every distinct view of each round (its stages' peer ids) that the peers reported."""
+    views: dict[int, set[tuple[tuple[str, ...], ...]]] = {}
+    for events in peer_events:
+        for e in of_kind(events, Membership):
+            views.setdefault(e.round, set()).add(tuple(tuple(s) for s in e.stages))
+    return views
+
+
 def num_flat_stage(cfg: RunConfig, stage: int) -> int:
     from noloco_swarm.model import build_stage
 
@@ -254,7 +275,7 @@ def test_a_killed_peer_takes_its_daemon_and_the_rest_of_the_swarm_finishes(cache
     with local_swarm(cfg, steps, step_timeout=10) as swarm:
         victim = next(p for p in swarm.peers if p.stage == 1 and p.replica == 1)
         deadline = time.monotonic() + 120
-        while not any(e["event"] == "step" and e["step"] >= 2 for e in victim.events()):
+        while not any(e.step >= 2 for e in of_kind(victim.events(), Step)):
             assert time.monotonic() < deadline, victim.log_tail()
             time.sleep(0.2)
         daemons = p2pd_descendants(victim.proc.pid)
@@ -270,27 +291,23 @@ def test_a_killed_peer_takes_its_daemon_and_the_rest_of_the_swarm_finishes(cache
             assert time.monotonic() < deadline, "\n".join(p.log_tail() for p in survivors)
             time.sleep(0.5)
         assert [p.proc.returncode for p in survivors] == [0, 0, 0], "\n".join(p.log_tail() for p in survivors)
-        summaries = {(s["stage"], s["rank"]): s for s in swarm.summaries()}
-        victim_id = next(e["peer_id"] for e in victim.events() if e["event"] == "membership")
-        killed_in = max(e["step"] for e in victim.events() if e["event"] == "step") // 3  # its last round
+        summaries = {(s.stage, s.rank): s for s in swarm.summaries()}
+        victim_id = next(e.peer_id for e in of_kind(victim.events(), Membership))
+        killed_in = max(e.step for e in of_kind(victim.events(), Step)) // 3  # its last round
         survivor_events = [p.events() for p in survivors]
     assert p2pd_descendants() <= before
-    assert all(s["steps"] == steps for s in summaries.values())
-    partner = next(s for s in summaries.values() if s["stage"] == 1)
-    assert victim_id in partner["gone"] and partner["outer_steps"] == steps // 3
+    assert all(s.steps == steps for s in summaries.values())
+    partner = next(s for s in summaries.values() if s.stage == 1)
+    assert victim_id in partner.gone and partner.outer_steps == steps // 3
     # The survivors agree on every round's view, and the last one is without the victim.
-    views = {}
-    for events in survivor_events:
-        for e in events:
-            if e["event"] == "membership":
-                views.setdefault(e["round"], set()).add(json.dumps(e["stages"]))
+    views = views_by_round(survivor_events)
     assert all(len(v) == 1 for v in views.values()), views
-    last = json.loads(next(iter(views[max(views)])))
+    last = next(iter(views[max(views)]))
     assert all(victim_id not in s for s in last) and len(last[1]) == 1
     # Samples routed to the victim after it died are dropped (none, if it died just as a round
     # closed and its report came first); its report takes effect one boundary after the round it
     # was made in, so from two rounds after its death on nothing is routed to it.
-    drops = [e["step"] for events in survivor_events for e in events if e["event"] == "dropped"]
+    drops = [e.step for events in survivor_events for e in of_kind(events, Dropped)]
     assert all(step < (killed_in + 3) * 3 for step in drops), (drops, killed_in)
 
 
@@ -302,48 +319,41 @@ def test_a_peer_joins_a_running_swarm_at_a_round_boundary(cache: Path) -> None:
     cfg = small("noloco", **{**SLOWER, "outer.inner_steps": str(H), "inner.total_steps": str(steps)})
     with local_swarm(cfg, steps, step_timeout=60) as swarm:
         deadline = time.monotonic() + 120
-        while not all(any(e["event"] == "membership" for e in p.events()) for p in swarm.peers):
+        while not all(any(isinstance(e, Membership) for e in p.events()) for p in swarm.peers):
             assert time.monotonic() < deadline, "\n".join(p.log_tail() for p in swarm.peers)
             time.sleep(0.2)
         joiner = swarm.start_peer(0)
         wait(swarm, timeout=400)
         events = {id(p): p.events() for p in swarm.peers}
         summaries = swarm.summaries()
-    me = next(e for e in events[id(joiner)] if e["event"] == "joined")
-    J = me["round"]
-    assert J >= 2 and me["step"] == J * H
-    final = next(s for s in summaries if s["peer_id"] == me["peer_id"])
-    assert final["joined_round"] == J and final["steps"] == steps and final["outer_steps"] == steps // H - J
+    me = next(iter(of_kind(events[id(joiner)], Joined)))
+    J = me.round
+    assert J >= 2 and me.step == J * H
+    final = next(s for s in summaries if s.peer_id == me.peer_id)
+    assert final.joined_round == J and final.steps == steps and final.outer_steps == steps // H - J
     # The state it started from is its server's, right after the outer step that closed round J-1.
     server_outer = [
-        e["state_hash"]
+        e.state_hash
         for p in swarm.peers
         if p is not joiner
-        for e in events[id(p)]
-        if e["event"] == "outer" and e["step"] == J * H
+        for e in of_kind(events[id(p)], Outer)
+        if e.step == J * H
     ]
-    assert me["state_hash"] in server_outer
+    assert me.state_hash in server_outer
     # Every peer holds the same view of every round; the joiner is in it from round J on.
-    views: dict[int, set[str]] = {}
-    for p in swarm.peers:
-        for e in events[id(p)]:
-            if e["event"] == "membership":
-                views.setdefault(e["round"], set()).add(json.dumps(e["stages"]))
+    views = views_by_round(events[id(p)] for p in swarm.peers)
     assert all(len(v) == 1 for v in views.values()), views
     for r, v in views.items():
-        stages = json.loads(next(iter(v)))
-        assert (me["peer_id"] in stages[0]) == (r >= J), (r, stages)
+        stages = next(iter(v))
+        assert (me.peer_id in stages[0]) == (r >= J), (r, stages)
         assert [len(s) for s in stages] == ([3, 2] if r >= J else [2, 2])
     bad = [
-        e
-        for ev in events.values()
-        for e in ev
-        if e["event"] in ("dropped", "refused", "view_mismatch", "peer_gone")
+        e for ev in events.values() for e in ev if isinstance(e, Dropped | Refused | ViewMismatch | PeerGone)
     ]
     assert bad == []
-    assert sum(s["tokens"] for s in summaries if s["stage"] == 0) == (2 * steps + steps - J * H) * 4 * 128
-    losses = [e["loss"] for e in events[id(joiner)] if e["event"] == "step"]
-    assert len(losses) == steps - J * H and all(math.isfinite(x) for x in losses)
+    assert sum(s.tokens for s in summaries if s.stage == 0) == (2 * steps + steps - J * H) * 4 * 128
+    losses = [e.loss for e in of_kind(events[id(joiner)], Step)]  # None: no loss came back
+    assert len(losses) == steps - J * H and all(x is not None and math.isfinite(x) for x in losses)
 
 
 def test_hivemind_dht_cli_is_a_working_entry_point(cache: Path) -> None:
@@ -356,7 +366,7 @@ def test_hivemind_dht_cli_is_a_working_entry_point(cache: Path) -> None:
             wait(swarm, timeout=300)
             assert all(f"--initial-peers {bootstrap}" in " ".join(p.proc.args) for p in swarm.peers)  # type: ignore[arg-type]
             summaries = swarm.summaries()
-    assert sorted((s["stage"], s["steps"]) for s in summaries) == [(0, 4), (1, 4)]
+    assert sorted((s.stage, s.steps) for s in summaries) == [(0, 4), (1, 4)]
 
 
 def test_noloco_status_shows_every_peer_of_a_running_swarm(cache: Path) -> None:
@@ -369,7 +379,7 @@ def test_noloco_status_shows_every_peer_of_a_running_swarm(cache: Path) -> None:
     before = p2pd_descendants()
     with local_swarm(cfg, steps, step_timeout=60) as swarm:
         deadline = time.monotonic() + 120
-        while not all(any(e["event"] == "step" for e in p.events()) for p in swarm.peers):
+        while not all(any(isinstance(e, Step) for e in p.events()) for p in swarm.peers):
             assert time.monotonic() < deadline, "\n".join(p.log_tail() for p in swarm.peers)
             time.sleep(0.2)
         base = [sys.executable, "-m", "noloco_swarm.cli.main", "status", "--once"]
@@ -390,7 +400,7 @@ def test_noloco_status_shows_every_peer_of_a_running_swarm(cache: Path) -> None:
             timeout=120,
             check=False,
         )
-        ids = {next(e["peer_id"] for e in p.events() if e["event"] == "membership") for p in swarm.peers}
+        ids = {next(e.peer_id for e in of_kind(p.events(), Membership)) for p in swarm.peers}
         refusals, steps = asyncio.run(poke_with_bad_requests(swarm))
     assert p2pd_descendants() <= before
     # Bad requests from a stranger are refused with a reason, and the peers keep training.
