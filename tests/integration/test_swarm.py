@@ -121,18 +121,18 @@ def test_uneven_stages_end_with_the_simulators_weights(cache: Path, one_thread: 
         outers = []
         for p in swarm.peers:
             events = p.events()
-            rank = next(e["rank"] for e in events if e["event"] == "membership")
-            outers += [(p.stage, rank, e) for e in events if e["event"] == "outer"]
+            rank = next(e.rank for e in of_kind(events, Membership))
+            outers += [(p.stage, rank, e) for e in of_kind(events, Outer)]
     expected, after_outer = simulate(cfg, STEPS)
     assert [len(row) for row in expected] == [3, 2]
-    got = {(s["stage"], s["rank"]): s["state_hash"] for s in summaries}
+    got = {(s.stage, s.rank): s.state_hash for s in summaries}
     assert got == {(s, r): expected[s][r] for s in range(2) for r in range(len(expected[s]))}
-    assert len(outers) == 10 and all(e["failed"] == [] for _, _, e in outers)
+    assert len(outers) == 10 and all(e.failed == [] for _, _, e in outers)
     for stage, rank, e in outers:
-        assert e["state_hash"] == after_outer[e["step"]][stage][rank], f"outer step {e['step']} differs"
+        assert e.state_hash == after_outer[e.step][stage][rank], f"outer step {e.step} differs"
     # With 3 replicas NoLoCo's odd group holds all three; with 2 the pair is the whole stage.
-    assert sorted({(stage, len(e["group"])) for stage, _, e in outers}) == [(0, 3), (1, 2)]
-    assert all(s["dropped_samples"] == 0 for s in summaries)
+    assert sorted({(stage, len(e.group)) for stage, _, e in outers}) == [(0, 3), (1, 2)]
+    assert all(s.dropped_samples == 0 for s in summaries)
 
 
 def test_swarm_trains_on_a_streaming_dataset_like_the_simulator(
