@@ -13,8 +13,11 @@ official code sends slow weights and their difference, 2x).
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -35,6 +38,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--inner-steps", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=None, help="also write the figures as JSON here")
     args = ap.parse_args()
     cfg = build_config(
         "tiny",
@@ -84,6 +88,20 @@ def main() -> None:
         f"bytes per outer step per peer / stage fp32 bytes: sent {statistics.median(sent_ratio):.4f}x, "
         f"received {statistics.median(recv_ratio):.4f}x ({len(sent_ratio)} exchanges; official code: 2x)"
     )
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        result = {
+            "command": "python bench/swarm_throughput.py " + " ".join(sys.argv[1:]),
+            "config": vars(args) | {"out": str(args.out)},
+            "swarm_tokens_per_second": swarm_tps,
+            "simulator_tokens_per_second": sim_tps,
+            "ratio_per_round": ratio,
+            "ratio_median": statistics.median(ratio),
+            "sent_bytes_per_stage_bytes_median": statistics.median(sent_ratio),
+            "received_bytes_per_stage_bytes_median": statistics.median(recv_ratio),
+            "exchanges": len(sent_ratio),
+        }
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":
