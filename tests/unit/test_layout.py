@@ -97,3 +97,15 @@ def test_checker_catches_a_violation(tmp_path: Path) -> None:
     probe.parent.mkdir(parents=True)
     probe.write_text("from noloco_swarm.peer import something\nfrom ..model import x\nfrom . import gossip\n")
     assert [t for t, _ in project_imports(probe, root=tmp_path)] == ["peer", "model", "protocol"]
+
+
+def test_peer_rooms_stay_small() -> None:
+    """Each protocol verb has its own room in peer/: no class there grows past ~300 lines, and
+    the lifecycle (runtime.py) stays a few hundred lines."""
+    big = []
+    for path in all_modules("peer"):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 300:
+                big.append(f"{path.name}:{node.name} has {node.end_lineno - node.lineno + 1} lines")
+    assert not big, "split these classes by protocol verb:\n" + "\n".join(big)
+    assert len((PACKAGE / "peer" / "runtime.py").read_text().splitlines()) <= 400
