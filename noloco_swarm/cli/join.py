@@ -7,13 +7,10 @@ import ctypes
 import json
 import signal
 import sys
-from pathlib import Path
 
 from rich.console import Console
 
 from noloco_swarm.peer.launch import run_peer
-from noloco_swarm.peer.node import NetworkConfig
-from noloco_swarm.peer.runtime import PeerOptions
 from noloco_swarm.train.config import RunConfig
 
 _PR_SET_PDEATHSIG = 1
@@ -25,12 +22,12 @@ def die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
 
 
-def run_join(
-    cfg: RunConfig, net: NetworkConfig, opts: PeerOptions, *, new_run: bool, quiet: bool = False
-) -> int:
+def run_join(cfg: RunConfig, steps: int, *, new_run: bool, quiet: bool = False) -> int:
+    """Run one peer as `cfg.peer` and `cfg.network` say for `steps` inner steps; 130 on a signal."""
     console = Console(stderr=True, quiet=quiet)
-    stage = "auto" if opts.stage is None else str(opts.stage)
-    console.print(f"[bold]noloco join[/]: run {opts.run_id}, stage {stage}, {opts.steps} steps")
+    net = cfg.network
+    stage = "auto" if cfg.peer.stage is None else str(cfg.peer.stage)
+    console.print(f"[bold]noloco join[/]: run {cfg.peer.run_id}, stage {stage}, {steps} steps")
     if net.announce_maddrs:
         console.print(f"announcing {', '.join(net.announce_maddrs)} to other peers")
     if not net.use_relay:
@@ -42,7 +39,7 @@ def run_join(
         assert task is not None
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, task.cancel)  # unwind through every finally: no daemon left
-        return await run_peer(cfg, net, opts, new_run=new_run)
+        return await run_peer(cfg, steps, new_run=new_run)
 
     try:
         summary = asyncio.run(main())
@@ -53,15 +50,6 @@ def run_join(
         f"done: stage {summary['stage']} replica {summary['rank']}, {summary['steps']} steps, "
         f"{summary['outer_steps']} outer steps, state {str(summary['state_hash'])[:16]}"
     )
-    if opts.metrics_path is None:
+    if cfg.peer.metrics is None:
         print(json.dumps(summary, default=str))
     return 0
-
-
-def load_run_config(path: str | Path) -> RunConfig:
-    """A RunConfig from the JSON of `RunConfig.manifest()` (how `noloco local` hands peers their config)."""
-    from noloco_swarm.cli.options import build_config
-
-    flat = json.loads(Path(path).read_text())
-    preset, method = flat.pop("model.name"), flat.pop("outer.method")
-    return build_config(preset, method, assignments=flat, env={})

@@ -9,12 +9,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 from hivemind import DHT
 
 from noloco_swarm.peer.directory import RunDirectory
-from noloco_swarm.peer.node import NetworkConfig, reachability
+from noloco_swarm.peer.node import reachability
 from noloco_swarm.peer.runtime import Peer, PeerOptions
 from noloco_swarm.peer.transport import Transport
 from noloco_swarm.protocol import messages
@@ -24,10 +25,16 @@ from noloco_swarm.train.config import RunConfig
 logger = logging.getLogger(__name__)
 
 
-async def run_peer(
-    cfg: RunConfig, net: NetworkConfig, opts: PeerOptions, *, new_run: bool = False
-) -> dict[str, Any]:
+async def run_peer(cfg: RunConfig, steps: int, *, new_run: bool = False) -> dict[str, Any]:
     """Start this peer's libp2p daemon and DHT node, join the run, train, and shut everything down."""
+    # config-cli shim until the peer reads cfg.peer and cfg.network itself: the old arguments.
+    net, p = cfg.network, cfg.peer
+    metrics = Path(p.metrics) if p.metrics else None
+    opts = PeerOptions(
+        run_id=p.run_id, stage=p.stage, steps=steps, metrics_path=metrics, step_timeout=p.step_timeout,
+        exchange_timeout=p.exchange_timeout, start_timeout=p.start_timeout, join_timeout=p.join_timeout,
+        heartbeat_ttl=p.heartbeat_ttl, device=p.device,
+    )  # fmt: skip
     transport = await Transport.create(
         host_maddrs=net.host_maddrs,
         initial_peers=net.initial_peers,
