@@ -8,7 +8,8 @@ from pathlib import Path
 
 from rich.console import Console
 
-from noloco_swarm.peer.node import NetworkConfig, reachability, start_dht
+from noloco_swarm.peer.node import reachability, start_dht
+from noloco_swarm.train.config import NetworkConfig
 
 
 def run_dht(

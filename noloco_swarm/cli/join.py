@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-from pathlib import Path
 
 from rich.console import Console
 
@@ -15,10 +14,11 @@ from noloco_swarm.train.config import RunConfig
 
 
 def run_join(cfg: RunConfig, steps: int, *, new_run: bool, quiet: bool = False) -> int:
+    """Run one peer as `cfg.peer` and `cfg.network` say for `steps` inner steps; 130 on a signal."""
     console = Console(stderr=True, quiet=quiet)
-    opts, net = cfg.peer, cfg.network
-    stage = "auto" if opts.stage is None else str(opts.stage)
-    console.print(f"[bold]noloco join[/]: run {opts.run_id}, stage {stage}, {steps} steps")
+    net = cfg.network
+    stage = "auto" if cfg.peer.stage is None else str(cfg.peer.stage)
+    console.print(f"[bold]noloco join[/]: run {cfg.peer.run_id}, stage {stage}, {steps} steps")
     if net.announce_maddrs:
         console.print(f"announcing {', '.join(net.announce_maddrs)} to other peers")
     if not net.use_relay:
@@ -41,15 +41,6 @@ def run_join(cfg: RunConfig, steps: int, *, new_run: bool, quiet: bool = False) 
         f"done: stage {summary.stage} replica {summary.rank}, {summary.steps} steps, "
         f"{summary.outer_steps} outer steps, state {summary.state_hash[:16]}"
     )
-    if opts.metrics is None:
+    if cfg.peer.metrics is None:
         print(json.dumps(to_dict(summary), default=str))
     return 0
-
-
-def load_run_config(path: str | Path) -> RunConfig:
-    """A RunConfig from the JSON of `RunConfig.manifest()` (how `noloco local` hands peers their config)."""
-    from noloco_swarm.cli.options import build_config
-
-    flat = json.loads(Path(path).read_text())
-    preset, method = flat.pop("model.name"), flat.pop("outer.method")
-    return build_config(preset, method, assignments=flat, env={})

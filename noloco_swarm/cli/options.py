@@ -1,19 +1,24 @@
-"""Fill the one config tree from a config file, `NOLOCO_*` environment variables and flags.
+"""Fill the one config tree from layered sources: defaults < file < NOLOCO_SET < --set < flags.
 
-Precedence, lowest first: the preset's and method's defaults, a TOML config file (`--config`),
-`NOLOCO_SET` (semicolon-separated `key=value`), then `--set key=value` flags and the named flags.
-Keys are dotted paths into `RunConfig`: `outer.inner_steps`, `inner.lr`, `model.seq_len`,
-`num_replicas`. Every value is checked by the config's own validation, whose errors say what to
-change.
+Keys are dotted paths into `RunConfig` (`outer.inner_steps`, `peer.step_timeout`,
+`network.initial_peers`, `num_replicas`), plus `preset` and `method`, which choose the model preset
+and the method's paper defaults (`model.name` and `outer.method` are the same two keys). Every
+source names keys the same way; a higher layer wins key by key, and a key that no layer sets
+keeps its default. Values are checked by the config's own validation, whose errors say what to
+change; a value that cannot be read names its key, its source and what to give instead.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import json
 import os
 import tomllib
 import types
 import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +35,13 @@ SECTIONS: dict[str, type] = {
     "peer": PeerConfig,
     "network": NetworkConfig,
 }
-TOP_LEVEL = {f.name for f in dataclasses.fields(RunConfig)} - set(SECTIONS)
+TOP_LEVEL = [f.name for f in dataclasses.fields(RunConfig) if f.name not in SECTIONS]
+# `preset` and `method` pick whole sets of defaults; the tree stores them as model.name and outer.method.
+CHOICES = {"preset": "model.name", "method": "outer.method"}
+ALIASES = {tree_key: key for key, tree_key in CHOICES.items()}
+# Optional keys read these words as None; peer.stage also reads "auto" (the least-served stage).
+NONE_WORDS = ("none", "null", "")
+AUTO_KEYS = ("peer.stage",)
 
 
 class ConfigError(ValueError):
@@ -38,32 +49,45 @@ class ConfigError(ValueError):
 
 
 def valid_keys() -> list[str]:
-    keys = sorted(TOP_LEVEL)
+    keys = [*CHOICES, *sorted(TOP_LEVEL)]
     for section, cls in SECTIONS.items():
         keys += [f"{section}.{f.name}" for f in dataclasses.fields(cls)]
     return keys
 
 
-def _field_type(key: str) -> Any:
+def field_type(key: str) -> Any:
+    """The type hint of a key's field (`str` for preset and method)."""
+    if key in CHOICES:
+        return str
     section, _, name = key.rpartition(".")
     cls = SECTIONS.get(section) if section else RunConfig
     hints = typing.get_type_hints(cls) if cls else {}
     if name not in hints or (not section and name in SECTIONS):
-        raise ConfigError(f"unknown config key {key!r}; valid keys: {', '.join(valid_keys())}")
+        close = difflib.get_close_matches(key, valid_keys(), n=3, cutoff=0.8)
+        hint = f"; did you mean {' or '.join(close)}?" if close else ""
+        raise ConfigError(f"unknown config key {key!r}{hint} (`noloco keys` lists every key)")
     return hints[name]
 
 
+_WHAT_TO_GIVE = {
+    bool: "true or false",
+    int: "a whole number",
+    float: "a number",
+    str: "a string",
+}
+
+
 def coerce(key: str, value: Any, hint: Any = None) -> Any:
-    """Turn a string (from a flag or the environment) or a TOML value into the field's type."""
-    hint = _field_type(key) if hint is None else hint
+    """Turn a string (from a flag or the environment) or a TOML/JSON value into the field's type."""
+    hint = field_type(key) if hint is None else hint
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
-        if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "")):
+        words = NONE_WORDS + (("auto",) if key in AUTO_KEYS else ())
+        if value is None or (isinstance(value, str) and value.strip().lower() in words):
             return None
         return coerce(key, value, next(a for a in args if a is not type(None)))
     if origin is tuple:
-        items = value.split(",") if isinstance(value, str) else list(value)
-        items = [i for i in items if i != ""] if isinstance(value, str) else items
+        items = [i.strip() for i in value.split(",") if i.strip()] if isinstance(value, str) else list(value)
         item_types = [args[0]] * len(items) if len(args) == 2 and args[1] is Ellipsis else list(args)
         if len(item_types) != len(items):
             raise ConfigError(f"{key} needs {len(item_types)} comma-separated values, got {value!r}")
@@ -79,15 +103,25 @@ def coerce(key: str, value: Any, hint: Any = None) -> Any:
             if str(value).lower() in ("0", "false", "no", "off"):
                 return False
             raise ValueError(value)
-        if hint is int and isinstance(value, str):
-            return int(float(value)) if "e" in value.lower() else int(value)
+        if hint is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError(value)
+            if isinstance(value, str) and "e" in value.lower():
+                number = float(value)
+                if not number.is_integer():
+                    raise ValueError(value)
+                return int(number)
+        if hint is float and isinstance(value, bool):
+            raise ValueError(value)
         return hint(value)
     except (TypeError, ValueError) as e:
-        raise ConfigError(f"{key}: cannot read {value!r} as {getattr(hint, '__name__', hint)}") from e
+        name = getattr(hint, "__name__", str(hint))
+        what = _WHAT_TO_GIVE.get(hint, f"a {name}")
+        raise ConfigError(f"{key}: cannot read {value!r} as {name}; give {what}") from e
 
 
 def parse_assignments(text: str, sep: str = ";") -> dict[str, str]:
-    """`key=value;key=value` into a dict (the format of NOLOCO_SET)."""
+    """`key=value;key=value` into a dict (the format of NOLOCO_SET and of each --set)."""
     out = {}
     for item in filter(None, (s.strip() for s in text.split(sep))):
         key, eq, value = item.partition("=")
@@ -112,30 +146,85 @@ def load_file(path: str | Path) -> dict[str, Any]:
     return flat
 
 
+def load_run_config(path: str | Path) -> dict[str, Any]:
+    """The JSON of `RunConfig.manifest()` that `noloco local` hands its peers (dotted keys)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"cannot read run config {path}: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"run config {path} is not a JSON object of dotted keys")
+    return data
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One source of settings: its name (shown in messages), dotted key -> value, and whether a
+    user gave it (defaults, and the run config `noloco local` hands its peers, are not explicit)."""
+
+    source: str
+    values: Mapping[str, Any]
+    explicit: bool = True
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A validated config and where each value came from."""
+
+    cfg: RunConfig
+    origin: dict[str, str]
+    """Key -> the source of its value, for every key some layer set (preset-derived ones absent)."""
+    explicit: dict[str, str]
+    """The keys whose value a user's source gave (file, NOLOCO_SET, --set, a flag) -> that source."""
+
+
+def resolve(layers: Sequence[Layer]) -> Resolved:
+    """Apply the layers lowest first, key by key; check the result. Raises ConfigError."""
+    typed: dict[str, Any] = {}
+    origin: dict[str, str] = {}
+    explicit: dict[str, str] = {}
+    for layer in layers:
+        for raw_key, value in layer.values.items():
+            key = ALIASES.get(raw_key, raw_key)
+            try:
+                typed[key] = coerce(key, value)
+            except ConfigError as e:
+                raise ConfigError(f"{layer.source}: {e}") from None
+            origin[key] = layer.source
+            if layer.explicit:
+                explicit[key] = layer.source
+            else:
+                explicit.pop(key, None)
+    # A derived default, the same from every source: an outer exchange's deadline follows the step's.
+    if "peer.step_timeout" in typed and "peer.exchange_timeout" not in typed:
+        typed["peer.exchange_timeout"] = typed["peer.step_timeout"]
+        origin["peer.exchange_timeout"] = origin["peer.step_timeout"]
+    preset, method = typed.pop("preset", "tiny"), typed.pop("method", "noloco")
+    sections: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+    top: dict[str, Any] = {}
+    for key, value in typed.items():
+        section, _, name = key.rpartition(".")
+        (sections[section] if section else top)[name] = value
+    try:
+        cfg = RunConfig.create(preset, method, **sections, **top)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(str(e)) from e
+    return Resolved(cfg, origin, explicit)
+
+
 def build_config(
     preset: str = "tiny",
     method: str = "noloco",
     *,
     config_file: str | Path | None = None,
-    assignments: dict[str, Any] | None = None,
-    env: dict[str, str] | None = None,
+    assignments: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> RunConfig:
-    """Defaults < config file < NOLOCO_SET < assignments (flags). Returns a validated RunConfig."""
-    env = dict(os.environ) if env is None else env
-    merged: dict[str, Any] = {}
+    """Defaults (`preset`, `method`) < config file < NOLOCO_SET (from `env`, default os.environ) < assignments."""
+    env = os.environ if env is None else env
+    layers = [Layer("default", {"preset": preset, "method": method}, explicit=False)]
     if config_file:
-        merged.update(load_file(config_file))
-    merged.update(parse_assignments(env.get("NOLOCO_SET", "")))
-    merged.update(assignments or {})
-    preset = str(merged.pop("preset", preset))
-    method = str(merged.pop("method", method))
-    sections: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
-    top: dict[str, Any] = {}
-    for key, value in merged.items():
-        typed = coerce(key, value)
-        section, _, name = key.rpartition(".")
-        (sections[section] if section else top)[name] = typed
-    try:
-        return RunConfig.create(preset, method, **sections, **top)
-    except (TypeError, ValueError) as e:
-        raise ConfigError(str(e)) from e
+        layers.append(Layer(f"--config {config_file}", load_file(config_file)))
+    layers.append(Layer("NOLOCO_SET", parse_assignments(env.get("NOLOCO_SET", ""))))
+    layers.append(Layer("--set", dict(assignments or {})))
+    return resolve(layers).cfg

@@ -20,11 +20,11 @@ from rich.table import Table
 from rich.text import Text
 
 from noloco_swarm.peer.directory import RunDirectory
-from noloco_swarm.peer.node import NetworkConfig
 from noloco_swarm.peer.rounds import ask_status
 from noloco_swarm.peer.streams import PeerUnavailable, RemoteRefused
 from noloco_swarm.peer.transport import Transport
 from noloco_swarm.protocol import messages
+from noloco_swarm.train.config import NetworkConfig
 
 STATUS_TIMEOUT = 3.0
 MANIFEST_KEYS = (
@@ -156,9 +156,8 @@ def run_status(
     console = console or Console()
 
     async def main() -> int:
-        transport = await Transport.create(
-            host_maddrs=net.host_maddrs, initial_peers=net.initial_peers, identity_path=net.identity_path
-        )
+        # every network.* setting but client_mode: our DHT node below is a client whatever it says
+        transport = await Transport.create(initial_peers=net.initial_peers, **net.p2p_kwargs())
         dht = None
         try:
             dht = await asyncio.to_thread(

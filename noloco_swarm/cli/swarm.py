@@ -7,6 +7,7 @@ daemon outlives it: on exit each group gets SIGTERM, then SIGKILL.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -21,9 +22,9 @@ from pathlib import Path
 
 from noloco_swarm.peer.directory import RunDirectory
 from noloco_swarm.peer.events import Event, Final, of_kind, read
-from noloco_swarm.peer.node import NetworkConfig, start_dht
+from noloco_swarm.peer.node import start_dht
 from noloco_swarm.protocol.messages import RunManifest
-from noloco_swarm.train.config import RunConfig
+from noloco_swarm.train.config import NetworkConfig, RunConfig
 
 LOOPBACK = ("/ip4/127.0.0.1/tcp/0",)
 
@@ -54,7 +55,6 @@ class LocalSwarm:
     workdir: Path
     bootstrap: str = ""
     peers: list[PeerProcess] = field(default_factory=list)
-    step_timeout: float = 120.0
     threads: int = 1
 
     @property
@@ -66,18 +66,31 @@ class LocalSwarm:
         swarm two rounds ahead, so this also adds a peer to a swarm that is training."""
         d = sum(1 for p in self.peers if p.stage == stage)
         metrics, log = self.workdir / f"peer-{stage}-{d}.jsonl", self.workdir / f"peer-{stage}-{d}.log"
-        argv = [
-            sys.executable, "-m", "noloco_swarm.cli.main", "join",
-            "--initial-peers", self.bootstrap, "--host-maddrs", *LOOPBACK,
-            "--run-id", self.run_id, "--stage", str(stage),
-            "--steps", str(self.steps), "--run-config", str(self.config_path), "--metrics", str(metrics),
-            "--threads", str(self.threads), "--step-timeout", str(self.step_timeout), "--die-with-parent",
-        ]  # fmt: skip
+        argv = [sys.executable, "-m", "noloco_swarm.cli.main", *self.join_argv(stage, metrics)]
+        # The run config already holds what NOLOCO_SET said; inherited, it would also override the
+        # run config in every peer (a mismatched manifest) and hand them one shared identity file.
+        env = {k: v for k, v in os.environ.items() if k != "NOLOCO_SET"}
         with log.open("wb") as out:
-            proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            proc = subprocess.Popen(
+                argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env
+            )
         peer = PeerProcess(stage, d, proc, metrics, log)
         self.peers.append(peer)
         return peer
+
+    def join_argv(self, stage: int, metrics: Path) -> list[str]:
+        """`noloco join` arguments of one peer: the run config file (the run's keys), the peer
+        settings this swarm resolved (cfg.peer), and what differs per peer as named flags."""
+        p = self.cfg.peer
+        return [
+            "join", "--initial-peers", self.bootstrap, "--host-maddrs", *LOOPBACK,
+            "--run-id", self.run_id, "--stage", str(stage), "--metrics", str(metrics),
+            "--steps", str(self.steps), "--run-config", str(self.config_path), "--threads", str(self.threads),
+            "--device", p.device, "--step-timeout", str(p.step_timeout),
+            "--set", f"peer.exchange_timeout={p.exchange_timeout}", "--set", f"peer.start_timeout={p.start_timeout}",
+            "--set", f"peer.join_timeout={p.join_timeout}", "--set", f"peer.heartbeat_ttl={p.heartbeat_ttl}",
+            "--die-with-parent",
+        ]  # fmt: skip
 
     def failed(self) -> list[PeerProcess]:
         return [p for p in self.peers if p.proc.poll() not in (None, 0)]
@@ -96,21 +109,27 @@ def local_swarm(
     steps: int,
     *,
     workdir: Path | None = None,
-    step_timeout: float = 120.0,
+    step_timeout: float | None = None,
     threads: int = 1,
     initial_peers: tuple[str, ...] = (),
 ) -> Iterator[LocalSwarm]:
     """Start the swarm; yields while the peers run; always ends every process it started.
 
+    Every peer runs `cfg` (its run keys through the run config file, `cfg.peer`'s deadlines and
+    device as flags); `step_timeout`, if given, replaces both of cfg.peer's step and exchange deadlines.
     With `initial_peers` (e.g. a `hivemind-dht` node) our own node joins through them and the peers
     are given the first of them as their entry point; otherwise our node is the bootstrap.
     """
+    if step_timeout is not None:
+        cfg = cfg.replace(
+            peer=dataclasses.replace(cfg.peer, step_timeout=step_timeout, exchange_timeout=step_timeout)
+        )
     tmp = None
     if workdir is None:
         tmp = tempfile.TemporaryDirectory(prefix="noloco-local-")
         workdir = Path(tmp.name)
     run_id = f"local-{os.getpid()}-{int(time.time())}"
-    swarm = LocalSwarm(cfg, steps, run_id, workdir, step_timeout=step_timeout, threads=threads)
+    swarm = LocalSwarm(cfg, steps, run_id, workdir, threads=threads)
     dht = start_dht(NetworkConfig(initial_peers=initial_peers, host_maddrs=LOOPBACK))
     try:
         swarm.bootstrap = initial_peers[0] if initial_peers else str(dht.get_visible_maddrs()[0])

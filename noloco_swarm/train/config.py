@@ -9,8 +9,10 @@ run; the `peer` and `network` sections say how one peer runs and are its own bus
 from __future__ import annotations
 
 import dataclasses
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from noloco_swarm.data.config import DataConfig
 from noloco_swarm.model.presets import ModelConfig, get_preset
@@ -32,7 +34,7 @@ class PeerConfig:
     step_timeout: float = 120.0
     """Seconds: deadline of one pipeline round trip or one collected batch."""
     exchange_timeout: float = 120.0
-    """Seconds: deadline of an outer exchange with one partner."""
+    """Seconds: deadline of an outer exchange with one partner (follows step_timeout unless set)."""
     start_timeout: float = 120.0
     """Seconds: deadline for the manifest and a complete round-0 membership to appear."""
     join_timeout: float = 280.0
@@ -61,7 +63,7 @@ class NetworkConfig:
     announce_maddrs: tuple[str, ...] = ()
     """Addresses to announce instead of the listen ones (your public IP behind a forwarded port)."""
     identity_path: str | None = None
-    """Private key file; keeps the peer id across restarts (created if missing)."""
+    """Private key file; keeps the peer id across restarts (created if missing; ~ is expanded)."""
     use_relay: bool = True
     """Let libp2p circuit relays carry our traffic when direct connections fail."""
     use_auto_relay: bool = False
@@ -72,6 +74,8 @@ class NetworkConfig:
     def __post_init__(self) -> None:
         if not self.host_maddrs:
             raise ValueError("network.host_maddrs needs at least one address to listen on")
+        if self.identity_path:
+            object.__setattr__(self, "identity_path", os.path.expanduser(self.identity_path))
 
     def p2p_kwargs(self) -> dict[str, object]:
         """hivemind's P2P/DHT keyword arguments for these settings."""
@@ -89,6 +93,12 @@ class NetworkConfig:
 
 # Sections that say how one peer runs; every other key is the run's and goes into its manifest.
 LOCAL_SECTIONS = ("peer", "network")
+
+# Who runs a config: the in-process simulator (`noloco sim`, `noloco local --in-process`), one real
+# peer (`noloco join`), or `noloco local`, which starts real peers and names their run id, stages,
+# metrics files and loopback addresses itself.
+Runner = Literal["simulator", "peer", "local"]
+LOCAL_OWNED = ("peer.run_id", "peer.stage", "peer.metrics")
 
 
 @dataclass(frozen=True)
@@ -208,3 +218,54 @@ class RunConfig:
     def manifest(self) -> dict[str, Any]:
         """The run's identity: every key but the peer's own sections. Peers of a run share it."""
         return {k: v for k, v in self.flat().items() if k.split(".", 1)[0] not in LOCAL_SECTIONS}
+
+    def refusals(self, runner: Runner, explicit: Mapping[str, str] | None = None) -> list[str]:
+        """Settings `runner` cannot honour, each with what to change; empty when it can run this.
+
+        `explicit` maps the keys a source set (config file, NOLOCO_SET, --set, a flag) to that
+        source: a default that a runner does not use is not the user's setting and is not refused.
+        (`noloco join` and `noloco local` make eval_every's default 0, so that what they print is
+        what their peers do.)
+        """
+        explicit = explicit or {}
+        out: list[str] = []
+
+        def given(key: str) -> str:
+            return f" (set by {explicit[key]})" if key in explicit else ""
+
+        if runner == "simulator":  # the simulator runs every setting, uneven stages included
+            return out
+        # Real peers average only through outer steps; per-step all-reduce exists in the simulator.
+        if self.outer.method == "allreduce":
+            out.append(
+                f"method allreduce{given('method')} runs only in the simulator: use noloco sim or "
+                "noloco local --in-process"
+            )
+        # Peers evaluate once, after the last step (peer/evaluation.py); a period would be ignored.
+        if "eval_every" in explicit and self.eval_every != 0:
+            out.append(
+                f"eval_every={self.eval_every}{given('eval_every')}: peers evaluate only at the end of "
+                "training; set eval_every=0, or use noloco sim / noloco local --in-process for curves"
+            )
+        if runner == "peer":
+            if self.peer.stage is not None and self.peer.stage >= self.num_stages:
+                out.append(
+                    f"peer.stage {self.peer.stage}{given('peer.stage')} is outside 0..{self.num_stages - 1} "
+                    f"for a run of {self.num_stages} stages; use --stage auto or a smaller stage"
+                )
+            # The peer's DHT node serves requests like any member's (peer/launch.py).
+            if self.network.client_mode:
+                out.append(
+                    f"network.client_mode{given('network.client_mode')}: a peer that hosts a stage runs "
+                    "a full DHT node; drop it (behind NAT, set network.use_auto_relay=true instead)"
+                )
+        if runner == "local":
+            ours, unset = self.flat(), RunConfig.create().flat()
+            for key in sorted(explicit):
+                owned = key in LOCAL_OWNED or key.startswith("network.")
+                if owned and ours[key] != unset[key]:  # a file may restate a default; that asks nothing
+                    out.append(
+                        f"{key}{given(key)}: noloco local names its peers' run id, stages, metrics "
+                        "files and loopback addresses itself; drop it, or run peers with noloco join"
+                    )
+        return out

@@ -1,0 +1,180 @@
+"""The `noloco` flags that fill the config tree, and the layers one command line resolves to.
+
+A named flag is the top layer, and only when it is given: every config flag defaults to None,
+so an absent `--replicas` leaves `num_replicas` to the config file, NOLOCO_SET or --set. A
+command's own defaults (`noloco sim` runs 4 replicas; `inner.total_steps` follows `--steps`) are
+the bottom layer, under every source.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from noloco_swarm.cli.options import (
+    Layer,
+    Resolved,
+    load_file,
+    load_run_config,
+    parse_assignments,
+    resolve,
+)
+
+PRECEDENCE = "defaults < --config FILE < NOLOCO_SET < --set KEY=VALUE < named flags"
+
+
+@dataclass(frozen=True)
+class Flag:
+    """A named flag and the config key it sets."""
+
+    option: str
+    key: str
+
+    @property
+    def dest(self) -> str:
+        return self.option.lstrip("-").replace("-", "_")
+
+
+FLAGS: tuple[Flag, ...] = (
+    Flag("--preset", "preset"),
+    Flag("--method", "method"),
+    Flag("--stages", "num_stages"),
+    Flag("--replicas", "num_replicas"),
+    Flag("--seed", "seed"),
+    Flag("--run-id", "peer.run_id"),
+    Flag("--stage", "peer.stage"),
+    Flag("--device", "peer.device"),
+    Flag("--metrics", "peer.metrics"),
+    Flag("--step-timeout", "peer.step_timeout"),
+    Flag("--initial-peers", "network.initial_peers"),
+    Flag("--host-maddrs", "network.host_maddrs"),
+    Flag("--announce-maddrs", "network.announce_maddrs"),
+    Flag("--identity", "network.identity_path"),
+    Flag("--no-relay", "network.use_relay"),
+    Flag("--auto-relay", "network.use_auto_relay"),
+)
+METHOD_CHOICES = ["noloco", "diloco", "allreduce", "local"]
+
+
+def add_sources(p: argparse.ArgumentParser) -> None:
+    """--config, --set and --print-config: every command that builds a config takes them."""
+    p.add_argument("--config", metavar="FILE", help="TOML config file: top-level keys and [section] tables")
+    p.add_argument(
+        "--set", dest="assignments", action="append", default=[], metavar="KEY=VALUE", help="set any key"
+    )
+    p.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the resolved config as TOML (each value's source as a comment) and exit",
+    )
+
+
+def add_run(p: argparse.ArgumentParser, *, replicas: int, steps: int, method: bool = True) -> None:
+    """The run's shape and length (`noloco local`, `join`, `sim`)."""
+    p.add_argument("--preset", default=None, help="model preset: tiny, small, medium, large (default: tiny)")
+    p.add_argument("--stages", type=int, default=None, help="pipeline stages P, key num_stages (default: 2)")
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        help=f"replicas per stage D, key num_replicas (default: {replicas})",
+    )
+    p.add_argument("--steps", type=int, default=steps, help=f"inner steps to train (default: {steps})")
+    p.add_argument(
+        "--seed", type=int, default=None, help="run seed: initial weights and data order (default: 0)"
+    )
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
+    if method:
+        p.add_argument(
+            "--method", default=None, choices=METHOD_CHOICES, help="outer method (default: noloco)"
+        )
+
+
+def add_peer(p: argparse.ArgumentParser) -> None:
+    """How one peer runs: the peer.* keys (`noloco join`)."""
+    p.add_argument("--run-id", default=None, help="the run's name; peers of one run share it (peer.run_id)")
+    p.add_argument(
+        "--stage", default=None, help="stage to host: a number, or auto (fewest replicas; the default)"
+    )
+    p.add_argument(
+        "--device", default=None, choices=["cpu", "cuda"], help="where this stage runs (default: cpu)"
+    )
+    p.add_argument("--metrics", default=None, help="append the peer's events as JSON lines to this file")
+    p.add_argument(
+        "--step-timeout",
+        type=float,
+        default=None,
+        help="deadline of one pipeline step in s; also of an outer exchange unless set (default: 120)",
+    )
+
+
+def add_network(p: argparse.ArgumentParser, *, identity_default: str | None, peers_help: str) -> None:
+    """hivemind's listen/announce/relay/identity options, named as volunteers expect them (network.*)."""
+    p.add_argument("--initial-peers", nargs="*", default=None, metavar="MADDR", help=peers_help)
+    p.add_argument(
+        "--host-maddrs",
+        nargs="+",
+        default=None,
+        metavar="MADDR",
+        help="listen addresses (default: all IPv4 interfaces, a random TCP port)",
+    )
+    p.add_argument(
+        "--announce-maddrs",
+        nargs="*",
+        default=None,
+        metavar="MADDR",
+        help="public addresses to announce (NAT)",
+    )
+    keep = identity_default or "none: a new peer id at every start"
+    p.add_argument(
+        "--identity", default=None, help=f"private key file, key network.identity_path (default: {keep})"
+    )
+    p.add_argument(
+        "--no-relay", dest="no_relay", action="store_const", const=False, default=None, help="disable relays"
+    )
+    p.add_argument(
+        "--auto-relay",
+        dest="auto_relay",
+        action="store_const",
+        const=True,
+        default=None,
+        help="find relays (NAT)",
+    )
+
+
+def flag_layers(args: argparse.Namespace) -> list[Layer]:
+    """One layer per named flag the user gave; absent flags (None) set nothing."""
+    out = []
+    for flag in FLAGS:
+        value = getattr(args, flag.dest, None)
+        if value is not None:
+            out.append(Layer(flag.option, {flag.key: value}))
+    return out
+
+
+def resolve_args(
+    args: argparse.Namespace,
+    defaults: Mapping[str, Any] | None = None,
+    *,
+    top: Sequence[Layer] = (),
+    env: Mapping[str, str] | None = None,
+) -> Resolved:
+    """The config a command line gives: defaults < noloco local's run config (--run-config, for its
+    peers) < --config < NOLOCO_SET < --set < named flags < `top` (e.g. one of `noloco sim --methods`)."""
+    env = os.environ if env is None else env
+    layers = [Layer("default", dict(defaults or {}), explicit=False)]
+    if getattr(args, "steps", None) is not None:  # the schedule spans the run unless a source says otherwise
+        layers.append(Layer("--steps", {"inner.total_steps": args.steps}, explicit=False))
+    if getattr(args, "run_config", None):
+        layers.append(Layer("noloco local's run config", load_run_config(args.run_config), explicit=False))
+    if args.config:
+        layers.append(Layer(f"--config {args.config}", load_file(args.config)))
+    layers.append(Layer("NOLOCO_SET", parse_assignments(env.get("NOLOCO_SET", ""))))
+    assignments: dict[str, str] = {}
+    for item in args.assignments:
+        assignments.update(parse_assignments(item))
+    layers.append(Layer("--set", assignments))
+    return resolve([*layers, *flag_layers(args), *top])
