@@ -345,9 +345,8 @@ class InnerSteps:
             raise MessageError("expected a forward header")
         if header.round != ctx.clock.round_of(header.step):
             raise MessageError(f"step {header.step} is not in round {header.round}")
-        if not ctx.step <= header.step < ctx.step + 2 and header.round in ctx.rounds.views:
-            raise MessageError(f"forward for step {header.step}, this replica is at step {ctx.step}")
-        # A sender may start a round a moment before we do: wait for our view of it, then compare.
+        # A sender may start a round a moment before we do: wait for our view of it, then compare
+        # views before steps, so a sender with another view always learns that, whatever its step.
         view = await ctx.rounds.wait(header.round, timeout=ctx.cfg.peer.step_timeout)
         if header.view != view.digest():
             ctx.events.emit(events.ViewMismatch(step=header.step, peer=peer_id))

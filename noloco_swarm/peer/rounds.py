@@ -98,6 +98,8 @@ class Rounds:
 
     async def wait(self, round_: int, timeout: float) -> MembershipView:
         """The view of `round_`, waiting (up to `timeout`) if we have not reached that round yet."""
+        if round_ not in self.views and self.views and round_ < max(self.views):
+            raise MessageError(f"round {round_} is over for this peer")
         if round_ not in self.views:
             try:
                 await asyncio.wait_for(self._event(round_).wait(), timeout)
