@@ -9,7 +9,7 @@ import signal
 from rich.console import Console
 
 from noloco_swarm.peer.events import Final, to_dict
-from noloco_swarm.peer.launch import run_peer
+from noloco_swarm.peer.launch import run_on_loop, run_peer
 from noloco_swarm.train.config import RunConfig
 
 
@@ -33,7 +33,7 @@ def run_join(cfg: RunConfig, steps: int, *, new_run: bool, quiet: bool = False) 
         return await run_peer(cfg, steps, new_run=new_run)
 
     try:
-        summary = asyncio.run(main())
+        summary = run_on_loop(main(), cfg.peer.event_loop)
     except asyncio.CancelledError:
         console.print("stopped by a signal; shut down cleanly")
         return 130

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Protocol, TypeVar
 
+KINDS: dict[str, type[Event]] = {}  # kind -> record class; each subclass registers itself
+
 
 @dataclass(frozen=True)
 class Event:
@@ -24,6 +26,12 @@ class Event:
 
     KIND: ClassVar[str] = ""
     time: float = field(default=0.0, kw_only=True)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.KIND in KINDS or not cls.KIND:
+            raise TypeError(f"event class {cls.__name__} needs a KIND of its own, not {cls.KIND!r}")
+        KINDS[cls.KIND] = cls
 
     def fields(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "time"}
@@ -203,26 +211,6 @@ class Final(Event):
     bytes: dict[str, dict[str, int]]
 
 
-KINDS: dict[str, type[Event]] = {
-    cls.KIND: cls
-    for cls in (
-        Step,
-        Outer,
-        Membership,
-        Joining,
-        Joined,
-        Joiners,
-        ServedState,
-        Excluded,
-        Dropped,
-        Refused,
-        Retried,
-        ViewMismatch,
-        SlowPeer,
-        PeerGone,
-        Final,
-    )
-}
 E = TypeVar("E", bound=Event)
 
 

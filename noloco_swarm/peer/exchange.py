@@ -60,7 +60,7 @@ class ExchangeBoard:
         both abort streams still sending them, so no partner accepts a torn tensor."""
         if self._retired is not None and key <= self._retired:
             raise ValueError(f"exchange {key} is not newer than the last finished one, {self._retired}")
-        for old in {*self._provided, *(k for k, _ in self._provided_to), *(k for k, _ in self._received)}:
+        for old in self._keys():
             if old < key:
                 self.forget(old)
         ours = tuple(streams.prepare((tensors,) if isinstance(tensors, torch.Tensor) else tensors))
@@ -106,8 +106,12 @@ class ExchangeBoard:
                 future.exception()  # retrieved: nobody may be waiting any more
 
     def close(self) -> None:
-        for key in {*self._provided, *(k for k, _ in self._provided_to), *(k for k, _ in self._received)}:
+        for key in self._keys():
             self.forget(key)
+
+    def _keys(self) -> set[Key]:
+        """Every exchange this board holds anything of."""
+        return {*self._provided, *(k for k, _ in self._provided_to), *(k for k, _ in self._received)}
 
     def _notify(self) -> None:
         self._changed.set()

@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 from hivemind import DHT
 
@@ -22,6 +24,19 @@ from noloco_swarm.protocol.membership import MembershipView
 from noloco_swarm.train.config import RunConfig
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def run_on_loop(main: Coroutine[Any, Any, T], kind: str) -> T:
+    """Run `main` to the end on a fresh event loop of `kind` (peer.event_loop: uvloop or asyncio)."""
+    if kind == "uvloop":
+        import uvloop
+
+        factory = uvloop.new_event_loop
+    else:
+        factory = asyncio.new_event_loop
+    with asyncio.Runner(loop_factory=factory) as runner:
+        return runner.run(main)
 
 
 async def run_peer(cfg: RunConfig, steps: int, *, new_run: bool = False) -> events.Final:

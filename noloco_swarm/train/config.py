@@ -18,6 +18,8 @@ from noloco_swarm.data.config import DataConfig
 from noloco_swarm.model.presets import ModelConfig, get_preset
 from noloco_swarm.protocol.config import InnerConfig, OuterConfig
 
+EVENT_LOOPS = ("uvloop", "asyncio")
+
 
 @dataclass(frozen=True)
 class PeerConfig:
@@ -41,12 +43,16 @@ class PeerConfig:
     """Seconds: deadline for joining a running swarm (waiting for our round, fetching state)."""
     heartbeat_ttl: float = 30.0
     """Seconds an announcement lives in the DHT; re-stored every third of it."""
+    event_loop: str = "uvloop"
+    """The peer's asyncio event loop: uvloop (libuv-based, the default) or asyncio (the standard one)."""
 
     def __post_init__(self) -> None:
         if self.stage is not None and self.stage < 0:
             raise ValueError(f"peer.stage must be >= 0 or auto, got {self.stage}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"peer.device must be cpu or cuda, got {self.device!r}")
+        if self.event_loop not in EVENT_LOOPS:
+            raise ValueError(f"peer.event_loop must be uvloop or asyncio, got {self.event_loop!r}")
         for name in ("step_timeout", "exchange_timeout", "start_timeout", "join_timeout", "heartbeat_ttl"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"peer.{name} must be > 0 seconds, got {getattr(self, name)}")

@@ -79,18 +79,23 @@ def simulate(cfg: RunConfig, steps: int) -> tuple[list[list[str]], dict[int, lis
     return sim.replica_hashes(), after_outer
 
 
+def outer_steps(swarm) -> list[tuple[int, int, Outer]]:
+    """Every outer step the swarm's peers took, as (stage, rank at the start, event)."""
+    outers = []
+    for p in swarm.peers:
+        events = p.events()
+        rank = next(e.rank for e in of_kind(events, Membership))
+        outers += [(p.stage, rank, e) for e in of_kind(events, Outer)]
+    return outers
+
+
 @pytest.mark.parametrize("method", ["noloco", "diloco"])
 def test_swarm_ends_with_the_simulators_weights(method: str, cache: Path, one_thread: None) -> None:
     cfg = small(method)
     before = p2pd_descendants()
     with local_swarm(cfg, STEPS, step_timeout=60) as swarm:
         wait(swarm, timeout=400)
-        summaries = swarm.summaries()
-        outers = []
-        for p in swarm.peers:
-            events = p.events()
-            rank = next(e.rank for e in of_kind(events, Membership))
-            outers += [(p.stage, rank, e) for e in of_kind(events, Outer)]
+        summaries, outers = swarm.summaries(), outer_steps(swarm)
     assert p2pd_descendants() <= before, "the swarm left p2pd daemons behind"
     expected, after_outer = simulate(cfg, STEPS)
     got = {(s.stage, s.rank): s.state_hash for s in summaries}
@@ -117,12 +122,7 @@ def test_uneven_stages_end_with_the_simulators_weights(cache: Path, one_thread: 
     cfg = small("noloco", num_replicas="3", stage_replicas="3,2")
     with local_swarm(cfg, STEPS, step_timeout=60) as swarm:
         wait(swarm, timeout=400)
-        summaries = swarm.summaries()
-        outers = []
-        for p in swarm.peers:
-            events = p.events()
-            rank = next(e.rank for e in of_kind(events, Membership))
-            outers += [(p.stage, rank, e) for e in of_kind(events, Outer)]
+        summaries, outers = swarm.summaries(), outer_steps(swarm)
     expected, after_outer = simulate(cfg, STEPS)
     assert [len(row) for row in expected] == [3, 2]
     got = {(s.stage, s.rank): s.state_hash for s in summaries}
