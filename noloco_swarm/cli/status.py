@@ -13,13 +13,13 @@ import math
 import time
 from dataclasses import dataclass, field, replace
 
-from hivemind import DHT
 from rich.console import Console, Group, RenderableType
 from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
 from noloco_swarm.peer.directory import RunDirectory
+from noloco_swarm.peer.lifetime import DHT
 from noloco_swarm.peer.rounds import ask_status
 from noloco_swarm.peer.streams import PeerUnavailable, RemoteRefused
 from noloco_swarm.peer.transport import Transport

@@ -31,7 +31,7 @@ LOOPBACK = ("/ip4/127.0.0.1/tcp/0",)
 
 @dataclass
 class PeerProcess:
-    stage: int
+    stage: int | None  # None: it chose its stage itself (--stage auto)
     replica: int
     proc: subprocess.Popen[bytes]
     metrics: Path
@@ -61,11 +61,12 @@ class LocalSwarm:
     def config_path(self) -> Path:
         return self.workdir / "run-config.json"
 
-    def start_peer(self, stage: int) -> PeerProcess:
-        """Start one `noloco join` peer of `stage`; once round 0 is full it joins the running
-        swarm two rounds ahead, so this also adds a peer to a swarm that is training."""
+    def start_peer(self, stage: int | None) -> PeerProcess:
+        """Start one `noloco join` peer of `stage` (None: `--stage auto`); once round 0 is full it
+        joins the running swarm two rounds ahead, so this also adds a peer to a swarm that trains."""
         d = sum(1 for p in self.peers if p.stage == stage)
-        metrics, log = self.workdir / f"peer-{stage}-{d}.jsonl", self.workdir / f"peer-{stage}-{d}.log"
+        name = "auto" if stage is None else stage
+        metrics, log = self.workdir / f"peer-{name}-{d}.jsonl", self.workdir / f"peer-{name}-{d}.log"
         argv = [sys.executable, "-m", "noloco_swarm.cli.main", *self.join_argv(stage, metrics)]
         # The run config already holds what NOLOCO_SET said; inherited, it would also override the
         # run config in every peer (a mismatched manifest) and hand them one shared identity file.
@@ -78,13 +79,13 @@ class LocalSwarm:
         self.peers.append(peer)
         return peer
 
-    def join_argv(self, stage: int, metrics: Path) -> list[str]:
+    def join_argv(self, stage: int | None, metrics: Path) -> list[str]:
         """`noloco join` arguments of one peer: the run config file (the run's keys), the peer
         settings this swarm resolved (cfg.peer), and what differs per peer as named flags."""
         p = self.cfg.peer
         return [
             "join", "--initial-peers", self.bootstrap, "--host-maddrs", *LOOPBACK,
-            "--run-id", self.run_id, "--stage", str(stage), "--metrics", str(metrics),
+            "--run-id", self.run_id, "--stage", "auto" if stage is None else str(stage), "--metrics", str(metrics),
             "--steps", str(self.steps), "--run-config", str(self.config_path), "--threads", str(self.threads),
             "--device", p.device, "--step-timeout", str(p.step_timeout),
             "--set", f"peer.exchange_timeout={p.exchange_timeout}", "--set", f"peer.start_timeout={p.start_timeout}",

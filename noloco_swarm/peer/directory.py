@@ -3,9 +3,11 @@
 Keys (all under the run id, so runs never see each other's records):
   noloco/<run>/manifest           the RunManifest (stored by the peer that starts the run)
   noloco/<run>/peers  [peer id]   a PeerAnnouncement per peer, re-stored every heartbeat
-  noloco/<run>/gone   [peer id]   a GoneReport: a member that failed another member in some round
+  noloco/<run>/gone   [peer id/reporter/round]   a GoneReport: a member failed another in a round
 Records expire, so a peer that stops heartbeating drops out of the next round's membership; a
-gone report takes a crashed peer out sooner, at the next round boundary.
+gone report takes a crashed peer out sooner, at the next round boundary. Each reporter's report of
+each round is a record of its own: two members that saw the same death in different rounds both
+stay on record, and every peer applies the same rule to all of them.
 Everything read back is decoded with the message codec; a malformed record is skipped (and
 counted), never trusted. The frozen per-round view itself is built by protocol.membership.
 """
@@ -122,7 +124,7 @@ class RunDirectory:
 
     def _read(self, key: str, cls: type[R]) -> tuple[list[R], int]:
         """Well-formed records of `cls` under `key` naming this run and their own subkey, and how
-        many others there were (garbage, another run, a subkey that lies about its peer)."""
+        many others there were (garbage, another run, a subkey that lies about its record)."""
         found = self.dht.get(key, latest=True)
         if found is None or not isinstance(found.value, dict):
             return [], 0
@@ -133,7 +135,7 @@ class RunDirectory:
             except messages.MessageError:
                 bad += 1
                 continue
-            if record.run_id != self.run_id or record.peer_id != subkey:
+            if record.run_id != self.run_id or subkey_of(record) != subkey:
                 bad += 1
                 continue
             good.append(record)
@@ -145,15 +147,22 @@ class RunDirectory:
         """Tell the swarm a member failed us, so that everyone drops it at the next boundary."""
         if report.run_id != self.run_id:
             raise ValueError("report names another run")
-        return self._store(gone_key(self.run_id), report, report.peer_id, GONE_TTL)
+        return self._store(gone_key(self.run_id), report, subkey_of(report), GONE_TTL)
 
-    def read_gone(self, members: set[str] | None = None) -> dict[str, int]:
-        """peer id -> the round it was reported gone in; reports by non-members are ignored when
+    def read_gone(self, members: set[str] | None = None) -> dict[str, set[int]]:
+        """peer id -> every round it was reported gone in; reports by non-members are ignored when
         `members` is given (a stranger cannot evict anyone)."""
         reports, _ = self._read(gone_key(self.run_id), messages.GoneReport)
-        gone: dict[str, int] = {}
+        gone: dict[str, set[int]] = {}
         for report in reports:
-            if members is not None and report.reporter not in members:
-                continue
-            gone[report.peer_id] = max(gone.get(report.peer_id, -1), report.round)
+            if members is None or report.reporter in members:
+                gone.setdefault(report.peer_id, set()).add(report.round)
         return gone
+
+
+def subkey_of(record: messages.PeerAnnouncement | messages.GoneReport) -> str:
+    """The DHT subkey a record is stored under: one per peer for announcements (a heartbeat
+    replaces the last), one per reporter and round for gone reports (none replaces another)."""
+    if isinstance(record, messages.GoneReport):
+        return f"{record.peer_id}/{record.reporter}/{record.round}"
+    return record.peer_id

@@ -12,12 +12,13 @@ import time
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-from hivemind import DHT
-
 from noloco_swarm.peer import events
 from noloco_swarm.peer.directory import RunDirectory
+from noloco_swarm.peer.lifetime import DHT
 from noloco_swarm.peer.node import reachability
+from noloco_swarm.peer.rounds import PROBE_TIMEOUT, ask_status
 from noloco_swarm.peer.runtime import Peer
+from noloco_swarm.peer.streams import PeerUnavailable, RemoteRefused
 from noloco_swarm.peer.transport import Transport
 from noloco_swarm.protocol import messages
 from noloco_swarm.protocol.membership import MembershipView
@@ -65,10 +66,7 @@ async def run_peer(cfg: RunConfig, steps: int, *, new_run: bool = False) -> even
         await _join_manifest(directory, manifest, new_run, opts.start_timeout)
         stage = opts.stage
         if stage is None:  # --stage auto: the stage furthest below its share, joiners included
-            announcements = (await asyncio.to_thread(directory.read_peers)).announcements
-            pairs = [(a.peer_id, a.stage) for a in announcements if a.stage < cfg.num_stages]
-            view = MembershipView.from_announcements(0, cfg.num_stages, pairs)
-            stage = view.least_served_stage(cfg.replica_counts)
+            stage = await _least_served_stage(transport, directory, cfg)
         if not 0 <= stage < cfg.num_stages:
             raise ValueError(f"--stage {stage} is outside 0..{cfg.num_stages - 1} for this run")
         addresses = tuple(await transport.visible_addresses())
@@ -95,3 +93,31 @@ async def _join_manifest(
             if time.monotonic() > deadline:
                 raise
             await asyncio.sleep(0.5)
+
+
+async def _least_served_stage(transport: Transport, directory: RunDirectory, cfg: RunConfig) -> int:
+    """The stage furthest below its share of replicas, counting the announced peers that answer
+    and that no member reported gone since they joined: a dead peer's announcement outlives it
+    by up to a heartbeat ttl, and must not hold its stage's place."""
+    announcements = (await asyncio.to_thread(directory.read_peers)).announcements
+    gone = await asyncio.to_thread(directory.read_gone, {a.peer_id for a in announcements})
+    candidates = [
+        a
+        for a in announcements
+        if a.stage < cfg.num_stages and not any(r >= a.joined_round for r in gone.get(a.peer_id, ()))
+    ]
+
+    async def answers(a: messages.PeerAnnouncement) -> bool:
+        try:
+            await transport.connect(a.peer_id, a.addresses, timeout=PROBE_TIMEOUT)
+            await ask_status(transport, a.peer_id, directory.run_id, PROBE_TIMEOUT)
+        except RemoteRefused:
+            return True  # it refused: it runs
+        except (PeerUnavailable, messages.MessageError):
+            return False
+        return True
+
+    async with asyncio.TaskGroup() as group:
+        probes = [group.create_task(answers(a)) for a in candidates]
+    pairs = [(a.peer_id, a.stage) for a, probe in zip(candidates, probes, strict=True) if probe.result()]
+    return MembershipView.from_announcements(0, cfg.num_stages, pairs).least_served_stage(cfg.replica_counts)

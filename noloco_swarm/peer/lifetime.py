@@ -6,6 +6,9 @@ SIGKILLed peer would leave them running. Two uses of PR_SET_PDEATHSIG(SIGTERM):
     (`noloco local` starts its peers so);
   - `children_die_with_us()`: subprocesses started through asyncio inside the block get it too,
     so the kernel signals p2pd when the thread that started it (our event loop's) exits.
+And one for the DHT's forked process, `DHT` below: the kernel's signal follows the *thread* that
+forked (a worker thread here, which may end first), so that child watches its parent instead and
+exits within a second of being orphaned.
 """
 
 from __future__ import annotations
@@ -14,10 +17,15 @@ import asyncio
 import contextlib
 import contextvars
 import ctypes
+import os
 import signal
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
+
+import hivemind
 
 _PR_SET_PDEATHSIG = 1
 _ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("children_die_with_us", default=False)
@@ -60,3 +68,26 @@ def _install_hook() -> None:
 
     create_subprocess_exec._noloco_hook = True  # type: ignore[attr-defined]
     asyncio.subprocess.create_subprocess_exec = create_subprocess_exec  # type: ignore[assignment]
+
+
+ORPHAN_POLL = 1.0  # seconds between a child's checks that its parent still lives
+
+
+def exit_when_orphaned(period: float = ORPHAN_POLL) -> None:
+    """Exit this process (at once, no cleanup) as soon as its parent has died: it was reparented."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(period)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-when-orphaned", daemon=True).start()
+
+
+class DHT(hivemind.DHT):
+    """hivemind's DHT, whose forked process ends with the process that started it, however it ends."""
+
+    def run(self) -> None:  # runs in the forked child
+        exit_when_orphaned()
+        super().run()

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from hivemind import DHT
-
+from noloco_swarm.peer.lifetime import DHT
 from noloco_swarm.train.config import NetworkConfig
 
 

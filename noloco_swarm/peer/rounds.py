@@ -162,7 +162,7 @@ class Rounds:
         Raises PeerExcluded if it leaves us out, RuntimeError if a stage has nobody left.
         """
         listings: list[Listing] = []
-        gone: dict[str, int] = {}
+        gone: dict[str, set[int]] = {}
         for attempt in range(2):
             try:
                 listings, gone = await asyncio.to_thread(self._read_directory, current)
@@ -178,7 +178,7 @@ class Rounds:
                 group.create_task(self.suspect(p, "its announcement expired"))
         listings.insert(0, Listing(self.me, self.stage, joined_round))
         for peer, round_ in self.dead.items():  # what we saw ourselves, in case the DHT lost it
-            gone[peer] = min(gone.get(peer, round_), round_)
+            gone.setdefault(peer, set()).add(round_)
         view = next_view(current, listings, gone)
         for peer in view.members() - current.members():
             self.dead.pop(peer, None)  # a peer that rejoined is a member again
@@ -191,7 +191,7 @@ class Rounds:
             )
         return view
 
-    def _read_directory(self, current: MembershipView) -> tuple[list[Listing], dict[str, int]]:
+    def _read_directory(self, current: MembershipView) -> tuple[list[Listing], dict[str, set[int]]]:
         listings = [Listing(a.peer_id, a.stage, a.joined_round) for a in self.read_peers()]
         return listings, self.directory.read_gone(members=current.members())
 

@@ -8,7 +8,7 @@ peers that saw the same announcements derive the same decisions without further 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 
@@ -100,12 +100,13 @@ class Listing:
 
 
 def next_view(
-    current: MembershipView, listings: Iterable[Listing], gone: Mapping[str, int]
+    current: MembershipView, listings: Iterable[Listing], gone: Mapping[str, Collection[int]]
 ) -> MembershipView:
     """The view of round `current.round + 1`, from this round's view and what the DHT lists now.
 
     - A member stays unless a report put it gone at a round at or after the round it joined
-      (`gone[peer]`) and before this one, or it now lists another stage (it would have to join
+      and before this one (`gone[peer]`: every round it was reported in, by anyone; reports never
+      replace each other, so peers that saw its death in different rounds still agree), or it now lists another stage (it would have to join
       again). A report takes effect one boundary late, for the same reason joiners announce two
       rounds ahead: every member has read it by then, so all drop the peer at the same boundary.
       Being absent
@@ -123,7 +124,7 @@ def next_view(
         listed.setdefault(item.peer, item)
 
     def reported(peer: str, joined_round: int) -> bool:
-        return peer in gone and joined_round <= gone[peer] < current.round
+        return any(joined_round <= r < current.round for r in gone.get(peer, ()))
 
     pairs = []
     for stage, peers in enumerate(current.stages):

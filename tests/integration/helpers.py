@@ -37,6 +37,20 @@ def descendants(pid: int) -> set[int]:
     return found
 
 
+def alive(pids: set[int]) -> set[int]:
+    """Those of `pids` that still run (zombies and vanished processes are dead), wherever they
+    were reparented to."""
+    out = set()
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state != "Z":
+            out.add(pid)
+    return out
+
+
 def p2pd_descendants(pid: int | None = None) -> set[int]:
     out = set()
     for child in descendants(os.getpid() if pid is None else pid):

@@ -101,10 +101,16 @@ def test_gone_reports_are_shared_and_only_members_count(two_peers: tuple[DHT, DH
     a, b = two_peers
     da, db = RunDirectory(a, "run-g"), RunDirectory(b, "run-g")
     assert da.report_gone(messages.GoneReport("run-g", "crashed", str(a.peer_id), 4))
+    # another member saw the same death a round later: both reports stay, neither replaces the other
+    assert db.report_gone(messages.GoneReport("run-g", "crashed", str(b.peer_id), 5))
     assert da.report_gone(messages.GoneReport("run-g", "framed", "stranger", 4))
     a.store(gone_key("run-g"), b"\x01junk", get_dht_time() + 30, subkey="junk")
-    assert db.read_gone() == {"crashed": 4, "framed": 4}
-    assert db.read_gone(members={str(a.peer_id), "crashed"}) == {"crashed": 4}
+    # a report stored under a subkey that is not its own (peer/reporter/round) is not trusted
+    lie = messages.GoneReport("run-g", "honest", str(a.peer_id), 4)
+    a.store(gone_key("run-g"), messages.encode(lie), get_dht_time() + 30, subkey="honest")
+    members = {str(a.peer_id), str(b.peer_id), "crashed"}
+    assert db.read_gone() == {"crashed": {4, 5}, "framed": {4}}
+    assert db.read_gone(members=members) == da.read_gone(members=members) == {"crashed": {4, 5}}
     assert db.read_peers().announcements == []  # reports are not announcements
 
 

@@ -35,7 +35,7 @@ from noloco_swarm.peer.events import (
 from noloco_swarm.sim.engine import Simulator
 from noloco_swarm.sim.run import data_batches
 from noloco_swarm.train.config import RunConfig
-from tests.integration.helpers import MADDR, descendants, p2pd_descendants, process_group
+from tests.integration.helpers import MADDR, alive, descendants, p2pd_descendants, process_group
 
 pytestmark = pytest.mark.integration
 STEPS = 7  # H = 3: two outer steps, then one inner step so that replicas differ at the end
@@ -265,45 +265,61 @@ def num_flat_stage(cfg: RunConfig, stage: int) -> int:
     return num_flat(build_stage(cfg.model, stage, cfg.num_stages, cfg.seed))
 
 
-def test_a_killed_peer_takes_its_daemon_and_the_rest_of_the_swarm_finishes(cache: Path) -> None:
+@pytest.mark.parametrize("when", ["mid-round", "at-outer-step"])
+def test_a_killed_peer_takes_its_processes_and_a_replacement_takes_its_stage(cache: Path, when: str) -> None:
     """Failure is normal control flow: samples routed to a dead replica are dropped, its partner
-    steps alone, every survivor drops it from the same later round's view, and the run finishes."""
-    steps = 18
+    steps alone, every survivor drops it from the same later round's view, and the run finishes.
+    Killed as its outer exchange begins, its partner sees the death in that round and the
+    stage-0 peers only on the next round's forwards: all must still agree on every view.
+    Every process of the dead peer (p2pd, the DHT's) ends with it, and a `--stage auto`
+    replacement started 3 s after the death takes the dead peer's stage, whose announcement is
+    still in the DHT."""
+    steps = 60
     # a step of this size takes long enough (~0.5 s here) for the kill to land mid-run
     cfg = small("noloco", **{"inner.total_steps": str(steps), **SLOWER})
     before = p2pd_descendants()
     with local_swarm(cfg, steps, step_timeout=10) as swarm:
         victim = next(p for p in swarm.peers if p.stage == 1 and p.replica == 1)
         deadline = time.monotonic() + 120
-        while not any(e.step >= 2 for e in of_kind(victim.events(), Step)):
+        boundary = when == "at-outer-step"
+        while not any(
+            e.step >= 2 and (e.step % 3 == 0 or not boundary) for e in of_kind(victim.events(), Step)
+        ):
             assert time.monotonic() < deadline, victim.log_tail()
-            time.sleep(0.2)
-        daemons = p2pd_descendants(victim.proc.pid)
-        assert daemons, "the peer should run its own p2pd"
+            time.sleep(0.05)
+        assert p2pd_descendants(victim.proc.pid), "the peer should run its own p2pd"
+        family = descendants(victim.proc.pid)  # p2pd, and the process hivemind's DHT runs in
+        assert len(family) >= 2, family
         os.kill(victim.proc.pid, signal.SIGKILL)  # no cleanup code of the peer runs
-        deadline = time.monotonic() + 15
-        while any(Path(f"/proc/{pid}").exists() and pid in descendants(os.getpid()) for pid in daemons):
-            assert time.monotonic() < deadline, "p2pd outlived its SIGKILLed peer"
+        killed_at = time.monotonic()
+        deadline = killed_at + 15
+        while alive(family):
+            assert time.monotonic() < deadline, f"processes {alive(family)} outlived their SIGKILLed peer"
             time.sleep(0.2)
+        time.sleep(max(0.0, killed_at + 3 - time.monotonic()))
+        replacement = swarm.start_peer(None)
         survivors = [p for p in swarm.peers if p is not victim]
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + 400
         while not all(p.proc.poll() is not None for p in survivors):
             assert time.monotonic() < deadline, "\n".join(p.log_tail() for p in survivors)
             time.sleep(0.5)
-        assert [p.proc.returncode for p in survivors] == [0, 0, 0], "\n".join(p.log_tail() for p in survivors)
-        summaries = {(s.stage, s.rank): s for s in swarm.summaries()}
+        assert [p.proc.returncode for p in survivors] == [0] * 4, "\n".join(p.log_tail() for p in survivors)
+        summaries = {s.peer_id: s for s in swarm.summaries()}
         victim_id = next(e.peer_id for e in of_kind(victim.events(), Membership))
         killed_in = max(e.step for e in of_kind(victim.events(), Step)) // 3  # its last round
         survivor_events = [p.events() for p in survivors]
+        joined = next(iter(of_kind(replacement.events(), Joined)))
     assert p2pd_descendants() <= before
     assert all(s.steps == steps for s in summaries.values())
-    partner = next(s for s in summaries.values() if s.stage == 1)
+    new = summaries[joined.peer_id]
+    assert new.stage == 1 and new.joined_round == joined.round, "the replacement chose another stage"
+    partner = next(s for s in summaries.values() if s.stage == 1 and s is not new)
     assert victim_id in partner.gone and partner.outer_steps == steps // 3
     # The survivors agree on every round's view, and the last one is without the victim.
     views = views_by_round(survivor_events)
     assert all(len(v) == 1 for v in views.values()), views
     last = next(iter(views[max(views)]))
-    assert all(victim_id not in s for s in last) and len(last[1]) == 1
+    assert all(victim_id not in s for s in last) and [len(s) for s in last] == [2, 2]
     # Samples routed to the victim after it died are dropped (none, if it died just as a round
     # closed and its report came first); its report takes effect one boundary after the round it
     # was made in, so from two rounds after its death on nothing is routed to it.
