@@ -225,8 +225,12 @@ class InnerSteps:
             if receiver in ctx.rounds.dead:
                 return None
             try:
-                reply, tensors = await ctx.transport.call(
-                    receiver, "rpc_forward", header, [acts, toks], timeout=ctx.cfg.peer.step_timeout
+                reply, tensors = await ctx.rounds.watched(
+                    receiver,
+                    ctx.transport.call(
+                        receiver, "rpc_forward", header, [acts, toks], timeout=ctx.cfg.peer.step_timeout
+                    ),
+                    f"the forward of step {t}",
                 )
                 if (
                     not isinstance(reply, BackwardHeader)

@@ -18,6 +18,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable
+from typing import TypeVar
 
 from noloco_swarm.peer import events
 from noloco_swarm.peer.directory import RunDirectory
@@ -28,6 +30,7 @@ from noloco_swarm.protocol.membership import Listing, MembershipView, next_view
 from noloco_swarm.protocol.messages import MessageError
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # What a hivemind DHT call raises when peers are unreachable or slow (it is best effort for us).
 DHT_ERRORS = (OSError, RuntimeError, TimeoutError, EOFError)
@@ -213,6 +216,24 @@ class Rounds:
                 pass
             return True
         return False
+
+    async def watched(self, peer: str, call: Awaitable[T], what: str) -> T:
+        """Await `call` (a request to `peer`), probing `peer` every PROBE_PERIOD while it lasts:
+        a peer that stops answering (crashed, frozen, cut off) is marked gone and the call
+        abandoned with PeerUnavailable, instead of holding us for the call's whole deadline."""
+        task = asyncio.ensure_future(call)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=PROBE_PERIOD)
+                if done:
+                    return task.result()
+                if peer in self.dead or not await self.alive(peer):
+                    self.mark_dead(peer, f"stopped answering during {what}")
+                    raise PeerUnavailable(f"peer {peer} stopped answering during {what}")
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
 
     async def suspect(self, peer: str, why: str) -> bool:
         """`peer` failed us in a way a slow peer could too: it is gone only if it does not answer."""

@@ -331,7 +331,9 @@ def test_a_peer_joins_a_running_swarm_at_a_round_boundary(cache: Path) -> None:
     """A fifth peer started while a 2x2 swarm trains announces a round two ahead, downloads its
     stage's state at that boundary from a live replica, and trains from there with everyone
     agreeing on the new view; nothing is dropped or refused along the way."""
-    steps, H = 48, 4
+    # Long enough that a joiner starting on a loaded machine (imports, p2pd, DHT: tens of
+    # seconds) still finds a round to join before the run ends.
+    steps, H = 96, 4
     cfg = small("noloco", **{**SLOWER, "outer.inner_steps": str(H), "inner.total_steps": str(steps)})
     with local_swarm(cfg, steps, step_timeout=60) as swarm:
         deadline = time.monotonic() + 120
