@@ -368,7 +368,7 @@ def test_a_peer_joins_a_running_swarm_at_a_round_boundary(cache: Path) -> None:
     bad = [
         e for ev in events.values() for e in ev if isinstance(e, Dropped | Refused | ViewMismatch | PeerGone)
     ]
-    assert bad == []
+    assert bad == [], "\n".join(map(repr, bad))
     assert sum(s.tokens for s in summaries if s.stage == 0) == (2 * steps + steps - J * H) * 4 * 128
     losses = [e.loss for e in of_kind(events[id(joiner)], Step)]  # None: no loss came back
     assert len(losses) == steps - J * H and all(x is not None and math.isfinite(x) for x in losses)
