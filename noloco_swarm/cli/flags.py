@@ -48,6 +48,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--stage", "peer.stage"),
     Flag("--device", "peer.device"),
     Flag("--metrics", "peer.metrics"),
+    Flag("--checkpoint-dir", "peer.checkpoint_dir"),
     Flag("--step-timeout", "peer.step_timeout"),
     Flag("--initial-peers", "network.initial_peers"),
     Flag("--host-maddrs", "network.host_maddrs"),
@@ -103,6 +104,11 @@ def add_peer(p: argparse.ArgumentParser) -> None:
         "--device", default=None, choices=["cpu", "cuda"], help="where this stage runs (default: cpu)"
     )
     p.add_argument("--metrics", default=None, help="append the peer's events as JSON lines to this file")
+    p.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        help="write this replica's full state here at outer-step boundaries (peer.checkpoint_dir)",
+    )
     p.add_argument(
         "--step-timeout",
         type=float,

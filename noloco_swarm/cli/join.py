@@ -13,7 +13,7 @@ from noloco_swarm.peer.launch import run_on_loop, run_peer
 from noloco_swarm.train.config import RunConfig
 
 
-def run_join(cfg: RunConfig, steps: int, *, new_run: bool, quiet: bool = False) -> int:
+def run_join(cfg: RunConfig, steps: int, *, new_run: bool, resume: bool = False, quiet: bool = False) -> int:
     """Run one peer as `cfg.peer` and `cfg.network` say for `steps` inner steps; 130 on a signal."""
     console = Console(stderr=True, quiet=quiet)
     net = cfg.network
@@ -30,7 +30,7 @@ def run_join(cfg: RunConfig, steps: int, *, new_run: bool, quiet: bool = False) 
         assert task is not None
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, task.cancel)  # unwind through every finally: no daemon left
-        return await run_peer(cfg, steps, new_run=new_run)
+        return await run_peer(cfg, steps, new_run=new_run, resume=resume)
 
     try:
         summary = run_on_loop(main(), cfg.peer.event_loop)

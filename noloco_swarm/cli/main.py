@@ -61,6 +61,12 @@ def parser() -> argparse.ArgumentParser:
     join.add_argument(
         "--new-run", action="store_true", help="publish the run's manifest if it does not exist"
     )
+    join.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest checkpoint in --checkpoint-dir (a stopped swarm restarts "
+        "from it; a running one is joined as a late joiner)",
+    )
     join.add_argument("--run-config", type=Path, default=None, help=argparse.SUPPRESS)  # from noloco local
     join.add_argument("--die-with-parent", action="store_true", help=argparse.SUPPRESS)
 
@@ -189,7 +195,13 @@ def _join(args: argparse.Namespace) -> int:
             )
             return 2
     _threads(args, peer=True)
-    return run_join(cfg, args.steps, new_run=args.new_run)
+    if args.resume and not cfg.peer.checkpoint_dir:
+        print(
+            "noloco: --resume needs --checkpoint-dir (the folder the peer wrote its checkpoints to)",
+            file=sys.stderr,
+        )
+        return 2
+    return run_join(cfg, args.steps, new_run=args.new_run, resume=args.resume)
 
 
 def _sim_layer(method: str) -> Layer:

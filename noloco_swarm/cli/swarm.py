@@ -56,6 +56,8 @@ class LocalSwarm:
     bootstrap: str = ""
     peers: list[PeerProcess] = field(default_factory=list)
     threads: int = 1
+    durable: bool = False  # each peer keeps an identity and checkpoints in the workdir
+    resume: bool = False  # ... and starts from them (`noloco join --resume`)
 
     @property
     def config_path(self) -> Path:
@@ -66,8 +68,13 @@ class LocalSwarm:
         joins the running swarm two rounds ahead, so this also adds a peer to a swarm that trains."""
         d = sum(1 for p in self.peers if p.stage == stage)
         name = "auto" if stage is None else stage
-        metrics, log = self.workdir / f"peer-{name}-{d}.jsonl", self.workdir / f"peer-{name}-{d}.log"
+        run = f"peer-{name}-{d}" + ("-resumed" if self.resume else "")
+        metrics, log = self.workdir / f"{run}.jsonl", self.workdir / f"{run}.log"
         argv = [sys.executable, "-m", "noloco_swarm.cli.main", *self.join_argv(stage, metrics)]
+        if self.durable:  # the same files at every start, so a restart is the same peer
+            argv += ["--identity", str(self.workdir / f"peer-{name}-{d}.key")]
+            argv += ["--checkpoint-dir", str(self.workdir / f"checkpoints-{name}-{d}")]
+            argv += ["--resume"] if self.resume else []
         # The run config already holds what NOLOCO_SET said; inherited, it would also override the
         # run config in every peer (a mismatched manifest) and hand them one shared identity file.
         env = {k: v for k, v in os.environ.items() if k != "NOLOCO_SET"}
@@ -114,6 +121,9 @@ def local_swarm(
     step_timeout: float | None = None,
     threads: int = 1,
     initial_peers: tuple[str, ...] = (),
+    run_id: str | None = None,
+    durable: bool = False,
+    resume: bool = False,
 ) -> Iterator[LocalSwarm]:
     """Start the swarm; yields while the peers run; always ends every process it started.
 
@@ -121,7 +131,11 @@ def local_swarm(
     device as flags); `step_timeout`, if given, replaces both of cfg.peer's step and exchange deadlines.
     With `initial_peers` (e.g. a `hivemind-dht` node) our own node joins through them and the peers
     are given the first of them as their entry point; otherwise our node is the bootstrap.
+    `durable` peers keep their identity and checkpoints in `workdir`; with `resume` they restart
+    from them (give the stopped swarm's `workdir` and `run_id`).
     """
+    if resume and (workdir is None or run_id is None or not durable):
+        raise ValueError("resuming needs a durable swarm's workdir and run id")
     if step_timeout is not None:
         cfg = cfg.replace(
             peer=dataclasses.replace(cfg.peer, step_timeout=step_timeout, exchange_timeout=step_timeout)
@@ -130,8 +144,8 @@ def local_swarm(
     if workdir is None:
         tmp = tempfile.TemporaryDirectory(prefix="noloco-local-")
         workdir = Path(tmp.name)
-    run_id = f"local-{os.getpid()}-{int(time.time())}"
-    swarm = LocalSwarm(cfg, steps, run_id, workdir, threads=threads)
+    run_id = run_id or f"local-{os.getpid()}-{int(time.time())}"
+    swarm = LocalSwarm(cfg, steps, run_id, workdir, threads=threads, durable=durable, resume=resume)
     dht = start_dht(NetworkConfig(initial_peers=initial_peers, host_maddrs=LOOPBACK))
     try:
         swarm.bootstrap = initial_peers[0] if initial_peers else str(dht.get_visible_maddrs()[0])

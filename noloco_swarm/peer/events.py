@@ -190,6 +190,26 @@ class PeerGone(Event):
 
 
 @dataclass(frozen=True)
+class Checkpointed(Event):
+    """This replica wrote its full state at a round boundary."""
+
+    KIND: ClassVar[str] = "checkpointed"
+    step: int
+    round: int
+    path: str
+
+
+@dataclass(frozen=True)
+class Resumed(Event):
+    """This replica came back from its checkpoint of `step` with the other members of its round."""
+
+    KIND: ClassVar[str] = "resumed"
+    step: int
+    round: int
+    state_hash: str
+
+
+@dataclass(frozen=True)
 class Final(Event):
     """The peer's summary when it finishes."""
 

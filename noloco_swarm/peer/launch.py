@@ -10,9 +10,10 @@ import asyncio
 import logging
 import time
 from collections.abc import Coroutine
+from pathlib import Path
 from typing import Any, TypeVar
 
-from noloco_swarm.peer import events
+from noloco_swarm.peer import checkpoint, events
 from noloco_swarm.peer.directory import RunDirectory
 from noloco_swarm.peer.lifetime import DHT
 from noloco_swarm.peer.node import reachability
@@ -40,12 +41,17 @@ def run_on_loop(main: Coroutine[Any, Any, T], kind: str) -> T:
         return runner.run(main)
 
 
-async def run_peer(cfg: RunConfig, steps: int, *, new_run: bool = False) -> events.Final:
+async def run_peer(
+    cfg: RunConfig, steps: int, *, new_run: bool = False, resume: bool = False
+) -> events.Final:
     """Start this peer's libp2p daemon and DHT node, join the run, train `steps` inner steps,
-    and shut everything down. Settings come from `cfg.peer` and `cfg.network`."""
+    and shut everything down. Settings come from `cfg.peer` and `cfg.network`. With `resume`,
+    continue from the newest checkpoint in `cfg.peer.checkpoint_dir` (see peer/resume.py)."""
     opts, net = cfg.peer, cfg.network
     if not opts.run_id:
         raise ValueError("a peer needs a run id: --run-id or peer.run_id")
+    if resume and not opts.checkpoint_dir:
+        raise ValueError("--resume needs the checkpoint directory the peer wrote: --checkpoint-dir")
     transport = await Transport.create(
         host_maddrs=net.host_maddrs,
         initial_peers=net.initial_peers,
@@ -65,6 +71,15 @@ async def run_peer(cfg: RunConfig, steps: int, *, new_run: bool = False) -> even
         manifest = messages.RunManifest.create(opts.run_id, cfg.manifest())
         await _join_manifest(directory, manifest, new_run, opts.start_timeout)
         stage = opts.stage
+        ckpt = None
+        if resume:
+            ckpt = await asyncio.to_thread(
+                checkpoint.load, Path(opts.checkpoint_dir), opts.run_id, manifest.config_hash, stage
+            )
+            if ckpt is None:
+                logger.warning("no usable checkpoint in %s: joining without one", opts.checkpoint_dir)
+            else:
+                stage = ckpt.stage
         if stage is None:  # --stage auto: the stage furthest below its share, joiners included
             stage = await _least_served_stage(transport, directory, cfg)
         if not 0 <= stage < cfg.num_stages:
@@ -72,7 +87,10 @@ async def run_peer(cfg: RunConfig, steps: int, *, new_run: bool = False) -> even
         addresses = tuple(await transport.visible_addresses())
         for line in reachability(addresses):
             logger.warning("reachable as %s", line)  # warning: shown by default, once, at start
-        return await Peer(cfg, steps, transport, directory, stage, sink, addresses).run()
+        peer = Peer(
+            cfg, steps, transport, directory, stage, sink, addresses, config_hash=manifest.config_hash
+        )
+        return await peer.run(ckpt)
     finally:
         sink.close()
         if dht is not None:

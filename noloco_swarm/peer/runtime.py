@@ -8,6 +8,7 @@ owns its state, and this file only sequences them:
   exchange.py    every H steps: one OuterExchange with the round's group (rpc_exchange)
   rounds.py      the frozen view of each round, liveness probes and gone reports
   joining.py     entering a running swarm, and serving state to joiners (rpc_fetch_state)
+  resume.py      checkpoints at boundaries, and a stopped swarm coming back from them
   evaluation.py  the end-of-run validation along fixed paths (rpc_eval)
   events.py      what happened, as typed records, to every sink
 
@@ -26,12 +27,14 @@ from typing import Any
 
 from noloco_swarm.data.stream import train_batches
 from noloco_swarm.peer import events
+from noloco_swarm.peer.checkpoint import Checkpoint
 from noloco_swarm.peer.context import PeerContext
 from noloco_swarm.peer.directory import RunDirectory
 from noloco_swarm.peer.evaluation import Evaluation
 from noloco_swarm.peer.exchange import ByteLedger, ExchangeBoard, take_outer_step
 from noloco_swarm.peer.inner import InnerSteps
 from noloco_swarm.peer.joining import Joining
+from noloco_swarm.peer.resume import Resume, SwarmMovedOn
 from noloco_swarm.peer.rounds import DHT_ERRORS, PeerExcluded, Rounds
 from noloco_swarm.peer.transport import Transport
 from noloco_swarm.protocol import messages
@@ -54,6 +57,8 @@ class Peer:
         stage: int,
         sink: events.Events,
         addresses: tuple[str, ...] = (),
+        *,
+        config_hash: str = "",
     ) -> None:
         self.steps, self.directory, self.addresses = steps, directory, addresses
         rounds = Rounds(transport.peer_id, stage, cfg.num_stages, transport, directory, sink)
@@ -64,6 +69,7 @@ class Peer:
         self.board = ExchangeBoard(transport)
         self.joining = Joining(ctx, self.ledger, self._announce)
         self.evaluation = Evaluation(ctx, self.inner)
+        self.resume = Resume(ctx, config_hash, self._announce)
         self.announced = False
         self.tokens = 0
         self.outer_steps = 0
@@ -73,15 +79,17 @@ class Peer:
 
     # ------------------------------------------------------------------ the whole run
 
-    async def run(self) -> events.Final:
+    async def run(self, checkpoint: Checkpoint | None = None) -> events.Final:
+        """Train to the end: from round 0, as a late joiner, or (given `checkpoint`) from it
+        together with the other members of its round when the swarm had stopped."""
         ctx = self.ctx
         announcements = await asyncio.to_thread(ctx.rounds.read_peers)
-        late = ctx.rounds.run_in_progress(announcements, ctx.cfg.replica_counts)
+        late = checkpoint is None and ctx.rounds.run_in_progress(announcements, ctx.cfg.replica_counts)
         if ctx.is_first:  # tokenize the corpus (or open the dataset) before anyone routes work to us
             await asyncio.to_thread(lambda: next(train_batches(ctx.cfg.data, 0, 1, ctx.B, ctx.cfg.seed)))
         heartbeat = asyncio.create_task(self._heartbeat())  # owned here: cancelled and awaited below
         try:
-            seconds, val_loss = await self._train_and_evaluate(late)
+            seconds, val_loss = await self._train_and_evaluate(late, checkpoint)
         finally:
             heartbeat.cancel()
             await asyncio.gather(heartbeat, return_exceptions=True)
@@ -109,11 +117,19 @@ class Peer:
             await asyncio.sleep(1.0)  # let the last eval reply leave before the transport closes
         return final
 
-    async def _train_and_evaluate(self, late: bool) -> tuple[float, float | None]:
+    async def _train_and_evaluate(
+        self, late: bool, checkpoint: Checkpoint | None
+    ) -> tuple[float, float | None]:
         ctx = self.ctx
+        if checkpoint is not None:
+            try:
+                await self._resume(checkpoint)
+            except SwarmMovedOn as e:
+                logger.warning("%s: its state is stale, so this peer joins as a late joiner", e)
+                late = True
         if late:
             await self.joining.join_late(self.steps)
-        else:
+        elif checkpoint is None:
             await self._announce()
             await ctx.rounds.freeze_round_zero(ctx.cfg.replica_counts, ctx.cfg.peer.start_timeout)
         start = time.perf_counter()
@@ -162,6 +178,19 @@ class Peer:
                     ctx.events.emit(outer)
                 if ctx.step < self.steps:
                     await self._advance_view()
+                await self.resume.save(
+                    joined_round=self.joining.joined_round,
+                    outer_steps=self.outer_steps,
+                    tokens=self.tokens,
+                    final=ctx.step >= self.steps,
+                )
+
+    async def _resume(self, checkpoint: Checkpoint) -> None:
+        """Come back from `checkpoint` with the rest of its round (see resume.py)."""
+        self.joining.joined_round = checkpoint.joined_round  # announced while it waits for the others
+        ckpt = await self.resume.restore(checkpoint)
+        self.joining.joined_round = ckpt.joined_round
+        self.outer_steps, self.tokens = ckpt.outer_steps, ckpt.tokens
 
     async def _advance_view(self) -> None:
         """At a round boundary: freeze the next round's view; keep our state for its joiners."""
@@ -224,5 +253,7 @@ class Peer:
             self.outer_steps,
             self.tokens,
             loss,
+            resuming=self.resume.resuming,
+            resumed_from=self.resume.resumed_from,
         )
         return status, []

@@ -473,6 +473,8 @@ class PeerStatus(Message):
     outer_steps: int
     tokens: int
     loss: float | None = None
+    resuming: bool = False  # restarted from a checkpoint and waiting for its round's other members
+    resumed_from: int | None = None  # the checkpoint's step this peer's swarm restarted from
 
     def __post_init__(self) -> None:
         _check_run_id(self.run_id)

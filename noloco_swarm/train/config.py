@@ -43,6 +43,12 @@ class PeerConfig:
     """Seconds: deadline for joining a running swarm (waiting for our round, fetching state)."""
     heartbeat_ttl: float = 30.0
     """Seconds an announcement lives in the DHT; re-stored every third of it."""
+    checkpoint_dir: str | None = None
+    """Write this replica's full state here at outer-step boundaries (None: no checkpoints)."""
+    checkpoint_every: int = 1
+    """Outer steps between checkpoints."""
+    checkpoint_keep: int = 3
+    """Checkpoints kept; older ones are deleted after each write."""
     event_loop: str = "uvloop"
     """The peer's asyncio event loop: uvloop (libuv-based, the default) or asyncio (the standard one)."""
 
@@ -51,6 +57,8 @@ class PeerConfig:
             raise ValueError(f"peer.stage must be >= 0 or auto, got {self.stage}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"peer.device must be cpu or cuda, got {self.device!r}")
+        if self.checkpoint_every < 1 or self.checkpoint_keep < 1:
+            raise ValueError("peer.checkpoint_every and peer.checkpoint_keep must be >= 1")
         if self.event_loop not in EVENT_LOOPS:
             raise ValueError(f"peer.event_loop must be uvloop or asyncio, got {self.event_loop!r}")
         for name in ("step_timeout", "exchange_timeout", "start_timeout", "join_timeout", "heartbeat_ttl"):

@@ -21,6 +21,7 @@ from noloco_swarm.cli.options import build_config
 from noloco_swarm.cli.swarm import local_swarm, wait
 from noloco_swarm.model import num_flat
 from noloco_swarm.peer.events import (
+    Checkpointed,
     Dropped,
     Event,
     Joined,
@@ -28,6 +29,7 @@ from noloco_swarm.peer.events import (
     Outer,
     PeerGone,
     Refused,
+    Resumed,
     Step,
     ViewMismatch,
     of_kind,
@@ -325,6 +327,36 @@ def test_a_killed_peer_takes_its_processes_and_a_replacement_takes_its_stage(cac
     # was made in, so from two rounds after its death on nothing is routed to it.
     drops = [e.step for events in survivor_events for e in of_kind(events, Dropped)]
     assert all(step < (killed_in + 3) * 3 for step in drops), (drops, killed_in)
+
+
+def test_a_stopped_swarm_resumes_from_its_checkpoints_bit_for_bit(
+    cache: Path, tmp_path: Path, one_thread: None
+) -> None:
+    """A 2x2 swarm stops after round 1 (its peers exit); restarted with `--resume` (same
+    identities, same checkpoint folders) it trains on to the end, and every replica ends with
+    the weights of the run that never stopped (the simulator's, which the swarm equals)."""
+    first, steps = 6, 12
+    cfg = small("noloco", **{"inner.total_steps": str(steps)})
+    run_id = "resume-test"
+    with local_swarm(cfg, first, workdir=tmp_path, run_id=run_id, durable=True, step_timeout=60) as swarm:
+        wait(swarm, timeout=400)
+        stopped = swarm.summaries()
+        written = [e for p in swarm.peers for e in of_kind(p.events(), Checkpointed)]
+    assert sorted(e.step for e in written) == [3] * 4 + [6] * 4
+    with local_swarm(
+        cfg, steps, workdir=tmp_path, run_id=run_id, durable=True, resume=True, step_timeout=60
+    ) as swarm:
+        wait(swarm, timeout=400)
+        summaries = swarm.summaries()
+        resumed = [e for p in swarm.peers for e in of_kind(p.events(), Resumed)]
+        joined = [e for p in swarm.peers for e in of_kind(p.events(), Joined)]
+    expected, _ = simulate(cfg, steps)
+    assert {s.peer_id for s in summaries} == {s.peer_id for s in stopped}, "a peer came back as another"
+    assert [e.step for e in resumed] == [first] * 4 and joined == []
+    assert {(s.stage, s.rank): s.state_hash for s in summaries} == {
+        (stage, rank): expected[stage][rank] for stage in range(2) for rank in range(2)
+    }
+    assert all(s.steps == steps and s.outer_steps == steps // 3 for s in summaries)
 
 
 def test_a_peer_joins_a_running_swarm_at_a_round_boundary(cache: Path) -> None:
