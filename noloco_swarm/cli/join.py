@@ -28,9 +28,18 @@ def run_join(cfg: RunConfig, steps: int, *, new_run: bool, resume: bool = False,
         loop = asyncio.get_running_loop()
         task = asyncio.current_task()
         assert task is not None
+        leave = asyncio.Event()
+
+        def on_signal() -> None:
+            if leave.is_set():  # the second signal: stop now, unwinding every finally (no daemon left)
+                task.cancel()
+                return
+            console.print("leaving the swarm at the next boundary; a second signal stops at once")
+            leave.set()
+
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, task.cancel)  # unwind through every finally: no daemon left
-        return await run_peer(cfg, steps, new_run=new_run, resume=resume)
+            loop.add_signal_handler(sig, on_signal)
+        return await run_peer(cfg, steps, new_run=new_run, resume=resume, leave=leave)
 
     try:
         summary = run_on_loop(main(), cfg.peer.event_loop)

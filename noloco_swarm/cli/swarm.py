@@ -156,8 +156,7 @@ def local_swarm(
                 swarm.start_peer(s)
         yield swarm
     finally:
-        for peer in swarm.peers:
-            end_group(peer.proc)
+        end_groups([peer.proc for peer in swarm.peers])
         dht.shutdown()
         if tmp is not None:
             tmp.cleanup()
@@ -183,13 +182,27 @@ def wait(swarm: LocalSwarm, timeout: float, poll: float = 0.5, on_poll=None) -> 
 
 
 def end_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
-    """SIGTERM a process group (a peer and its p2pd), then SIGKILL what remains; reap the leader."""
-    with suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    with suppress(subprocess.TimeoutExpired):
+    end_groups([proc], grace)
+
+
+def end_groups(procs: list[subprocess.Popen], grace: float = 10.0) -> None:
+    """Stop process groups (a peer, its p2pd and its DHT process) at once, all together: SIGTERM
+    twice (a peer takes the first as a request to leave gracefully, the second as "stop now"),
+    then SIGKILL what remains after `grace` seconds; reap the leaders."""
+    running = [p for p in procs if p.poll() is None]
+    for sig_round in range(2):
+        for proc in running:
+            with suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+        if sig_round == 0:
+            time.sleep(0.5)  # two signals sent at once could merge into one
+    deadline = time.monotonic() + grace
+    for proc in running:
+        with suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+    for proc in procs:
+        with suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=grace)
-    with suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=grace)
-    if proc.stdout:
-        proc.stdout.close()
+        if proc.stdout:
+            proc.stdout.close()

@@ -190,6 +190,15 @@ class PeerGone(Event):
 
 
 @dataclass(frozen=True)
+class Left(Event):
+    """This peer left the swarm at a boundary, as it had announced in `announced_round`."""
+
+    KIND: ClassVar[str] = "left"
+    step: int
+    announced_round: int
+
+
+@dataclass(frozen=True)
 class Checkpointed(Event):
     """This replica wrote its full state at a round boundary."""
 

@@ -42,11 +42,18 @@ def run_on_loop(main: Coroutine[Any, Any, T], kind: str) -> T:
 
 
 async def run_peer(
-    cfg: RunConfig, steps: int, *, new_run: bool = False, resume: bool = False
+    cfg: RunConfig,
+    steps: int,
+    *,
+    new_run: bool = False,
+    resume: bool = False,
+    leave: asyncio.Event | None = None,
 ) -> events.Final:
     """Start this peer's libp2p daemon and DHT node, join the run, train `steps` inner steps,
     and shut everything down. Settings come from `cfg.peer` and `cfg.network`. With `resume`,
-    continue from the newest checkpoint in `cfg.peer.checkpoint_dir` (see peer/resume.py)."""
+    continue from the newest checkpoint in `cfg.peer.checkpoint_dir` (see peer/resume.py). When
+    `leave` is set, the peer leaves the swarm at a boundary (`Peer.leave`), or stops at once if
+    it does not train yet."""
     opts, net = cfg.peer, cfg.network
     if not opts.run_id:
         raise ValueError("a peer needs a run id: --run-id or peer.run_id")
@@ -90,12 +97,31 @@ async def run_peer(
         peer = Peer(
             cfg, steps, transport, directory, stage, sink, addresses, config_hash=manifest.config_hash
         )
-        return await peer.run(ckpt)
+        if leave is None:
+            return await peer.run(ckpt)
+        return await _run_until_left(peer, ckpt, leave)
     finally:
         sink.close()
         if dht is not None:
             await asyncio.to_thread(dht.shutdown)
         await transport.shutdown()
+
+
+async def _run_until_left(
+    peer: Peer, ckpt: checkpoint.Checkpoint | None, leave: asyncio.Event
+) -> events.Final:
+    """Run `peer`; when `leave` is set, leave gracefully, or stop at once if it does not train yet."""
+    running = asyncio.ensure_future(peer.run(ckpt))
+    asked = asyncio.ensure_future(leave.wait())
+    try:
+        await asyncio.wait({running, asked}, return_when=asyncio.FIRST_COMPLETED)
+        if not running.done() and not await peer.leave():
+            running.cancel()
+        return await running
+    finally:
+        for task in (running, asked):
+            task.cancel()
+        await asyncio.gather(running, asked, return_exceptions=True)
 
 
 async def _join_manifest(

@@ -259,6 +259,11 @@ class Rounds:
         self._reports.add(task)
         task.add_done_callback(self._reports.discard)
 
+    async def report_leaving(self, round_: int) -> None:
+        """Report ourselves gone in `round_`: members drop us at the boundary after the next one."""
+        report = messages.GoneReport(self.directory.run_id, self.me, self.me, round_)
+        await asyncio.to_thread(self._report, report)
+
     def _report(self, report: messages.GoneReport) -> None:
         try:
             if not self.directory.report_gone(report):

@@ -71,6 +71,8 @@ class Peer:
         self.evaluation = Evaluation(ctx, self.inner)
         self.resume = Resume(ctx, config_hash, self._announce)
         self.announced = False
+        self.training = False  # a view of ours is frozen and the loop runs
+        self.leaving: int | None = None  # the round in which we told the swarm we leave
         self.tokens = 0
         self.outer_steps = 0
         self.dropped_partners = 0
@@ -133,6 +135,7 @@ class Peer:
             await self._announce()
             await ctx.rounds.freeze_round_zero(ctx.cfg.replica_counts, ctx.cfg.peer.start_timeout)
         start = time.perf_counter()
+        self.training = True
         while True:
             try:
                 await self.train()
@@ -145,6 +148,8 @@ class Peer:
         seconds = time.perf_counter() - start
         self.inner.abandon("this peer finished training")
         self.evaluation.trained.set()
+        if self.leaving is not None:  # the others train on: no evaluation path waits for us
+            return seconds, None
         return seconds, await self.evaluation.evaluate()
 
     async def train(self) -> None:
@@ -176,14 +181,34 @@ class Peer:
                     self.outer_steps += 1
                     self.dropped_partners += len(outer.failed)
                     ctx.events.emit(outer)
-                if ctx.step < self.steps:
-                    await self._advance_view()
                 await self.resume.save(
                     joined_round=self.joining.joined_round,
                     outer_steps=self.outer_steps,
                     tokens=self.tokens,
-                    final=ctx.step >= self.steps,
+                    final=ctx.step >= self.steps or self.leaving is not None,
                 )
+                if ctx.step < self.steps:
+                    try:
+                        await self._advance_view()
+                    except PeerExcluded:
+                        if self.leaving is None:
+                            raise
+                        ctx.events.emit(events.Left(step=ctx.step, announced_round=self.leaving))
+                        return  # the view we announced we would leave: done, nobody waits for us
+
+    async def leave(self) -> bool:
+        """Leave the swarm without failing anyone: report ourselves gone in the current round, so
+        that every member drops us at the same boundary (the one after next, as for any report),
+        train until then, serve that boundary's outer step, checkpoint, and stop. False if we do
+        not train yet (there is nothing to hand over: the caller just stops)."""
+        latest = self.ctx.rounds.latest()
+        if not self.training or latest is None:
+            return False
+        if self.leaving is None:
+            self.leaving = latest.round
+            logger.warning("leaving the swarm after round %d", latest.round + 1)
+            await self.ctx.rounds.report_leaving(latest.round)
+        return True
 
     async def _resume(self, checkpoint: Checkpoint) -> None:
         """Come back from `checkpoint` with the rest of its round (see resume.py)."""

@@ -25,6 +25,7 @@ from noloco_swarm.peer.events import (
     Dropped,
     Event,
     Joined,
+    Left,
     Membership,
     Outer,
     PeerGone,
@@ -327,6 +328,43 @@ def test_a_killed_peer_takes_its_processes_and_a_replacement_takes_its_stage(cac
     # was made in, so from two rounds after its death on nothing is routed to it.
     drops = [e.step for events in survivor_events for e in of_kind(events, Dropped)]
     assert all(step < (killed_in + 3) * 3 for step in drops), (drops, killed_in)
+
+
+def test_sigterm_makes_a_peer_leave_at_a_boundary_and_nothing_is_lost(cache: Path) -> None:
+    """A stage-1 peer sent SIGTERM reports itself gone, trains to the boundary after the next,
+    takes that outer step with its partner and exits 0; the others drop it from the same round
+    without waiting on a deadline: nothing is dropped, refused or reported by anyone."""
+    steps = 24
+    cfg = small("noloco", **{"inner.total_steps": str(steps), **SLOWER})
+    with local_swarm(cfg, steps, step_timeout=60) as swarm:
+        leaver = next(p for p in swarm.peers if p.stage == 1 and p.replica == 1)
+        deadline = time.monotonic() + 120
+        while not any(e.step >= 2 for e in of_kind(leaver.events(), Step)):
+            assert time.monotonic() < deadline, leaver.log_tail()
+            time.sleep(0.1)
+        family = descendants(leaver.proc.pid)
+        os.kill(leaver.proc.pid, signal.SIGTERM)  # the peer alone, as systemd or docker stop would
+        wait(swarm, timeout=400)
+        events = {id(p): p.events() for p in swarm.peers}
+        summaries = {s.peer_id: s for s in swarm.summaries()}
+        assert not alive(family), "the leaver left processes behind"
+    left = of_kind(events[id(leaver)], Left)
+    assert len(left) == 1 and left[0].step == (left[0].announced_round + 2) * 3
+    gone = next(e.peer_id for e in of_kind(events[id(leaver)], Membership))
+    assert summaries[gone].steps == left[0].step < steps and summaries[gone].val_loss is None
+    others = [p for p in swarm.peers if p is not leaver]
+    assert all(
+        summaries[next(e.peer_id for e in of_kind(events[id(p)], Membership))].steps == steps for p in others
+    )
+    views = views_by_round(events[id(p)] for p in swarm.peers)
+    assert all(len(v) == 1 for v in views.values()), views
+    for r, v in views.items():
+        stages = next(iter(v))
+        assert (gone in stages[1]) == (r < left[0].step // 3), (r, stages)
+    bad = [
+        e for p in others for e in events[id(p)] if isinstance(e, Dropped | Refused | ViewMismatch | PeerGone)
+    ]
+    assert bad == [], "\n".join(map(repr, bad))
 
 
 def test_a_stopped_swarm_resumes_from_its_checkpoints_bit_for_bit(
