@@ -114,9 +114,7 @@ class InnerSteps:
         self.ctx = ctx
         self.collectors: dict[int, StepCollector] = {}
         self.consumed = -1  # the last step whose rows were taken out of its collector
-        # Replies already given, for a sender that retries after its reply was lost in transit:
-        # (step, sender rank, samples) -> the reply; kept for the last few steps.
-        self.answered: dict[tuple[int, int, tuple[int, ...]], tuple[BackwardHeader, list[torch.Tensor]]] = {}
+        self.answered: dict[tuple, tuple] = {}  # (step, sender, samples) -> reply, for a sender's retry
         self.dropped_samples = 0
         self._data: Iterator[torch.Tensor] | None = None  # stage 0's batches
         self._data_at: tuple[tuple[int, int], int] = ((0, 0), 0)  # (shard layout, next step) of _data
@@ -361,9 +359,8 @@ class InnerSteps:
                 f"views of round {header.round} differ (theirs {header.view}, ours {view.digest()})"
             )
         self.check_sender(peer_id, view, header.run_id, header.hop, header.sender_rank)
-        again = self.answered.get((header.step, header.sender_rank, header.samples))
-        if again is not None:  # the sender lost our reply and sent the same rows again
-            return again
+        if (again := self.answered.get((header.step, header.sender_rank, header.samples))) is not None:
+            return again  # the sender lost our reply and sent the same rows again
         if not ctx.step <= header.step < ctx.step + 2:
             raise MessageError(f"forward for step {header.step}, this replica is at step {ctx.step}")
         if header.step <= self.consumed:
@@ -383,8 +380,7 @@ class InnerSteps:
             grad=TensorMeta.of(grad),
             losses=tuple(losses),
         )
-        for old in [k for k in self.answered if k[0] < header.step - 2]:
-            del self.answered[old]
+        self.answered = {k: v for k, v in self.answered.items() if k[0] >= header.step - 2}
         self.answered[(header.step, header.sender_rank, header.samples)] = (reply, [grad])
         return reply, [grad]
 

@@ -17,6 +17,7 @@ from noloco_swarm.cli.swarm import LocalSwarm, PeerProcess
 from noloco_swarm.cli.view import ReplicaStatus
 from noloco_swarm.peer.events import (
     KINDS,
+    Checkpointed,
     Dropped,
     Event,
     Events,
@@ -26,10 +27,12 @@ from noloco_swarm.peer.events import (
     Joiners,
     Joining,
     JsonLines,
+    Left,
     Membership,
     Outer,
     PeerGone,
     Refused,
+    Resumed,
     Retried,
     ServedState,
     SlowPeer,
@@ -90,6 +93,9 @@ def one_of_each() -> list[Event]:
         ViewMismatch(step=5, peer="12D3KooWa1", time=13.0),
         SlowPeer(peer="12D3KooWb1", reason="no gradient within 10 s", time=14.0),
         PeerGone(peer="12D3KooWb1", round=2, reason="does not answer a probe", time=14.5),
+        Left(step=12, announced_round=2, time=14.6),
+        Checkpointed(step=12, round=4, path="/ckpt/step-000000012.pt", time=14.7),
+        Resumed(step=12, round=4, state_hash="ab" * 32, time=14.8),
         final,
     ]
 
