@@ -154,7 +154,7 @@ class Simulator:
             # step: phis are read here, before any member of the group updates its own.
             phis = {d: r.phi for d, r in enumerate(row)}
             for d, replica in enumerate(row):
-                plan = outer_plan(o.method, o.group_size, len(row), self.step, d)
+                plan = outer_plan(o.method, o.group_size, len(row), self.step, d, self.cfg.group_draw_seed)
                 assert plan is not None
                 group_thetas = {m: thetas[m] for m in plan.group}
                 if o.method == "diloco":

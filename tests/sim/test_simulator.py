@@ -98,7 +98,12 @@ def test_noloco_with_whole_stage_groups_equals_diloco_averaging() -> None:
         config(
             "diloco",
             num_replicas=3,
-            outer={"inner_steps": 4, "outer_momentum": alpha, "outer_lr": beta, "nesterov": False},
+            outer={
+                "inner_steps": 4,
+                "outer_momentum": alpha,
+                "outer_lr": beta,
+                "diloco_variant": "heavyball",
+            },
         ),
         8,
     )
