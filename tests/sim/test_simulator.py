@@ -175,6 +175,9 @@ def test_loss_falls_on_the_embedded_corpus(cache: Path) -> None:
     assert first["val_loss"] < math.log(cfg.model.vocab_size) - 0.7
     assert last["val_loss"] < math.log(cfg.model.vocab_size) - 0.7
     assert len(result.replica_hashes) == 2 and len(result.replica_hashes[0]) == 2
+    # Every perplexity comes with the tokens it is over and the evaluation's own standard error.
+    assert last["val_tokens"] == cfg.eval_windows * cfg.model.seq_len
+    assert 0 < last["val_loss_se"] < 0.5
 
 
 def test_embedded_data_shards_are_disjoint_per_replica(cache: Path) -> None:
