@@ -57,6 +57,18 @@ def test_same_seed_gives_identical_hashes() -> None:
     assert c.state_hash() != a.state_hash()
 
 
+def test_seeded_groups_change_partners_not_determinism() -> None:
+    # Off (the default): groups come from the step alone. On: from (seed, step); still reproducible.
+    from noloco_swarm.protocol import gossip
+
+    off = config(num_stages=1, num_replicas=4)
+    on = config(num_stages=1, num_replicas=4, outer={"seeded_groups": True})
+    assert gossip.make_groups(4, 4, 2) != gossip.make_groups(4, 4, 2, on.group_draw_seed)
+    a, b, c = train(on, 5), train(on, 5), train(off, 5)
+    assert a.outer_steps == 1 and a.state_hash() == b.state_hash()
+    assert a.state_hash() != c.state_hash()
+
+
 def test_one_replica_without_routing_is_plain_training() -> None:
     # P = 1, D = 1, no outer step: the simulator must be bit-identical to a plain loop.
     cfg = config("local", num_stages=1, num_replicas=1, outer={"random_routing": False})
