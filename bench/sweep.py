@@ -278,6 +278,7 @@ def plot(runs: dict[str, dict], path: Path) -> None:
     ax1.axhline(1.0, color="k", lw=0.8)
     ax1.set(xlabel="replicas N", ylabel="perplexity ratio (below 1: NoLoCo better)")
     ax1.set_xticks([4, 8, 16], ["4", "8", "16"])
+    ax1.set_xlim(2, 18)
     ax1.legend(fontsize=8)
     for r in runs.values():
         if r["group"] == "control" or (
