@@ -55,7 +55,9 @@ class _Tracker:
                 partner = "-"
                 if self.cfg.outer.method == "noloco" and sim.outer_steps:
                     last = sim.outer_steps * self.cfg.outer.inner_steps
-                    others = gossip.partners_of(D, last, self.cfg.outer.group_size, d)
+                    others = gossip.partners_of(
+                        D, last, self.cfg.outer.group_size, d, self.cfg.group_draw_seed
+                    )
                     partner = ",".join(map(str, others)) or "(alone)"
                 elif self.cfg.outer.method == "diloco" and sim.outer_steps:
                     partner = "all"

@@ -80,7 +80,8 @@ def parser() -> argparse.ArgumentParser:
     sim.add_argument(
         "--methods",
         default=None,
-        help=f"comma-separated: noloco, diloco, allreduce, local, noloco-fixed (routing off) "
+        help=f"comma-separated: noloco, diloco (heavy-ball), diloco-heavyball, diloco-nesterov, allreduce, "
+        f"local, noloco-fixed and local-fixed (random routing off) "
         f"(default: the config's method if a source sets one, else {SIM_METHODS})",
     )
     sim.add_argument("--out", type=Path, default=None, help="output folder (default: runs/sim-<time>)")
@@ -208,6 +209,12 @@ def _sim_layer(method: str) -> Layer:
     """An explicit `--methods` entry: the flag layer of that method's config."""
     if method == "noloco-fixed":  # the routing ablation: NoLoCo with each replica's own chain
         return Layer("--methods", {"method": "noloco", "outer.random_routing": False})
+    if method == "local-fixed":  # the paper's ablation: no outer step, each replica's own chain
+        return Layer("--methods", {"method": "local", "outer.random_routing": False})
+    if method.startswith("diloco-"):  # a named baseline: diloco-heavyball or diloco-nesterov
+        return Layer(
+            "--methods", {"method": "diloco", "outer.diloco_variant": method.removeprefix("diloco-")}
+        )
     return Layer("--methods", {"method": method})
 
 

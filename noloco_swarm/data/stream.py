@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from noloco_swarm.data.config import EMBEDDED, DataConfig
-from noloco_swarm.data.corpus import build_corpus, write_atomic
+from noloco_swarm.data.corpus import build_corpus, corpus_sha256, write_atomic
 from noloco_swarm.data.tokenizer import TextTokenizer, load_tokenizer
 
 # Separates the data stream's draws from any other use of the run seed.
@@ -73,9 +73,11 @@ def corpus_tokens(cfg: DataConfig, split: str, cache_dir: str | os.PathLike[str]
         raise ValueError(f"split is {split!r}; use 'train' or 'val'")
     corpus = build_corpus(cache_dir)
     tokenizer = load_tokenizer(cfg, cache_dir)
-    path = corpus.directory / f"tokens-{corpus.sha256[:16]}-{tokenizer.fingerprint[:16]}-{split}.npy"
+    docs = corpus.train if split == "train" else corpus.val
+    # Named by the split's own content: a change of the split rule (e.g. deduplication) is a new file.
+    digest = corpus_sha256(list(docs))[:16]
+    path = corpus.directory / f"tokens-{digest}-{tokenizer.fingerprint[:16]}-{split}.npy"
     if not path.is_file():
-        docs = corpus.train if split == "train" else corpus.val
         buffer = io.BytesIO()
         np.save(buffer, tokenize_documents([d.text for d in docs], tokenizer))
         write_atomic(path, buffer.getvalue())

@@ -357,7 +357,7 @@ async def take_outer_step(ctx: PeerContext, board: ExchangeBoard, ledger: ByteLe
     t, o = ctx.step, ctx.cfg.outer
     view = ctx.view_at(t - 1)  # the round that just closed
     rank = view.rank_of(ctx.me)[1]
-    plan = outer_plan(o.method, o.group_size, len(view.stages[ctx.stage]), t, rank)
+    plan = outer_plan(o.method, o.group_size, len(view.stages[ctx.stage]), t, rank, ctx.cfg.group_draw_seed)
     assert plan is not None, "only methods with an outer step get here"
     exchange = OuterExchange(ctx, board, plan, view.round)
     theta = await asyncio.to_thread(ctx.replica.theta)

@@ -3,6 +3,17 @@
 These are the parts of the config tree that the protocol core owns. Defaults follow the official
 code's NoLoCo configs (`*_mean_*`: H = 50, group size 2, outer lr 0.7, outer momentum 0.5) and its
 DiLoCo configs (H = 100, outer lr 0.7, momentum 0.3).
+
+DiLoCo has two named variants (`outer.diloco_variant`), and neither is a mix of the two:
+
+* `heavyball` (the default): the NoLoCo paper's baseline as the official code runs it,
+  `delta = 0.3*delta - 0.7*g; phi = phi + delta` (written there as Nesterov, heavy-ball in fact);
+* `nesterov`: the DiLoCo paper's outer optimiser, `torch.optim.SGD(lr=0.7, momentum=0.9,
+  nesterov=True)` on the outer gradient g.
+
+Each variant brings its own momentum default; `outer.outer_momentum` still overrides it. (Before
+the variants existed, `diloco` meant torch's Nesterov step with momentum 0.3; that is
+`diloco_variant=nesterov, outer_momentum=0.3`, a mix of the two papers kept only for comparison.)
 """
 
 from __future__ import annotations
@@ -13,6 +24,9 @@ from typing import Literal
 
 Method = Literal["noloco", "diloco", "allreduce", "local"]
 METHODS: tuple[str, ...] = ("noloco", "diloco", "allreduce", "local")
+DilocoVariant = Literal["heavyball", "nesterov"]
+# Each DiLoCo variant's outer momentum: the official code's DiLoCo configs, the DiLoCo paper's.
+DILOCO_MOMENTUM: dict[str, float] = {"heavyball": 0.3, "nesterov": 0.9}
 
 
 @dataclass(frozen=True)
@@ -24,21 +38,31 @@ class OuterConfig:
     inner_steps: int = 50
     """H: inner steps between outer steps (50 for NoLoCo, 100 for DiLoCo)."""
     group_size: int = 2
-    """n: replicas per NoLoCo group (odd replica counts give one larger group)."""
+    """n: replicas per NoLoCo group. When n does not divide the replica count D there are D // n groups
+    and the D % n left over join them one each, so some groups hold more than n (D=5, n=2: 3 and 2;
+    D=8, n=3: 4 and 4; D=5, n=3: one group of 5); D < n: one group of all (protocol/gossip.py)."""
     outer_momentum: float = 0.5
     """alpha: outer momentum (0.5 NoLoCo, 0.3 DiLoCo)."""
     outer_lr: float = 0.7
     """beta: outer learning rate."""
     gamma: float | None = None
     """Local-averaging coefficient; None ties it to outer_lr (the official code), so only theta travels."""
-    nesterov: bool = True
-    """DiLoCo only: the DiLoCo paper's Nesterov step; False is the official code's heavy-ball form."""
+    diloco_variant: DilocoVariant = "heavyball"
+    """DiLoCo only: heavyball (the NoLoCo paper's baseline as the official code runs it, momentum 0.3)
+    or nesterov (the DiLoCo paper's Nesterov SGD, momentum 0.9); each sets outer_momentum's default."""
+    seeded_groups: bool = False
+    """NoLoCo only: draw groups from (run seed, step) instead of the step alone. Off, every seed sees
+    the same partner sequence (bit-compatible with the official code); on, for variance studies."""
     random_routing: bool = True
     """Per-sample random routes between stages; False keeps each replica's own chain (ablation)."""
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+        if self.diloco_variant not in DILOCO_MOMENTUM:
+            raise ValueError(
+                f"diloco_variant must be one of {tuple(DILOCO_MOMENTUM)}, got {self.diloco_variant!r}"
+            )
         if self.inner_steps < 1:
             raise ValueError(f"inner_steps (H) must be >= 1, got {self.inner_steps}")
         if self.group_size < 1:
@@ -61,10 +85,15 @@ class OuterConfig:
 
     @classmethod
     def for_method(cls, method: str, **overrides: object) -> OuterConfig:
-        """The paper's defaults for a method, with overrides."""
+        """The paper's defaults for a method, with overrides (DiLoCo's momentum follows its variant)."""
+        variant = str(overrides.get("diloco_variant", "heavyball"))
         defaults: dict[str, object] = {
             "noloco": {"inner_steps": 50, "outer_momentum": 0.5, "outer_lr": 0.7},
-            "diloco": {"inner_steps": 100, "outer_momentum": 0.3, "outer_lr": 0.7},
+            "diloco": {
+                "inner_steps": 100,
+                "outer_momentum": DILOCO_MOMENTUM.get(variant, 0.3),
+                "outer_lr": 0.7,
+            },
             "allreduce": {"inner_steps": 1},
             "local": {"inner_steps": 50},
         }.get(method, {})  # an unknown method falls through to __post_init__'s error

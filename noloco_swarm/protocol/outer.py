@@ -14,8 +14,14 @@ With gamma == beta the two means fold into one, `delta = alpha*delta + beta*(mea
 so partners need to exchange only theta (half of what the official code sends).
 
 DiLoCo: the outer gradient `g = phi - mean_all(theta)` is all-reduced over every replica of the
-stage, then the DiLoCo paper's Nesterov step (PyTorch SGD, nesterov=True) or, optionally, the
-official code's heavy-ball form `delta = alpha*delta - beta*g; phi = phi + delta`.
+stage, then one of two named steps (`DILOCO_VARIANTS`):
+
+    heavyball (the NoLoCo paper's baseline, official `sparce_loco_optimizer.py`, written there as
+               "Nesterov" but heavy-ball):  delta = alpha*delta - beta*g;  phi = phi + delta
+    nesterov  (the DiLoCo paper: torch.optim.SGD(nesterov=True), dampening 0):
+               buf = alpha*buf + g;  phi = phi - beta*(g + alpha*buf)
+
+Heavy-ball DiLoCo is NoLoCo's one-tensor step with the whole stage as the group.
 
 Every function takes a tensor or a sequence of tensors (one per parameter) and returns the same
 shape of thing. Group members are passed as a mapping from replica rank to weights and reduced in
@@ -140,6 +146,9 @@ def noloco_step_two_tensor(
     return OuterResult(phi=_like(phi, new_phi), delta=_like(delta, new_delta))
 
 
+DILOCO_VARIANTS = ("heavyball", "nesterov")
+
+
 def diloco_step(
     phi: Params,
     momentum: Params,
@@ -147,16 +156,19 @@ def diloco_step(
     *,
     lr: float,
     momentum_coef: float,
-    nesterov: bool = True,
+    variant: str,
 ) -> OuterResult:
-    """DiLoCo outer step: all-replica average of the outer gradient, then SGD with momentum.
+    """DiLoCo outer step: all-replica average of the outer gradient, then the named momentum step.
 
-    `thetas` maps every replica rank of the stage to its fast weights. Nesterov follows
-    torch.optim.SGD(nesterov=True) with dampening 0 (the DiLoCo paper); `nesterov=False` is the
-    official code's heavy-ball form, in which `momentum` holds the already-scaled step.
+    `thetas` maps every replica rank of the stage to its fast weights. `variant` "heavyball" is
+    the official code's form, in which `momentum` holds the already-scaled step (the NoLoCo
+    paper's baseline); "nesterov" follows torch.optim.SGD(nesterov=True) with dampening 0, in
+    which `momentum` is SGD's buffer (the DiLoCo paper).
     """
+    if variant not in DILOCO_VARIANTS:
+        raise ValueError(f"DiLoCo variant must be one of {DILOCO_VARIANTS}, got {variant!r}")
     grad = _zip_map(torch.sub, _as_list(phi), _as_list(group_mean(thetas)))
-    if nesterov:
+    if variant == "nesterov":
         buf = _zip_map(lambda b, g: b * momentum_coef + g, _as_list(momentum), grad)
         new_phi = _zip_map(lambda p, g, b: p - (g + b * momentum_coef) * lr, _as_list(phi), grad, buf)
     else:

@@ -156,12 +156,23 @@ class OuterPlan:
         return self.rank < partner
 
 
-def outer_plan(method: str, group_size: int, num_replicas: int, step: int, rank: int) -> OuterPlan | None:
-    """The outer step after inner step `step` (a multiple of H); None for methods without one."""
+def outer_plan(
+    method: str,
+    group_size: int,
+    num_replicas: int,
+    step: int,
+    rank: int,
+    draw_seed: int | None = None,
+) -> OuterPlan | None:
+    """The outer step after inner step `step` (a multiple of H); None for methods without one.
+
+    `draw_seed` (NoLoCo): None draws groups from the step alone, as the official code does; the
+    run seed when `outer.seeded_groups` is on (`RunConfig.group_draw_seed`).
+    """
     if not 0 <= rank < num_replicas:
         raise ValueError(f"rank {rank} is outside 0..{num_replicas - 1}")
     if method == "noloco":
-        group = tuple(sorted(gossip.group_of(num_replicas, step, group_size, rank)))
+        group = tuple(sorted(gossip.group_of(num_replicas, step, group_size, rank, draw_seed)))
         return OuterPlan(step, rank, group, sharded=False)
     if method == "diloco":
         return OuterPlan(step, rank, tuple(range(num_replicas)), sharded=num_replicas > 2)

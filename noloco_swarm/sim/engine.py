@@ -61,6 +61,7 @@ class Simulator:
         self.tokens = 0
         self.outer_steps = 0
         self.spread_before_outer = 0.0  # weight spread of the fast weights at the last outer step
+        self.last_window_losses = torch.zeros(0, dtype=torch.float64)  # per window, last evaluate()
 
     @property
     def stages(self) -> list[list[Stage]]:
@@ -154,7 +155,7 @@ class Simulator:
             # step: phis are read here, before any member of the group updates its own.
             phis = {d: r.phi for d, r in enumerate(row)}
             for d, replica in enumerate(row):
-                plan = outer_plan(o.method, o.group_size, len(row), self.step, d)
+                plan = outer_plan(o.method, o.group_size, len(row), self.step, d, self.cfg.group_draw_seed)
                 assert plan is not None
                 group_thetas = {m: thetas[m] for m in plan.group}
                 if o.method == "diloco":
@@ -187,22 +188,30 @@ class Simulator:
         """Validation loss/perplexity: each fixed path (protocol.plan.eval_paths), averaged in log space.
 
         Also the perplexity of the averaged model (every stage's replicas averaged), the model a
-        run would publish.
+        run would publish; `val_tokens`, the predicted tokens the perplexity is over; and
+        `val_loss_se`, the standard error of val_loss over windows (the evaluation's own noise).
         """
         paths = eval_paths(self.plan.counts)
-        per_replica = [
-            _chain_loss([row[q] for row in self.stages], windows, batch_size) for q in range(paths)
+        per_window = [
+            _chain_losses([row[q] for row in self.stages], windows, batch_size) for q in range(paths)
         ]
+        per_replica = [float(losses.mean()) for losses in per_window]
+        # The evaluation's own sampling error: the standard error over windows of the path-mean loss.
+        path_mean = torch.stack(per_window).mean(dim=0)
+        self.last_window_losses = path_mean  # for paired comparisons of runs on the same windows
+        se = float(path_mean.std() / math.sqrt(len(path_mean))) if len(path_mean) > 1 else float("nan")
         averaged = []
         for row in self.stages:
             mean = outer.group_mean({d: flat_params(m) for d, m in enumerate(row)})
             module = copy.deepcopy(row[0])
             load_flat_params_(module, mean)
             averaged.append(module)
-        avg_loss = _chain_loss(averaged, windows, batch_size)
+        avg_loss = float(_chain_losses(averaged, windows, batch_size).mean())
         val_loss = sum(per_replica) / paths
         return {
             "val_loss": val_loss,
+            "val_loss_se": se,
+            "val_tokens": len(windows) * (windows.shape[1] - 1),
             "val_ppl": math.exp(val_loss),
             "val_ppl_avg_model": math.exp(avg_loss),
             "val_ppl_best_replica": math.exp(min(per_replica)),
@@ -219,14 +228,13 @@ def _spread(stages: list[list[torch.Tensor]]) -> float:
     return math.sqrt(total / count)
 
 
-def _chain_loss(stages: list[Stage], windows: torch.Tensor, batch_size: int) -> float:
-    """Mean token loss of one fixed path of stages over the validation windows."""
-    total, count = 0.0, 0
+def _chain_losses(stages: list[Stage], windows: torch.Tensor, batch_size: int) -> torch.Tensor:
+    """Mean token loss of every validation window along one fixed path of stages (float64)."""
+    out = []
     for start in range(0, len(windows), batch_size):
         w = windows[start : start + batch_size]
         x = w[:, :-1]
         for s, module in enumerate(stages):
             x = module(x, w[:, 1:] if s == len(stages) - 1 else None)
-        total += float(x.sum())
-        count += len(w)
-    return total / count
+        out.append(x.detach().double())
+    return torch.cat(out)

@@ -172,6 +172,12 @@ class RunConfig:
         """Replicas of every stage at the start of the run."""
         return self.stage_replicas or (self.num_replicas,) * self.num_stages
 
+    @property
+    def group_draw_seed(self) -> int | None:
+        """The seed of the NoLoCo group draw (protocol.gossip): None, the official step-only draw,
+        unless `outer.seeded_groups` is on, then the run seed."""
+        return self.seed if self.outer.seeded_groups else None
+
     @classmethod
     def create(
         cls,

@@ -83,11 +83,16 @@ class StageReplica:
 
     @torch.no_grad()
     def apply_diloco(self, thetas: Mapping[int, torch.Tensor]) -> None:
-        """DiLoCo outer step with every replica's fast weights, keyed by rank."""
+        """DiLoCo outer step (`outer.diloco_variant`) with every replica's fast weights, keyed by rank."""
         o = self.cfg.outer
         thetas = self._here(thetas)
         res = outer.diloco_step(
-            self.phi, self.delta, thetas, lr=o.outer_lr, momentum_coef=o.outer_momentum, nesterov=o.nesterov
+            self.phi,
+            self.delta,
+            thetas,
+            lr=o.outer_lr,
+            momentum_coef=o.outer_momentum,
+            variant=o.diloco_variant,
         )
         self._set(res)
 

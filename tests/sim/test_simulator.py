@@ -57,6 +57,18 @@ def test_same_seed_gives_identical_hashes() -> None:
     assert c.state_hash() != a.state_hash()
 
 
+def test_seeded_groups_change_partners_not_determinism() -> None:
+    # Off (the default): groups come from the step alone. On: from (seed, step); still reproducible.
+    from noloco_swarm.protocol import gossip
+
+    off = config(num_stages=1, num_replicas=4)
+    on = config(num_stages=1, num_replicas=4, outer={"seeded_groups": True})
+    assert gossip.make_groups(4, 4, 2) != gossip.make_groups(4, 4, 2, on.group_draw_seed)
+    a, b, c = train(on, 5), train(on, 5), train(off, 5)
+    assert a.outer_steps == 1 and a.state_hash() == b.state_hash()
+    assert a.state_hash() != c.state_hash()
+
+
 def test_one_replica_without_routing_is_plain_training() -> None:
     # P = 1, D = 1, no outer step: the simulator must be bit-identical to a plain loop.
     cfg = config("local", num_stages=1, num_replicas=1, outer={"random_routing": False})
@@ -98,7 +110,12 @@ def test_noloco_with_whole_stage_groups_equals_diloco_averaging() -> None:
         config(
             "diloco",
             num_replicas=3,
-            outer={"inner_steps": 4, "outer_momentum": alpha, "outer_lr": beta, "nesterov": False},
+            outer={
+                "inner_steps": 4,
+                "outer_momentum": alpha,
+                "outer_lr": beta,
+                "diloco_variant": "heavyball",
+            },
         ),
         8,
     )
@@ -170,6 +187,9 @@ def test_loss_falls_on_the_embedded_corpus(cache: Path) -> None:
     assert first["val_loss"] < math.log(cfg.model.vocab_size) - 0.7
     assert last["val_loss"] < math.log(cfg.model.vocab_size) - 0.7
     assert len(result.replica_hashes) == 2 and len(result.replica_hashes[0]) == 2
+    # Every perplexity comes with the tokens it is over and the evaluation's own standard error.
+    assert last["val_tokens"] == cfg.eval_windows * cfg.model.seq_len
+    assert 0 < last["val_loss_se"] < 0.5
 
 
 def test_embedded_data_shards_are_disjoint_per_replica(cache: Path) -> None:

@@ -35,7 +35,14 @@ from noloco_swarm.data import (
     validation_windows,
 )
 from noloco_swarm.data import tokenizer as tokenizer_module
-from noloco_swarm.data.corpus import collect_documents, corpus_sha256, html_to_text, source_document
+from noloco_swarm.data.corpus import (
+    Document,
+    collect_documents,
+    corpus_sha256,
+    deduplicate_validation,
+    html_to_text,
+    source_document,
+)
 from noloco_swarm.data.hub import buffer_shuffle, open_split, pack_windows, shard_records
 from noloco_swarm.data.tokenizer import embedded_tokenizer_path, train_bpe
 
@@ -104,6 +111,31 @@ def test_validation_split_is_small_fixed_and_disjoint(corpus: Corpus) -> None:
     assert not train & val
     assert 0.005 <= len(val) / (len(train) + len(val)) <= 0.05
     assert 0 < corpus.val_chars < 0.1 * corpus.train_chars
+
+
+def test_no_validation_text_occurs_in_the_training_split(corpus: Corpus) -> None:
+    # pydoc's topic:else is byte-identical to topic:if; whichever side holds it, it must not be both.
+    seen = "\n\n".join(d.text for d in corpus.train)
+    assert "topic:else" not in {d.name for d in corpus.val}
+    for doc in corpus.val:
+        assert doc.text not in seen, doc.name
+        for paragraph in doc.text.split("\n\n"):
+            if len(paragraph.strip()) >= 40:
+                assert paragraph.strip() not in seen, (doc.name, paragraph[:60])
+    assert len(corpus.val) >= 10 and corpus.val_chars > 40_000  # a few shared lines, not the split
+
+
+def test_deduplication_drops_copies_and_cuts_shared_paragraphs() -> None:
+    shared = "This paragraph is repeated word for word in both of the splits."
+    train = (Document("a", f"Intro that only training has, long enough to count.\n\n{shared}"),)
+    val = (
+        Document("copy", shared),
+        Document("mixed", f"{shared}\n\nA held-out paragraph that training never saw at all.\n\nshort"),
+        Document("own", "Entirely new text."),
+    )
+    out = deduplicate_validation(train, val)
+    assert [d.name for d in out] == ["mixed", "own"]
+    assert out[0].text == "A held-out paragraph that training never saw at all.\n\nshort"
 
 
 def test_corpus_build_is_deterministic_and_cached(corpus: Corpus, cache: Path) -> None:

@@ -45,7 +45,7 @@ def test_whole_stage_group_reduces_to_diloco_heavy_ball() -> None:
     thetas = {r: weights(100 + r, SHAPES) for r in range(4)}
     delta = weights(7, SHAPES)
     nl = outer.noloco_step(phi, delta, thetas, alpha=0.5, beta=0.7)
-    dl = outer.diloco_step(phi, delta, thetas, lr=0.7, momentum_coef=0.5, nesterov=False)
+    dl = outer.diloco_step(phi, delta, thetas, lr=0.7, momentum_coef=0.5, variant="heavyball")
     for a, b in zip(nl.phi + nl.delta, dl.phi + dl.delta, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
@@ -88,13 +88,14 @@ def test_single_tensor_inputs_and_momentum_accumulates() -> None:
 
 
 def test_diloco_nesterov_matches_torch_sgd() -> None:
+    # The DiLoCo paper's outer optimiser: SGD(lr 0.7, momentum 0.9, nesterov) on the pseudo-gradient.
     phi = weights(3, SHAPES)
     buf = [torch.zeros_like(p) for p in phi]
     params = [torch.nn.Parameter(p.clone()) for p in phi]
     sgd = torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
     for round_ in range(3):
         thetas = {r: weights(50 * round_ + r, SHAPES) for r in range(3)}
-        res = outer.diloco_step(phi, buf, thetas, lr=0.7, momentum_coef=0.9)
+        res = outer.diloco_step(phi, buf, thetas, lr=0.7, momentum_coef=0.9, variant="nesterov")
         phi, buf = res.phi, res.delta
         mean = outer.group_mean(thetas)
         for p, m in zip(params, mean, strict=True):
@@ -102,6 +103,38 @@ def test_diloco_nesterov_matches_torch_sgd() -> None:
         sgd.step()
         for p, q in zip(params, phi, strict=True):
             torch.testing.assert_close(p.detach(), q, rtol=1e-12, atol=1e-12)
+
+
+def test_diloco_heavyball_matches_the_official_update() -> None:
+    # The NoLoCo paper's baseline as the official code writes it (sparce_loco_optimizer.py), per
+    # parameter: grad = mean_r(gp - p_r); gm += (momentum - 1)*gm - lr*grad; gp += gm; p = gp.
+    phi = weights(4, SHAPES)
+    gm = [torch.zeros_like(p) for p in phi]
+    gp = [p.clone() for p in phi]
+    delta = [torch.zeros_like(p) for p in phi]
+    momentum, lr = 0.3, 0.7
+    for round_ in range(4):
+        thetas = {r: weights(70 * round_ + r, SHAPES) for r in range(4)}
+        res = outer.diloco_step(phi, delta, thetas, lr=lr, momentum_coef=momentum, variant="heavyball")
+        phi, delta = res.phi, res.delta
+        for i, (g, m) in enumerate(zip(gp, gm, strict=True)):
+            grad = sum(g - thetas[r][i] for r in sorted(thetas)) / len(thetas)
+            m.add_((momentum - 1.0) * m - lr * grad)
+            g.add_(m)
+        for a, b in zip(phi, gp, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+        for a, b in zip(res.delta, gm, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_diloco_variants_differ_and_unknown_is_refused() -> None:
+    phi, delta = weights(5, SHAPES), weights(6, SHAPES)
+    thetas = {r: weights(200 + r, SHAPES) for r in range(2)}
+    hb = outer.diloco_step(phi, delta, thetas, lr=0.7, momentum_coef=0.9, variant="heavyball")
+    nv = outer.diloco_step(phi, delta, thetas, lr=0.7, momentum_coef=0.9, variant="nesterov")
+    assert not all(torch.allclose(a, b) for a, b in zip(hb.phi, nv.phi, strict=True))
+    with pytest.raises(ValueError, match="variant"):
+        outer.diloco_step(phi, delta, thetas, lr=0.7, momentum_coef=0.9, variant="adam")
 
 
 def test_bad_inputs_raise() -> None:
