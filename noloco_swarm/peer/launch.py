@@ -17,7 +17,7 @@ from noloco_swarm.peer import checkpoint, events
 from noloco_swarm.peer.directory import RunDirectory
 from noloco_swarm.peer.lifetime import DHT
 from noloco_swarm.peer.node import reachability
-from noloco_swarm.peer.rounds import PROBE_TIMEOUT, ask_status
+from noloco_swarm.peer.rounds import ask_status_at
 from noloco_swarm.peer.runtime import Peer
 from noloco_swarm.peer.streams import PeerUnavailable, RemoteRefused
 from noloco_swarm.peer.transport import Transport
@@ -153,8 +153,7 @@ async def _least_served_stage(transport: Transport, directory: RunDirectory, cfg
 
     async def answers(a: messages.PeerAnnouncement) -> bool:
         try:
-            await transport.connect(a.peer_id, a.addresses, timeout=PROBE_TIMEOUT)
-            await ask_status(transport, a.peer_id, directory.run_id, PROBE_TIMEOUT)
+            await ask_status_at(transport, a.peer_id, a.addresses, directory.run_id)
         except RemoteRefused:
             return True  # it refused: it runs
         except (PeerUnavailable, messages.MessageError):

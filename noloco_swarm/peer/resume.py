@@ -25,7 +25,7 @@ from pathlib import Path
 from noloco_swarm.peer import checkpoint, events
 from noloco_swarm.peer.checkpoint import Checkpoint
 from noloco_swarm.peer.context import PeerContext
-from noloco_swarm.peer.rounds import PROBE_TIMEOUT, ask_status
+from noloco_swarm.peer.rounds import ask_status_at
 from noloco_swarm.peer.streams import PeerUnavailable, RemoteRefused
 from noloco_swarm.protocol import messages
 from noloco_swarm.protocol.membership import MembershipView
@@ -155,8 +155,7 @@ class Resume:
 
         async def ask(peer: str) -> messages.PeerStatus | None:
             try:
-                await ctx.transport.connect(peer, addresses.get(peer, ()), timeout=PROBE_TIMEOUT)
-                return await ask_status(ctx.transport, peer, ctx.run_id, PROBE_TIMEOUT)
+                return await ask_status_at(ctx.transport, peer, addresses.get(peer, ()), ctx.run_id)
             except (PeerUnavailable, RemoteRefused, messages.MessageError):
                 return None
 

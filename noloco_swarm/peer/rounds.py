@@ -51,6 +51,15 @@ async def ask_status(transport: Transport, peer: str, run_id: str, timeout: floa
     return reply
 
 
+async def ask_status_at(
+    transport: Transport, peer: str, addresses: tuple[str, ...], run_id: str
+) -> messages.PeerStatus:
+    """`ask_status` of a peer found in the directory: dial its announced addresses first (a fresh
+    daemon knows only the peers it has talked to). Raises as `ask_status` does."""
+    await transport.connect(peer, addresses, timeout=PROBE_TIMEOUT)
+    return await ask_status(transport, peer, run_id, PROBE_TIMEOUT)
+
+
 class PeerExcluded(RuntimeError):
     """The swarm's next view leaves this (live) peer out, e.g. after a gone report: join again."""
 
