@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import json
 import signal
 
@@ -11,6 +12,12 @@ from rich.console import Console
 from noloco_swarm.peer.events import Final, to_dict
 from noloco_swarm.peer.launch import run_on_loop, run_peer
 from noloco_swarm.train.config import RunConfig
+
+# Once the peer has shut down, its event loop must close (joining its worker threads) within this
+# many seconds. If a worker thread still holds it (a call that never returns), every thread's stack
+# goes to stderr and the process exits with status 1: a peer that finished but hangs would stall
+# whoever waits for it.
+EXIT_GRACE = 60.0
 
 
 def run_join(cfg: RunConfig, steps: int, *, new_run: bool, resume: bool = False, quiet: bool = False) -> int:
@@ -39,13 +46,18 @@ def run_join(cfg: RunConfig, steps: int, *, new_run: bool, resume: bool = False,
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, on_signal)
-        return await run_peer(cfg, steps, new_run=new_run, resume=resume, leave=leave)
+        try:
+            return await run_peer(cfg, steps, new_run=new_run, resume=resume, leave=leave)
+        finally:
+            faulthandler.dump_traceback_later(EXIT_GRACE, exit=True)
 
     try:
         summary = run_on_loop(main(), cfg.peer.event_loop)
     except asyncio.CancelledError:
         console.print("stopped by a signal; shut down cleanly")
         return 130
+    finally:
+        faulthandler.cancel_dump_traceback_later()  # the loop and its worker threads have ended
     console.print(
         f"done: stage {summary.stage} replica {summary.rank}, {summary.steps} steps, "
         f"{summary.outer_steps} outer steps, state {summary.state_hash[:16]}"

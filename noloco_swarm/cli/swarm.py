@@ -175,7 +175,9 @@ def wait(swarm: LocalSwarm, timeout: float, poll: float = 0.5, on_poll=None) -> 
                 f"peer stage {p.stage} replica {p.replica} exited {p.proc.returncode}:\n{p.log_tail()}"
             )
         if time.monotonic() > deadline:
-            raise TimeoutError(f"the swarm did not finish in {timeout:.0f} s")
+            running = [p for p in swarm.peers if p.proc.poll() is None]
+            tails = "\n".join(f"--- stage {p.stage} replica {p.replica}:\n{p.log_tail()}" for p in running)
+            raise TimeoutError(f"the swarm did not finish in {timeout:.0f} s; still running:\n{tails}")
         time.sleep(poll)
     if on_poll is not None:
         on_poll(swarm)

@@ -18,14 +18,19 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from hivemind import DHT
-from hivemind.utils import get_dht_time
+from hivemind.utils import MPFuture, ValueWithExpiration, get_dht_time
 
 from noloco_swarm.protocol import messages
 
 MANIFEST_TTL = 7 * 24 * 3600.0  # the manifest outlives any one peer; re-stored by every heartbeat
 DEFAULT_HEARTBEAT_TTL = 30.0
 R = TypeVar("R", messages.PeerAnnouncement, messages.GoneReport)
+T = TypeVar("T")
 GONE_TTL = 3600.0  # long enough to outlast any announcement the gone peer left behind
+# A DHT call waits at most this long. hivemind's blocking get/store wait on a future that the DHT
+# process completes; one still pending when that process shuts down would never complete, and the
+# worker thread waiting on it would keep the peer from exiting.
+DHT_CALL_TIMEOUT = 30.0
 
 
 class ManifestMismatchError(RuntimeError):
@@ -65,7 +70,7 @@ class RunDirectory:
 
     def fetch_manifest(self) -> messages.RunManifest | None:
         """The run's manifest, or None if nobody published one (or it is unreadable)."""
-        found = self.dht.get(manifest_key(self.run_id), latest=True)
+        found = self._get(manifest_key(self.run_id))
         if found is None or not isinstance(found.value, bytes):
             return None
         try:
@@ -77,8 +82,13 @@ class RunDirectory:
     def publish_manifest(self, manifest: messages.RunManifest) -> None:
         if manifest.run_id != self.run_id:
             raise ValueError(f"manifest is for run {manifest.run_id!r}, this directory is {self.run_id!r}")
-        ok = self.dht.store(
-            manifest_key(self.run_id), messages.encode(manifest), get_dht_time() + MANIFEST_TTL
+        ok = self._wait(
+            self.dht.store(
+                manifest_key(self.run_id),
+                messages.encode(manifest),
+                get_dht_time() + MANIFEST_TTL,
+                return_future=True,
+            )
         )
         if not ok:
             raise RuntimeError("the DHT did not accept the manifest; is any DHT peer reachable?")
@@ -120,12 +130,28 @@ class RunDirectory:
         return DirectoryReadout(good, bad)
 
     def _store(self, key: str, record: messages.Message, subkey: str, ttl: float) -> bool:
-        return bool(self.dht.store(key, messages.encode(record), get_dht_time() + ttl, subkey=subkey))
+        expiration = get_dht_time() + ttl
+        return bool(
+            self._wait(
+                self.dht.store(key, messages.encode(record), expiration, subkey=subkey, return_future=True)
+            )
+        )
+
+    def _get(self, key: str) -> ValueWithExpiration | None:
+        return self._wait(self.dht.get(key, latest=True, return_future=True))
+
+    def _wait(self, future: MPFuture[T]) -> T:
+        """The DHT's answer within DHT_CALL_TIMEOUT; TimeoutError (and the call cancelled) after."""
+        try:
+            return future.result(timeout=DHT_CALL_TIMEOUT)
+        except TimeoutError:
+            future.cancel()
+            raise TimeoutError(f"the DHT did not answer within {DHT_CALL_TIMEOUT:.0f} s") from None
 
     def _read(self, key: str, cls: type[R]) -> tuple[list[R], int]:
         """Well-formed records of `cls` under `key` naming this run and their own subkey, and how
         many others there were (garbage, another run, a subkey that lies about its record)."""
-        found = self.dht.get(key, latest=True)
+        found = self._get(key)
         if found is None or not isinstance(found.value, dict):
             return [], 0
         good, bad = [], 0

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -12,6 +14,7 @@ import pytest
 from hivemind import DHT
 from hivemind.utils import get_dht_time
 
+from noloco_swarm.peer import directory
 from noloco_swarm.peer.directory import ManifestMismatchError, RunDirectory, gone_key, peers_key
 from noloco_swarm.peer.node import NetworkConfig, reachability, start_dht
 from noloco_swarm.protocol import messages
@@ -145,3 +148,23 @@ def test_noloco_dht_prints_address_and_keeps_identity(tmp_path: Path, bootstrap:
     assert key.exists()
     with process_group(argv) as (_, second):
         assert second.rsplit("/p2p/", 1)[1] == first.rsplit("/p2p/", 1)[1]  # same peer id after restart
+
+
+def test_a_dht_call_gives_up_at_its_deadline_when_the_dht_process_cannot_answer(
+    two_peers: tuple[DHT, DHT], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A call pending when the DHT process stops answering (frozen, or shut down under it) fails
+    with TimeoutError at the deadline instead of holding its worker thread, and the peer, forever."""
+    a, _ = two_peers
+    found = RunDirectory(a, "run-deadline")
+    monkeypatch.setattr(directory, "DHT_CALL_TIMEOUT", 0.5)
+    assert found.read_peers().announcements == []  # it answers while it runs
+    os.kill(a.pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match="did not answer"):
+            found.read_peers()
+        assert time.monotonic() - started < 30  # the deadline, not hivemind's own waits
+    finally:
+        os.kill(a.pid, signal.SIGCONT)
+    assert found.read_peers().announcements == []  # and the DHT still serves once it runs again
