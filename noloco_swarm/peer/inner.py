@@ -29,11 +29,15 @@ from noloco_swarm.peer.rounds import PROBE_PERIOD
 from noloco_swarm.peer.streams import PeerUnavailable, RemoteRefused, StreamTruncated
 from noloco_swarm.protocol import messages, routing
 from noloco_swarm.protocol.membership import MembershipView
-from noloco_swarm.protocol.messages import BackwardHeader, ForwardHeader, MessageError, TensorMeta
+from noloco_swarm.protocol.messages import BackwardHeader, ForwardHeader, MessageError, PeerStatus, TensorMeta
 from noloco_swarm.protocol.plan import Incoming, Row
 
 logger = logging.getLogger(__name__)
 GradRows = tuple[list[int], torch.Tensor, tuple[float, ...]]  # batch rows, their gradients, losses
+# A receiver holds rows for at most this many steps, its current one included: a sender may run
+# ahead of one receiver by several steps when its other rows went elsewhere (or were dropped),
+# and a receiver that fell behind catches up from the rows it holds. This bounds their memory.
+STEPS_AHEAD = 8
 
 
 @dataclass
@@ -335,11 +339,22 @@ class InnerSteps:
                 )
                 return
             async with asyncio.TaskGroup() as group:
-                probes = [group.create_task(ctx.rounds.alive(p)) for p in peers]
+                probes = [group.create_task(ctx.rounds.probe(p)) for p in peers]
+            passed = []
             for sender, peer, probe in zip(missing, peers, probes, strict=True):
-                if not probe.result():
+                status = probe.result()
+                if status is None:
                     ctx.rounds.mark_dead(peer, f"stopped answering while we waited for step {t}")
                     collector.drop_sender(sender)
+                elif isinstance(status, PeerStatus) and status.step > t:
+                    passed.append(sender)  # it gave up on us for step t: its rows will not come
+            if passed:
+                lost = sum(len(collector.rows_from(s)) for s in passed)
+                for sender in passed:
+                    collector.drop_sender(sender)
+                ctx.events.emit(
+                    events.Dropped(step=t, hop=ctx.stage - 1, samples=lost, side="receiver", senders=passed)
+                )
 
     async def rpc_forward(
         self, peer_id: str, header: messages.Message, tensors: list[torch.Tensor]
@@ -361,8 +376,13 @@ class InnerSteps:
         self.check_sender(peer_id, view, header.run_id, header.hop, header.sender_rank)
         if (again := self.answered.get((header.step, header.sender_rank, header.samples))) is not None:
             return again  # the sender lost our reply and sent the same rows again
-        if not ctx.step <= header.step < ctx.step + 2:
-            raise MessageError(f"forward for step {header.step}, this replica is at step {ctx.step}")
+        if header.step < ctx.step:
+            raise MessageError(f"rows for step {header.step} came late: this replica is at step {ctx.step}")
+        if header.step >= ctx.step + STEPS_AHEAD:
+            raise MessageError(
+                f"rows for step {header.step} came too early: this replica is at step {ctx.step} "
+                f"and holds rows at most {STEPS_AHEAD - 1} steps ahead"
+            )
         if header.step <= self.consumed:
             raise MessageError(f"rows for step {header.step} came after this replica had collected that step")
         positions = [k - header.step * ctx.B for k in header.samples]

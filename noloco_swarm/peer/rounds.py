@@ -19,6 +19,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable
+from dataclasses import dataclass
 from typing import TypeVar
 
 from noloco_swarm.peer import events
@@ -58,6 +59,13 @@ async def ask_status_at(
     daemon knows only the peers it has talked to). Raises as `ask_status` does."""
     await transport.connect(peer, addresses, timeout=PROBE_TIMEOUT)
     return await ask_status(transport, peer, run_id, PROBE_TIMEOUT)
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A probed peer answered, but not with its status: it runs, its progress is unknown."""
+
+    reason: str
 
 
 class PeerExcluded(RuntimeError):
@@ -210,21 +218,23 @@ class Rounds:
     # ------------------------------------------------------------------ reaching and losing peers
 
     async def alive(self, peer: str) -> bool:
-        """Does `peer` answer a status request? (Refusing one counts: it is running.) If not, dial
-        it once at its announced addresses and ask again."""
+        """Does `peer` answer a status request? (Refusing one counts: it is running.)"""
+        return (await self.probe(peer)) is not None
+
+    async def probe(self, peer: str) -> messages.PeerStatus | Refusal | None:
+        """`peer`'s status; a Refusal if it runs but would not say (another run, an older peer);
+        None if it does not answer, even after one dial at its announced addresses."""
         for attempt in range(2):
             try:
-                await ask_status(self.transport, peer, self.directory.run_id, PROBE_TIMEOUT)
+                return await ask_status(self.transport, peer, self.directory.run_id, PROBE_TIMEOUT)
             except PeerUnavailable:
                 if attempt or not await self.transport.connect(
                     peer, self.addresses.get(peer, ()), timeout=PROBE_TIMEOUT
                 ):
-                    return False
-                continue
-            except (RemoteRefused, MessageError):
-                pass
-            return True
-        return False
+                    return None
+            except (RemoteRefused, MessageError) as e:
+                return Refusal(str(e))
+        return None
 
     async def watched(self, peer: str, call: Awaitable[T], what: str) -> T:
         """Await `call` (a request to `peer`), probing `peer` every PROBE_PERIOD while it lasts:
