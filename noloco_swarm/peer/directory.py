@@ -14,6 +14,7 @@ counted), never trusted. The frozen per-round view itself is built by protocol.m
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -21,6 +22,7 @@ from hivemind import DHT
 from hivemind.utils import MPFuture, ValueWithExpiration, get_dht_time
 
 from noloco_swarm.protocol import messages
+from noloco_swarm.protocol.membership import credible_gone
 
 MANIFEST_TTL = 7 * 24 * 3600.0  # the manifest outlives any one peer; re-stored by every heartbeat
 DEFAULT_HEARTBEAT_TTL = 30.0
@@ -175,15 +177,15 @@ class RunDirectory:
             raise ValueError("report names another run")
         return self._store(gone_key(self.run_id), report, subkey_of(report), GONE_TTL)
 
-    def read_gone(self, members: set[str] | None = None) -> dict[str, set[int]]:
-        """peer id -> every round it was reported gone in; reports by non-members are ignored when
-        `members` is given (a stranger cannot evict anyone)."""
+    def read_gone(
+        self, members: set[str] | None = None, seen: Iterable[tuple[str, str, int]] = ()
+    ) -> dict[str, set[int]]:
+        """peer id -> every round it was credibly reported gone in (`membership.credible_gone`),
+        from the reports on record and those in `seen` (peer, reporter, round), e.g. our own;
+        reports by non-members are ignored when `members` is given (a stranger cannot evict anyone)."""
         reports, _ = self._read(gone_key(self.run_id), messages.GoneReport)
-        gone: dict[str, set[int]] = {}
-        for report in reports:
-            if members is None or report.reporter in members:
-                gone.setdefault(report.peer_id, set()).add(report.round)
-        return gone
+        on_record = [(r.peer_id, r.reporter, r.round) for r in reports]
+        return credible_gone(item for item in [*on_record, *seen] if members is None or item[1] in members)
 
 
 def subkey_of(record: messages.PeerAnnouncement | messages.GoneReport) -> str:

@@ -27,7 +27,7 @@ from noloco_swarm.peer.directory import RunDirectory
 from noloco_swarm.peer.streams import PeerUnavailable, RemoteRefused
 from noloco_swarm.peer.transport import Transport
 from noloco_swarm.protocol import messages
-from noloco_swarm.protocol.membership import Listing, MembershipView, next_view
+from noloco_swarm.protocol.membership import Listing, MembershipView, credible_gone, next_view
 from noloco_swarm.protocol.messages import MessageError
 
 logger = logging.getLogger(__name__)
@@ -182,10 +182,12 @@ class Rounds:
         Raises PeerExcluded if it leaves us out, RuntimeError if a stage has nobody left.
         """
         listings: list[Listing] = []
-        gone: dict[str, set[int]] = {}
+        # What we saw ourselves counts too, in case the DHT lost it (weighed with the rest).
+        seen = [(peer, self.me, round_) for peer, round_ in self.dead.items()]
+        gone = credible_gone(seen)
         for attempt in range(2):
             try:
-                listings, gone = await asyncio.to_thread(self._read_directory, current)
+                listings, gone = await asyncio.to_thread(self._read_directory, current, seen)
                 break
             except DHT_ERRORS as e:  # keep this round's members if the DHT cannot be read
                 logger.warning(
@@ -197,8 +199,6 @@ class Rounds:
             for p in suspects:
                 group.create_task(self.suspect(p, "its announcement expired"))
         listings.insert(0, Listing(self.me, self.stage, joined_round))
-        for peer, round_ in self.dead.items():  # what we saw ourselves, in case the DHT lost it
-            gone.setdefault(peer, set()).add(round_)
         view = next_view(current, listings, gone)
         for peer in view.members() - current.members():
             self.dead.pop(peer, None)  # a peer that rejoined is a member again
@@ -211,9 +211,11 @@ class Rounds:
             )
         return view
 
-    def _read_directory(self, current: MembershipView) -> tuple[list[Listing], dict[str, set[int]]]:
+    def _read_directory(
+        self, current: MembershipView, seen: list[tuple[str, str, int]]
+    ) -> tuple[list[Listing], dict[str, set[int]]]:
         listings = [Listing(a.peer_id, a.stage, a.joined_round) for a in self.read_peers()]
-        return listings, self.directory.read_gone(members=current.members())
+        return listings, self.directory.read_gone(members=current.members(), seen=seen)
 
     # ------------------------------------------------------------------ reaching and losing peers
 

@@ -140,3 +140,43 @@ def next_view(
         if joins_now and 0 <= item.stage < current.num_stages and not reported(item.peer, item.joined_round):
             pairs.append((item.peer, item.stage))
     return MembershipView.from_announcements(nxt, current.num_stages, pairs)
+
+
+def credible_gone(reports: Iterable[tuple[str, str, int]]) -> dict[str, set[int]]:
+    """peer -> the rounds it was credibly reported gone in, from (peer, reporter, round) reports.
+
+    A peer cut off from the swarm (its link down, its process frozen) sees every peer it waits on
+    fail and reports them all, once its link is back, while those peers report it. Counting every
+    report would evict healthy peers on the word of the one that was cut off. So accusations are
+    weighed: the peer reported by the most distinct reporters is judged gone first (on a tie, the
+    one accused in the earliest round; on a full tie, all of them), and its own reports from one
+    round before its earliest accusation on no longer count; repeat until no report is left. A
+    report by a peer about itself (it leaves) always stands. Pure and order-independent: peers
+    that read the same reports judge the same peers gone.
+    """
+    gone: dict[str, set[int]] = {}
+    standing: set[tuple[str, str, int]] = set()
+    for peer, reporter, round_ in reports:
+        if peer == reporter:
+            gone.setdefault(peer, set()).add(round_)
+        else:
+            standing.add((peer, reporter, round_))
+    while standing:
+        support: dict[str, set[str]] = {}
+        first: dict[str, int] = {}
+        for peer, reporter, round_ in standing:
+            support.setdefault(peer, set()).add(reporter)
+            first[peer] = min(first.get(peer, round_), round_)
+        most = max(len(r) for r in support.values())
+        tied = [p for p, r in support.items() if len(r) == most]
+        earliest = min(first[p] for p in tied)
+        judged = {p for p in tied if first[p] == earliest}
+        for peer, _, round_ in standing:
+            if peer in judged:
+                gone.setdefault(peer, set()).add(round_)
+        standing = {
+            (peer, reporter, round_)
+            for peer, reporter, round_ in standing
+            if peer not in judged and not (reporter in judged and round_ >= first[reporter] - 1)
+        }
+    return gone

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from noloco_swarm.protocol.clock import StepClock, lr_at
-from noloco_swarm.protocol.membership import Listing, MembershipView, next_view
+from noloco_swarm.protocol.membership import Listing, MembershipView, credible_gone, next_view
 
 
 def test_rounds_and_outer_steps() -> None:
@@ -166,3 +166,47 @@ def test_next_view_is_order_independent_and_never_admits_the_reported(
         assert item.stage == a.rank_of(peer)[0]
         assert not any(item.joined_round <= r < 3 for r in gone.get(peer, ()))
     assert a.digest() != _round3().digest()
+
+
+def test_a_cut_off_peer_reporting_everyone_evicts_nobody_but_itself() -> None:
+    """c's link was cut in round 2: its senders a and b and its partner d reported it; once its link
+    was back, c published its reports of all three. Only c is judged gone, whatever order the
+    reports come in, and with c's reports or without them (peers that read the DHT before they
+    landed judge the same)."""
+    against_c = [("c", "a", 2), ("c", "b", 2), ("c", "d", 3)]
+    by_c = [("a", "c", 2), ("b", "c", 2), ("d", "c", 2)]
+    assert credible_gone(against_c + by_c) == credible_gone(by_c[::-1] + against_c) == {"c": {2, 3}}
+    assert credible_gone(against_c) == {"c": {2, 3}}
+    view = next_view(next_view(_round3(), [], credible_gone(against_c + by_c)), [], {"c": {2, 3}})
+    assert view.stages == (("a",), ("b", "d"))
+
+
+def test_credible_reports_keep_real_deaths_leavers_and_old_reports_by_the_judged() -> None:
+    # two deaths seen by different numbers of peers: both gone
+    assert credible_gone([("x", "a", 4), ("x", "b", 4), ("y", "a", 5)]) == {"x": {4}, "y": {5}}
+    # x reported y long before x itself died: that report stands; x's reports after its death do not
+    reports = [("x", "a", 5), ("x", "b", 5), ("y", "x", 2), ("a", "x", 5)]
+    assert credible_gone(reports) == {"x": {5}, "y": {2}}
+    # a leaver's report of itself always stands
+    assert credible_gone([("l", "l", 3), ("a", "l", 3)]) == {"l": {3}, "a": {3}}
+    # two peers reporting each other: the one accused first is judged, the late counter-report is not
+    assert credible_gone([("b", "a", 3), ("a", "b", 4)]) == {"b": {3}}
+    # ... and a full tie judges both (as before this rule existed)
+    assert credible_gone([("b", "a", 3), ("a", "b", 3)]) == {"a": {3}, "b": {3}}
+    assert credible_gone([]) == {}
+
+
+@given(
+    st.lists(st.tuples(st.sampled_from("abcde"), st.sampled_from("abcde"), st.integers(0, 6)), max_size=14)
+)
+def test_credible_reports_are_order_independent_and_a_subset_of_all_reports(
+    reports: list[tuple[str, str, int]],
+) -> None:
+    judged = credible_gone(reports)
+    assert judged == credible_gone(reports[::-1]) == credible_gone(sorted(reports))
+    everything: dict[str, set[int]] = {}
+    for peer, _, round_ in reports:
+        everything.setdefault(peer, set()).add(round_)
+    assert all(peer in everything and rounds <= everything[peer] for peer, rounds in judged.items())
+    if reports:
+        assert judged, "some peer is always judged when anyone was reported"
