@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
 
@@ -99,31 +99,40 @@ async def _relay(route: Route, client_r: asyncio.StreamReader, client_w: asyncio
 
 
 async def serve(routes: Sequence[Route], ready: asyncio.Future[list[int]], stop: asyncio.Event) -> None:
-    """Serve every route until `stop` is set; `ready` gets the bound ports (in route order)."""
+    """Serve every route until `stop` is set; `ready` gets the bound ports (in route order).
+    Binding happens first, so an address in use raises a plain OSError before anything serves."""
     connections: set[asyncio.Task[None]] = set()
-    async with asyncio.TaskGroup() as tg:
+    group: list[asyncio.TaskGroup] = []  # the owner of every connection, once it exists
 
-        def accept(route: Route):
-            def on_connect(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-                task = tg.create_task(_relay(route, r, w))
-                connections.add(task)
-                task.add_done_callback(connections.discard)
+    def accept(route: Route) -> Callable[[asyncio.StreamReader, asyncio.StreamWriter], None]:
+        def on_connect(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            task = group[0].create_task(_relay(route, r, w))
+            connections.add(task)
+            task.add_done_callback(connections.discard)
 
-            return on_connect
+        return on_connect
 
-        servers = []
-        try:
-            for route in routes:
-                servers.append(
-                    await asyncio.start_server(accept(route), route.listen_host, route.listen_port)
+    servers: list[asyncio.Server] = []
+    try:
+        for route in routes:
+            servers.append(
+                await asyncio.start_server(
+                    accept(route), route.listen_host, route.listen_port, start_serving=False
                 )
+            )
+        async with asyncio.TaskGroup() as tg:
+            group.append(tg)
+            for server in servers:
+                await server.start_serving()
             ready.set_result([s.sockets[0].getsockname()[1] for s in servers])
             await stop.wait()
-        finally:
             for server in servers:
                 server.close()
             for task in list(connections):
                 task.cancel()
+    finally:
+        for server in servers:
+            server.close()
 
 
 class DelayRelay:
