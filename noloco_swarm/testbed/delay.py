@@ -51,13 +51,18 @@ class Route:
 async def _pump(
     reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay: float, window: int
 ) -> None:
-    """Copy reader to writer, each chunk `delay` s after it was read; half-close at EOF."""
+    """Copy reader to writer, each chunk `delay` s after it was read, as a link would: what was
+    read is delivered even if the sender then closes or resets (the other direction does not
+    matter), an EOF is passed on as a half-close and a reset as an abort, each after the delay."""
     loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue(maxsize=max(1, window // CHUNK))
+    queue: asyncio.Queue[tuple[float, bytes | None]] = asyncio.Queue(maxsize=max(1, window // CHUNK))
 
     async def read() -> None:
         while True:
-            data = await reader.read(CHUNK)
+            try:
+                data: bytes | None = await reader.read(CHUNK)
+            except OSError:
+                data = None  # reset by the sender
             await queue.put((loop.time() + delay, data))
             if not data:
                 return
@@ -66,15 +71,22 @@ async def _pump(
         while True:
             due, data = await queue.get()
             await asyncio.sleep(max(0.0, due - loop.time()))
+            if data is None:
+                writer.transport.abort()
+                return
             if not data:
-                if writer.can_write_eof():
+                if writer.can_write_eof() and not writer.is_closing():
                     writer.write_eof()
                 return
             writer.write(data)
-            await writer.drain()
+            try:
+                await writer.drain()
+            except OSError:  # the receiver is gone: nothing more can reach it
+                reading.cancel()
+                return
 
     async with asyncio.TaskGroup() as tg:
-        tg.create_task(read())
+        reading = tg.create_task(read())
         tg.create_task(write())
 
 
