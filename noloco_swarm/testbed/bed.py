@@ -24,7 +24,7 @@ import shutil
 import signal
 import subprocess
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -149,6 +149,7 @@ class Testbed:
     _procs: list[subprocess.Popen[Any]] = field(default_factory=list, init=False)
     _iptables_rule: list[str] | None = field(default=None, init=False)
     _cut: dict[str, CutMode] = field(default_factory=dict, init=False)
+    _restore_signals: Callable[[], object] | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         if len(set(self.names)) != len(self.names) or not self.names:
@@ -220,9 +221,8 @@ class Testbed:
             sh("ip", "netns", "del", host.netns, check=False)  # takes the veth pair with it
             sh("ip", "link", "del", host.veth, check=False)
         sh("ip", "link", "del", self.bridge, check=False)
-        restore = getattr(self, "_restore_signals", None)
-        if restore is not None:
-            restore()
+        if self._restore_signals is not None:
+            self._restore_signals()
             self._restore_signals = None
 
     def leftovers(self) -> list[str]:
@@ -296,9 +296,9 @@ class Testbed:
     ) -> None:
         """Limit `host`'s link to `rate_mbit` down and `up_mbit` (default: the same) up."""
         h = self.hosts[host]
-        ends = (("ip", "-n", h.netns), "eth0", up_mbit or rate_mbit), (("ip",), h.veth, rate_mbit)
-        for ip, dev, rate in ends:
-            tc = ["tc", *(["-n", ip[2]] if len(ip) == 3 else [])]
+        # The host's end sends what the host uploads; the root end sends what it downloads.
+        ends = ((["tc", "-n", h.netns], "eth0", up_mbit or rate_mbit), (["tc"], h.veth, rate_mbit))
+        for tc, dev, rate in ends:
             for argv in shaping_commands(
                 dev, rate, burst_kbit=burst_kbit, latency_ms=latency_ms, qdisc=qdisc
             ):
@@ -335,7 +335,7 @@ def shaping_commands(
     raise ValueError(f"unknown qdisc {qdisc!r}: use 'tbf' or 'htb'")
 
 
-def _raise_on_sigterm() -> Any:
+def _raise_on_sigterm() -> Callable[[], object]:
     """Turn SIGTERM into SystemExit (SIGINT already raises KeyboardInterrupt) so that `with` blocks
     unwind and tear down; returns the function that puts the old handler back."""
     if threading.current_thread() is not threading.main_thread():
