@@ -200,15 +200,15 @@ def _testbed(args: argparse.Namespace) -> int:
     from noloco_swarm.testbed import namespaces_permitted
     from noloco_swarm.testbed.schedule import Timeline, parse_shape
 
-    ok, why = namespaces_permitted()
-    if not ok:
-        print(f"noloco testbed: {why}", file=sys.stderr)
-        return 2
     try:
         shapes = [parse_shape(text) for text in args.shape]
         Timeline.of_cuts(args.cut)  # refuse a bad --cut before anything starts
     except ValueError as e:
         raise ConfigError(str(e)) from e
+    ok, why = namespaces_permitted()
+    if not ok:
+        print(f"noloco testbed: {why}", file=sys.stderr)
+        return 2
     from noloco_swarm.cli.testbed import run_testbed
 
     _threads(args)

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from noloco_swarm.cli.main import main, parser
 from noloco_swarm.testbed.bed import LINK, NAME, Testbed, shaping_commands
 from noloco_swarm.testbed.delay import DelayRelay, Route
 from noloco_swarm.testbed.schedule import Action, Timeline, parse_cut, parse_rate, parse_shape
@@ -147,3 +148,32 @@ def test_relay_stops_with_connections_open() -> None:
     assert not relay._thread.is_alive(), "the relay's thread must end with the block"
     client.close()
     server.close()
+
+
+def test_cli_takes_the_testbed_flags_and_refuses_bad_ones_before_starting(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    args = parser().parse_args(
+        [
+            "testbed",
+            "--shape",
+            "s1r0=10mbit",
+            "--cut",
+            "s1r0@30+20",
+            "--delay-ms",
+            "50",
+            "--step-timeout",
+            "10",
+        ]
+    )
+    assert (args.shape, args.cut, args.delay_ms, args.step_timeout) == (
+        ["s1r0=10mbit"],
+        ["s1r0@30+20"],
+        50,
+        10,
+    )
+    assert args.cut_mode == "drop"
+    assert main(["testbed", "--shape", "fast"]) == 2
+    assert main(["testbed", "--cut", "s1r0@soon"]) == 2
+    err = capsys.readouterr().err
+    assert "HOST=RATE" in err and "HOST@T+DURATION" in err
