@@ -171,7 +171,8 @@ CUT_STEPS = 30  # long enough that a peer excluded by the cut can rejoin two rou
     "waited on as gone; the reports reach the DHT when its link returns, and next_view "
     "(protocol/membership.py) drops a member on any single report, so healthy stage-0 peers are "
     "evicted: either they exclude themselves at round 4 and find no live replica to rejoin from, "
-    "or the other stage-1 peer finds stage 0 empty ('no live replica in round 4') and exits 1",
+    "or the other stage-1 peer finds stage 0 empty ('no live replica in round 4') and exits 1, "
+    "or the others finish and the cut peer, alone in its view, never trains again",
 )
 def test_swarm_survives_a_20s_link_cut(
     cache: Path, one_thread: None, nothing_left: None, tmp_path: Path
@@ -195,7 +196,7 @@ def test_swarm_survives_a_20s_link_cut(
     start = time.monotonic()
     with namespace_swarm(cfg, CUT_STEPS, step_timeout=10, workdir=tmp_path) as ns:
         try:
-            wait(ns.swarm, timeout=600, on_poll=on_poll)
+            wait(ns.swarm, timeout=300, on_poll=on_poll)
         except RuntimeError as e:  # a peer failed: say when, relative to the cut, with every log
             failed = f"{e}\nat {time.monotonic() - start:.0f} s"
         else:
