@@ -12,6 +12,7 @@ import argparse
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from noloco_swarm.cli.options import (
@@ -149,6 +150,43 @@ def add_network(p: argparse.ArgumentParser, *, identity_default: str | None, pee
         default=None,
         help="find relays (NAT)",
     )
+
+
+def add_testbed(p: argparse.ArgumentParser) -> None:
+    """The testbed's links and faults (`noloco testbed`); not config keys: they shape the machine."""
+    p.add_argument(
+        "--shape",
+        action="append",
+        default=[],
+        metavar="HOST=RATE",
+        help="limit a host's link each way, e.g. s1r0=10mbit (repeatable; hosts: boot, s0r0, s0r1, s1r0, ...)",
+    )
+    p.add_argument(
+        "--cut",
+        action="append",
+        default=[],
+        metavar="HOST@T+DURATION",
+        help="cut a host's link T s after the peers start, for DURATION s, e.g. s1r0@30+20 (repeatable)",
+    )
+    p.add_argument(
+        "--cut-mode",
+        choices=["drop", "down"],
+        default="drop",
+        help="drop: discard every packet, the link stays up (a failed path); down: no carrier",
+    )
+    p.add_argument(
+        "--delay-ms",
+        type=float,
+        default=0.0,
+        help="one-way delay added to every peer-to-peer connection by a user-space relay (default: 0)",
+    )
+    p.add_argument(
+        "--step-timeout",
+        type=float,
+        default=None,
+        help="deadline of one pipeline step and of an outer exchange in s (peer.step_timeout; default: 120)",
+    )
+    p.add_argument("--keep", type=Path, default=None, help="keep peer logs and metrics in this folder")
 
 
 def flag_layers(args: argparse.Namespace) -> list[Layer]:

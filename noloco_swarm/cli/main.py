@@ -14,6 +14,7 @@ from noloco_swarm.cli.flags import (
     add_peer,
     add_run,
     add_sources,
+    add_testbed,
     resolve_args,
 )
 from noloco_swarm.cli.options import ConfigError, Layer, Resolved
@@ -70,6 +71,17 @@ def parser() -> argparse.ArgumentParser:
     join.add_argument("--run-config", type=Path, default=None, help=argparse.SUPPRESS)  # from noloco local
     join.add_argument("--die-with-parent", action="store_true", help=argparse.SUPPRESS)
 
+    testbed = sub.add_parser(
+        "testbed",
+        help="a local swarm with each peer in its own network namespace: shaped, cut, delayed links",
+        description="Like noloco local, but the bootstrap node and every peer run in their own network "
+        "namespace on one bridge (needs root), with links that can be shaped, cut and delayed.",
+        epilog=EPILOG,
+    )
+    add_run(testbed, replicas=2, steps=30)
+    add_sources(testbed)
+    add_testbed(testbed)
+
     sim = sub.add_parser(
         "sim",
         help="compare methods in the in-process simulator; writes JSON, CSV and a PNG plot",
@@ -121,7 +133,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             print(describe_keys())
             return 0
-        commands = {"local": _local, "join": _join, "sim": _sim, "dht": _dht, "status": _status}
+        commands = {
+            "local": _local,
+            "join": _join,
+            "sim": _sim,
+            "dht": _dht,
+            "status": _status,
+            "testbed": _testbed,
+        }
         return commands[args.command](args)
     except ConfigError as e:
         for line in str(e).splitlines():
@@ -171,6 +190,41 @@ def _local(args: argparse.Namespace) -> int:
     if args.keep:
         args.keep.mkdir(parents=True, exist_ok=True)
     return run_local_swarm(resolved.cfg, args.steps, plain=args.plain, keep=args.keep)
+
+
+def _testbed(args: argparse.Namespace) -> int:
+    resolved = resolve_args(args, PEER_DEFAULTS)
+    _refuse(resolved, "local")
+    if args.print_config:
+        return _print_config(resolved, "testbed")
+    from noloco_swarm.testbed import namespaces_permitted
+    from noloco_swarm.testbed.schedule import Timeline, parse_shape
+
+    try:
+        shapes = [parse_shape(text) for text in args.shape]
+        Timeline.of_cuts(args.cut)  # refuse a bad --cut before anything starts
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    ok, why = namespaces_permitted()
+    if not ok:
+        print(f"noloco testbed: {why}", file=sys.stderr)
+        return 2
+    from noloco_swarm.cli.testbed import run_testbed
+
+    _threads(args)
+    if args.keep:
+        args.keep.mkdir(parents=True, exist_ok=True)
+    return run_testbed(
+        resolved.cfg,
+        args.steps,
+        shapes=shapes,
+        cuts=args.cut,
+        cut_mode=args.cut_mode,
+        delay_ms=args.delay_ms,
+        step_timeout=args.step_timeout,
+        keep=args.keep,
+        threads=args.threads or 1,
+    )
 
 
 def _join(args: argparse.Namespace) -> int:

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +27,19 @@ from noloco_swarm.protocol.messages import RunManifest
 from noloco_swarm.train.config import NetworkConfig, RunConfig
 
 LOOPBACK = ("/ip4/127.0.0.1/tcp/0",)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one peer process runs (the default: here, on loopback). `noloco testbed` puts each
+    peer in a network namespace: `prefix` is then `ip netns exec NS`, and the addresses its own."""
+
+    prefix: tuple[str, ...] = ()
+    host_maddrs: tuple[str, ...] = LOOPBACK
+    announce_maddrs: tuple[str, ...] = ()
+
+
+Place = Callable[[int | None, int], Placement]  # (stage or None for auto, replica index) -> Placement
 
 
 @dataclass
@@ -58,6 +71,7 @@ class LocalSwarm:
     threads: int = 1
     durable: bool = False  # each peer keeps an identity and checkpoints in the workdir
     resume: bool = False  # ... and starts from them (`noloco join --resume`)
+    place: Place | None = None  # where each peer runs; None: every peer here, on loopback
 
     @property
     def config_path(self) -> Path:
@@ -70,7 +84,9 @@ class LocalSwarm:
         name = "auto" if stage is None else stage
         run = f"peer-{name}-{d}" + ("-resumed" if self.resume else "")
         metrics, log = self.workdir / f"{run}.jsonl", self.workdir / f"{run}.log"
-        argv = [sys.executable, "-m", "noloco_swarm.cli.main", *self.join_argv(stage, metrics)]
+        where = self.place(stage, d) if self.place is not None else Placement()
+        argv = [*where.prefix, sys.executable, "-m", "noloco_swarm.cli.main"]
+        argv += self.join_argv(stage, metrics, where)
         if self.durable:  # the same files at every start, so a restart is the same peer
             argv += ["--identity", str(self.workdir / f"peer-{name}-{d}.key")]
             argv += ["--checkpoint-dir", str(self.workdir / f"checkpoints-{name}-{d}")]
@@ -86,12 +102,13 @@ class LocalSwarm:
         self.peers.append(peer)
         return peer
 
-    def join_argv(self, stage: int | None, metrics: Path) -> list[str]:
+    def join_argv(self, stage: int | None, metrics: Path, where: Placement = Placement()) -> list[str]:
         """`noloco join` arguments of one peer: the run config file (the run's keys), the peer
         settings this swarm resolved (cfg.peer), and what differs per peer as named flags."""
         p = self.cfg.peer
+        announce = ["--announce-maddrs", *where.announce_maddrs] if where.announce_maddrs else []
         return [
-            "join", "--initial-peers", self.bootstrap, "--host-maddrs", *LOOPBACK,
+            "join", "--initial-peers", self.bootstrap, "--host-maddrs", *where.host_maddrs, *announce,
             "--run-id", self.run_id, "--stage", "auto" if stage is None else str(stage), "--metrics", str(metrics),
             "--steps", str(self.steps), "--run-config", str(self.config_path), "--threads", str(self.threads),
             "--device", p.device, "--step-timeout", str(p.step_timeout),
@@ -124,6 +141,8 @@ def local_swarm(
     run_id: str | None = None,
     durable: bool = False,
     resume: bool = False,
+    place: Place | None = None,
+    host_maddrs: tuple[str, ...] = LOOPBACK,
 ) -> Iterator[LocalSwarm]:
     """Start the swarm; yields while the peers run; always ends every process it started.
 
@@ -132,7 +151,8 @@ def local_swarm(
     With `initial_peers` (e.g. a `hivemind-dht` node) our own node joins through them and the peers
     are given the first of them as their entry point; otherwise our node is the bootstrap.
     `durable` peers keep their identity and checkpoints in `workdir`; with `resume` they restart
-    from them (give the stopped swarm's `workdir` and `run_id`).
+    from them (give the stopped swarm's `workdir` and `run_id`). `place` says where each peer
+    runs and `host_maddrs` where our own node listens (`noloco testbed`: namespaces on a bridge).
     """
     if resume and (workdir is None or run_id is None or not durable):
         raise ValueError("resuming needs a durable swarm's workdir and run id")
@@ -145,8 +165,10 @@ def local_swarm(
         tmp = tempfile.TemporaryDirectory(prefix="noloco-local-")
         workdir = Path(tmp.name)
     run_id = run_id or f"local-{os.getpid()}-{int(time.time())}"
-    swarm = LocalSwarm(cfg, steps, run_id, workdir, threads=threads, durable=durable, resume=resume)
-    dht = start_dht(NetworkConfig(initial_peers=initial_peers, host_maddrs=LOOPBACK))
+    swarm = LocalSwarm(
+        cfg, steps, run_id, workdir, threads=threads, durable=durable, resume=resume, place=place
+    )
+    dht = start_dht(NetworkConfig(initial_peers=initial_peers, host_maddrs=host_maddrs))
     try:
         swarm.bootstrap = initial_peers[0] if initial_peers else str(dht.get_visible_maddrs()[0])
         RunDirectory(dht, run_id).publish_manifest(RunManifest.create(run_id, cfg.manifest()))

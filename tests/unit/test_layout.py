@@ -16,7 +16,8 @@ ALLOWED: dict[str, set[str]] = {
     "train": {"protocol", "model", "data"},
     "sim": {"protocol", "model", "data", "train"},
     "peer": {"protocol", "model", "data", "train"},
-    "cli": {"protocol", "model", "data", "train", "sim", "peer"},
+    "testbed": set(),  # starts processes only
+    "cli": {"protocol", "model", "data", "train", "sim", "peer", "testbed"},
 }
 # The protocol core does no I/O: no sockets, no asyncio, no hivemind, no wall clock, no files.
 PROTOCOL_FORBIDDEN = {

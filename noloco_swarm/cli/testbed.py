@@ -1,0 +1,211 @@
+"""`noloco testbed`: a local swarm with every peer, and the bootstrap node, in its own network namespace.
+
+The hosts share one bridge (`noloco_swarm.testbed`): `boot` runs `noloco dht`, host `s{stage}r{i}`
+runs replica i of that stage. Peers listen on their host's address only, so every byte between two
+peers crosses both their links, which can be shaped (`--shape s1r0=10mbit`), cut for a while
+(`--cut s1r0@30+20`: at 30 s after the peers started, for 20 s) and delayed (`--delay-ms`, by a
+user-space relay in the root namespace that each peer announces instead of its own address).
+Everything is torn down at exit, Ctrl-C included.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from noloco_swarm.cli.swarm import LocalSwarm, Placement, local_swarm, wait
+from noloco_swarm.peer.events import Final, of_kind
+from noloco_swarm.testbed import DelayRelay, Route, Testbed
+from noloco_swarm.testbed.bed import CutMode
+from noloco_swarm.testbed.schedule import Shape, Timeline
+from noloco_swarm.train.config import RunConfig
+
+BOOT = "boot"
+PEER_PORT = 31337  # each peer is alone in its namespace, so one fixed port fits all (the relays need it)
+
+
+def peer_host(stage: int, replica: int) -> str:
+    return f"s{stage}r{replica}"
+
+
+def host_names(cfg: RunConfig) -> list[str]:
+    """The testbed's hosts for `cfg`: the bootstrap node, then one per replica of every stage."""
+    return [BOOT] + [peer_host(s, d) for s, count in enumerate(cfg.replica_counts) for d in range(count)]
+
+
+@dataclass
+class NamespaceSwarm:
+    """A running testbed swarm: the bed, the swarm and, per peer host, the delay relay's port."""
+
+    bed: Testbed
+    swarm: LocalSwarm
+    bootstrap: str
+    relay_ports: dict[str, int] = field(default_factory=dict)
+
+    def host_of(self, stage: int, replica: int) -> str:
+        return peer_host(stage, replica)
+
+
+def _start_bootstrap(bed: Testbed, workdir: Path, timeout: float = 60.0) -> str:
+    """`noloco dht` on host `boot`; returns its --initial-peers address."""
+    address_file, log = workdir / "boot.addr", workdir / "boot.log"
+    argv = [sys.executable, "-m", "noloco_swarm.cli.main", "dht", "--identity", str(workdir / "boot.key")]
+    argv += ["--host-maddrs", bed.hosts[BOOT].maddr(), "--address-file", str(address_file)]
+    with log.open("wb") as out:
+        proc = bed.popen(BOOT, argv, stdout=out, stderr=out)
+    deadline = time.monotonic() + timeout
+    while not address_file.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            tail = log.read_text(errors="replace")[-3000:]
+            raise RuntimeError(
+                f"the bootstrap node in namespace {bed.hosts[BOOT].netns} did not start:\n{tail}"
+            )
+        time.sleep(0.2)
+    return address_file.read_text().strip()
+
+
+@contextmanager
+def namespace_swarm(
+    cfg: RunConfig,
+    steps: int,
+    *,
+    step_timeout: float | None = None,
+    delay_ms: float = 0.0,
+    shapes: Sequence[Shape] = (),
+    workdir: Path | None = None,
+    threads: int = 1,
+) -> Iterator[NamespaceSwarm]:
+    """Build the testbed, start the bootstrap and the peers in it; yields while they run; always
+    ends every process and removes every namespace, link and relay it made."""
+    with ExitStack() as stack:
+        if workdir is None:
+            workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="noloco-testbed-")))
+        bed = stack.enter_context(Testbed(host_names(cfg)))
+        for shape in shapes:
+            if shape.host not in bed.hosts:
+                raise ValueError(f"--shape names host {shape.host!r}; the hosts are {', '.join(bed.hosts)}")
+            bed.shape(shape.host, shape.rate_mbit)
+        peers = [name for name in bed.hosts if name != BOOT]
+        ports: dict[str, int] = {}
+        if delay_ms > 0:
+            d = delay_ms / 1000
+            routes = [Route(bed.gateway, 0, bed.hosts[h].address, PEER_PORT, d, d) for h in peers]
+            relay = stack.enter_context(DelayRelay(routes))
+            ports = dict(zip(peers, relay.ports, strict=True))
+
+        def place(stage: int | None, replica: int) -> Placement:
+            if stage is None:
+                raise ValueError("the testbed places peers by stage: --stage auto is not supported")
+            name = peer_host(stage, replica)
+            host = bed.hosts[name]
+            announce = (f"/ip4/{bed.gateway}/tcp/{ports[name]}",) if name in ports else ()
+            port = PEER_PORT if name in ports else 0
+            return Placement(tuple(bed.argv(name, [])), (host.maddr(port),), announce)
+
+        bootstrap = _start_bootstrap(bed, workdir)
+        swarm = stack.enter_context(
+            local_swarm(
+                cfg,
+                steps,
+                workdir=workdir,
+                step_timeout=step_timeout,
+                threads=threads,
+                initial_peers=(bootstrap,),
+                place=place,
+                host_maddrs=(f"/ip4/{bed.gateway}/tcp/0",),
+            )
+        )
+        yield NamespaceSwarm(bed, swarm, bootstrap, ports)
+
+
+def apply_due(bed: Testbed, timeline: Timeline, elapsed: float, mode: CutMode, log: Console | None) -> None:
+    """Cut or restore the links whose time has come."""
+    for action in timeline.due(elapsed):
+        if action.kind == "cut":
+            bed.cut(action.host, mode)
+        else:
+            bed.restore(action.host)
+        if log is not None:
+            log.print(f"[yellow]{elapsed:6.1f} s[/]: {action.kind} {action.host}")
+
+
+def results_table(ns: NamespaceSwarm) -> Table:
+    """One row per peer: where it ran, how it ended, what it did, what crossed its link."""
+    table = Table(title="testbed peers")
+    for column in ("host", "address", "exit", "steps", "outer", "dropped", "state", "link MiB in/out"):
+        table.add_column(column, justify="right")
+    for p in ns.swarm.peers:
+        name = peer_host(p.stage or 0, p.replica)  # placed by stage: never None here
+        finals = of_kind(p.events(), Final)
+        final = finals[-1] if finals else None
+        rx, tx = ns.bed.counters(name)
+        table.add_row(
+            name,
+            ns.bed.hosts[name].address,
+            str(p.proc.poll()),
+            str(final.steps) if final else "-",
+            str(final.outer_steps) if final else "-",
+            str(final.dropped_samples) if final else "-",
+            final.state_hash[:12] if final else "-",
+            f"{rx / 2**20:.1f} / {tx / 2**20:.1f}",
+        )
+    return table
+
+
+def run_testbed(
+    cfg: RunConfig,
+    steps: int,
+    *,
+    shapes: Sequence[Shape] = (),
+    cuts: Sequence[str] = (),
+    cut_mode: CutMode = "drop",
+    delay_ms: float = 0.0,
+    step_timeout: float | None = None,
+    keep: Path | None = None,
+    threads: int = 1,
+) -> int:
+    """Run the swarm on a testbed, apply the fault schedule, print per-peer results."""
+    console = Console()
+    timeline = Timeline.of_cuts(cuts)
+    unknown = timeline.hosts() - set(host_names(cfg))
+    if unknown:
+        console.print(f"[red]noloco testbed:[/] --cut names {sorted(unknown)}; hosts: {host_names(cfg)}")
+        return 2
+    console.print(
+        f"[bold]noloco testbed[/]: {len(host_names(cfg))} namespaces on one bridge "
+        f"({cfg.num_stages} stages x {cfg.num_replicas} replicas + bootstrap), {steps} inner steps"
+    )
+    code = 0
+    try:
+        with namespace_swarm(
+            cfg,
+            steps,
+            step_timeout=step_timeout,
+            delay_ms=delay_ms,
+            shapes=shapes,
+            workdir=keep,
+            threads=threads,
+        ) as ns:
+            start = time.monotonic()
+
+            def on_poll(sw: LocalSwarm) -> None:
+                apply_due(ns.bed, timeline, time.monotonic() - start, cut_mode, console)
+
+            try:
+                wait(ns.swarm, timeout=max(600.0, steps * 10.0), on_poll=on_poll)
+            except (RuntimeError, TimeoutError) as e:
+                console.print(f"[red]the swarm failed:[/] {e}")
+                code = 1
+            console.print(results_table(ns))
+    except KeyboardInterrupt:
+        console.print("interrupted: the testbed was torn down")
+        return 130
+    return code
