@@ -190,10 +190,12 @@ class Joining:
             ctx.events.emit(events.Joining(round=target, step=start))
             logger.warning("joining the running swarm at round %d (step %d)", target, start)
             servers = servers_for(others, ctx.stage, target)
-            if not servers:
+            if not servers and time.monotonic() > deadline:
                 raise RuntimeError(
                     f"no live replica of stage {ctx.stage} holds its state; this peer cannot join"
                 )
+            if not servers:  # e.g. our DHT node is still reconnecting after a cut: read again
+                logger.warning("no replica of stage %d in the directory yet; looking again", ctx.stage)
             # Spread joiners over the servers; each joiner tries them all, in its own order.
             servers.sort(key=lambda p: hashlib.sha256(f"{ctx.me}/{p}".encode()).digest())
             for server in servers:

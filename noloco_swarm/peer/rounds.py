@@ -179,7 +179,7 @@ class Rounds:
     async def next(self, current: MembershipView, joined_round: int) -> MembershipView:
         """The view of the round after `current`, by the rule every peer applies (not yet frozen).
 
-        Raises PeerExcluded if it leaves us out, RuntimeError if a stage has nobody left.
+        Raises PeerExcluded if it leaves us out or a stage has nobody left (see below).
         """
         listings: list[Listing] = []
         # What we saw ourselves counts too, in case the DHT lost it (weighed with the rest).
@@ -205,9 +205,12 @@ class Rounds:
         if self.me not in view.members():
             raise PeerExcluded(f"the view of round {view.round} leaves this peer out (reported gone?)")
         if not view.is_complete():
+            # Every replica of a stage gone at once is more likely our own link cut off than all
+            # of them dead: join again, which finds the live swarm or says no replica is left.
             empty = [s for s, peers in enumerate(view.stages) if not peers]
-            raise RuntimeError(
-                f"stage(s) {empty} have no live replica in round {view.round}; the run cannot go on"
+            raise PeerExcluded(
+                f"stage(s) {empty} have no live replica in this peer's view of round {view.round} "
+                "(was this peer cut off?)"
             )
         return view
 

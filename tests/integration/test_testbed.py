@@ -165,15 +165,6 @@ def steps_done(swarm: LocalSwarm) -> int:
 CUT_STEPS = 30  # long enough that a peer excluded by the cut can rejoin two rounds later
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 9: the cut peer cannot tell it is the one cut off, so it reports every peer it "
-    "waited on as gone; the reports reach the DHT when its link returns, and next_view "
-    "(protocol/membership.py) drops a member on any single report, so healthy stage-0 peers are "
-    "evicted: either they exclude themselves at round 4 and find no live replica to rejoin from, "
-    "or the other stage-1 peer finds stage 0 empty ('no live replica in round 4') and exits 1, "
-    "or the others finish and the cut peer, alone in its view, stalls or exits 1 with stage 0 empty",
-)
 def test_swarm_survives_a_20s_link_cut(
     cache: Path, one_thread: None, nothing_left: None, tmp_path: Path
 ) -> None:
