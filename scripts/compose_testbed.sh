@@ -102,11 +102,29 @@ if [ -s /etc/ssl/certs/ca-certificates.crt ] && ! cmp -s /etc/ssl/certs/ca-certi
 fi
 
 # --- the image (host networking: pip reaches the index where the bridge has no route out) ---
+# NOLOCO_COMPOSE_CACHE=DIR keeps the images in DIR (docker save) for an engine that starts empty,
+# as on CI: keyed by what the dependency layers are built from, reused with --cache-from.
+CACHE_TAR=""
+if [ -n "${NOLOCO_COMPOSE_CACHE:-}" ]; then
+    key=$(cat Dockerfile constraints.txt pyproject.toml <(echo "$BASE") <(ls docker/wheelhouse) | sha256sum | cut -c1-16)
+    CACHE_TAR="$NOLOCO_COMPOSE_CACHE/images-$key.tar"
+    if [ -s "$CACHE_TAR" ] && ! docker image inspect "$IMAGE" >/dev/null 2>&1; then
+        say "loading cached images from $CACHE_TAR"
+        docker load -q -i "$CACHE_TAR" >/dev/null || rm -f "$CACHE_TAR"
+    fi
+fi
 say "building $IMAGE on $BASE"
 start=$SECONDS
-docker build --force-rm --network host --build-arg BASE_IMAGE="$BASE" -t "$IMAGE" -q . >/dev/null ||
-    { say "the image build failed: run 'docker build --force-rm --network host --build-arg BASE_IMAGE=$BASE .' to see why"; exit 1; }
+docker build --force-rm --network host --build-arg BASE_IMAGE="$BASE" --cache-from "$IMAGE" -t "$IMAGE" -q . >/dev/null ||
+    { say "the image build failed: run 'docker build --network host --build-arg BASE_IMAGE=$BASE .' to see why"; exit 1; }
 say "image ready in $((SECONDS - start)) s"
+if [ -n "$CACHE_TAR" ] && [ ! -s "$CACHE_TAR" ]; then
+    mkdir -p "$NOLOCO_COMPOSE_CACHE"
+    rm -f "$NOLOCO_COMPOSE_CACHE"/images-*.tar
+    images=("$IMAGE")
+    [ "$BASE" = "$LOCAL_BASE" ] && images+=("$LOCAL_BASE")
+    docker save -o "$CACHE_TAR.tmp" "${images[@]}" && mv "$CACHE_TAR.tmp" "$CACHE_TAR" && say "images cached in $CACHE_TAR"
+fi
 
 # --- run, check, tear down (the helper takes the project down itself; the trap is the backstop)
 "$PY" -m noloco_swarm.cli.compose --compose "${COMPOSE[*]}" --image "$IMAGE" --project "$PROJECT" \
