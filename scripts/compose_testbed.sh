@@ -6,7 +6,8 @@
 #
 # Options go to noloco_swarm/cli/compose.py (--help lists them). It exits 0 when the run passed,
 # 1 when a check failed, 2 on a hang, 3 when something it needs is missing (it says what to do).
-# Environment: NOLOCO_BASE_IMAGE (default python:3.11-slim; when it cannot be pulled, a Debian 12
+# Environment: NOLOCO_COMPOSE_CACHE (a folder that keeps the images between engines, as on CI),
+# NOLOCO_BASE_IMAGE (default python:3.11-slim; when it cannot be pulled, a Debian 12
 # image is built here with debootstrap), NOLOCO_IMAGE (default noloco-swarm:latest), PYTHON.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,6 +18,10 @@ LOCAL_BASE=noloco-swarm-base:bookworm
 TORCH_VERSION="${NOLOCO_TORCH_VERSION:-2.13.0}"
 STARTED_DOCKERD=""
 COMPOSE=()
+
+for arg in "$@"; do  # help needs no engine
+    case "$arg" in -h | --help) exec "${PYTHON:-python3}" -m noloco_swarm.cli.compose --help ;; esac
+done
 
 say() { echo "compose_testbed: $*" >&2; }
 missing() { say "$*"; exit 3; }

@@ -26,12 +26,17 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from noloco_swarm.peer.events import Event, Final, Outer, Step, from_dict, of_kind
+from noloco_swarm.peer.events import Event, Final, Outer, Step, of_kind, read
 
 PEERS = ("stage0-a", "stage0-b", "stage1-a", "stage1-b")
 PORT = 31337  # every container listens here (docker-compose.yml)
 ESTABLISHED = "01"  # the state column of /proc/net/tcp
 EXIT_GRACE = 60.0  # seconds a peer may take from its Final summary to its exit before it is a hang
+# one look at a running peer: has it stepped, has it finished, and its TCP connections
+LOOK = """grep -q '"event": "step"' /tmp/events.jsonl && echo STEP
+grep -q '"event": "final"' /tmp/events.jsonl && echo FINAL
+cat /proc/net/tcp"""
+STATUS = 'COLUMNS=120 noloco status --once --run-id compose --initial-peers "$(cat /shared/bootstrap.addr)"'
 # every thread of the peer: name, state, kernel wait channel; then Python's own stacks
 DIAGNOSE = r"""for p in /proc/[0-9]*; do
   c=$(tr '\0' ' ' < $p/cmdline 2>/dev/null); [ -n "$c" ] && echo "pid ${p#/proc/}: $c"; done
@@ -42,11 +47,13 @@ for p in /proc/[0-9]*; do case "$(tr '\0' ' ' < $p/cmdline 2>/dev/null)" in *nol
 
 
 def parse_proc_net_tcp(text: str) -> list[tuple[str, int, str, int]]:
-    """Established IPv4 connections of a /proc/net/tcp table: (local ip, port, remote ip, port)."""
+    """Established IPv4 connections in a /proc/net/tcp table: (local ip, port, remote ip, port).
+
+    Rows start with their slot number (`0:`); the header and any other line are skipped."""
     out = []
-    for line in text.splitlines()[1:]:
+    for line in text.splitlines():
         cols = line.split()
-        if len(cols) < 4 or cols[3] != ESTABLISHED:
+        if len(cols) < 4 or not cols[0].endswith(":") or cols[3] != ESTABLISHED:
             continue
         (lip, lport), (rip, rport) = (c.split(":") for c in cols[1:3])
         out.append((_ip(lip), int(lport, 16), _ip(rip), int(rport, 16)))
@@ -199,6 +206,60 @@ class Testbed:
         return self.sh("docker", "exec", cid, "sh", "-c", script, check=False, timeout=timeout)
 
 
+class Interrupted(Exception):
+    """SIGTERM, raised where the run is so that `finally` takes the testbed down."""
+
+
+def _raise_interrupted(signum: int, frame: object) -> None:
+    raise Interrupted(signal.Signals(signum).name)
+
+
+@dataclass
+class Watch:
+    """What watching the peers until they exit found."""
+
+    connections: dict[str, set[tuple[str, int, str, int]]]
+    hang: str = ""  # why the run counts as hung; "" if it ended
+
+
+def watch(bed: Testbed, ids: Mapping[str, str], args: argparse.Namespace, out: Path) -> Watch:
+    """Sample each peer's connections until every peer has exited; show `noloco status` once.
+
+    A peer whose events hold its `Final` summary but which still runs EXIT_GRACE later is a hang:
+    its processes, threads and (faulthandler, SIGABRT) Python stacks are saved for the report.
+    """
+    seen = Watch({p: set() for p in PEERS})
+    final_at: dict[str, float] = {}
+    stepped: set[str] = set()
+    started = time.monotonic()
+    shown = False
+    while running := [p for p in PEERS if bed.running(ids[p])]:
+        now = time.monotonic()
+        if now - started > args.timeout:
+            seen.hang = f"the run did not end within {args.timeout:.0f} s"
+        for p in running:
+            table = bed.exec(ids[p], LOOK)
+            seen.connections[p].update(parse_proc_net_tcp(table))
+            if "FINAL\n" in table:
+                final_at.setdefault(p, now)
+            if "STEP\n" in table:
+                stepped.add(p)
+        stuck = [p for p in running if p in final_at and now - final_at[p] > EXIT_GRACE]
+        if stuck:
+            seen.hang = f"{stuck} wrote a final summary but did not exit within {EXIT_GRACE:.0f} s"
+        if seen.hang:
+            print(f"compose: HANG: {seen.hang}; saving each running peer's threads and stacks", flush=True)
+            for p in running:
+                (out / f"{p}.diagnosis.txt").write_text(bed.exec(ids[p], DIAGNOSE))
+            time.sleep(3)  # faulthandler writes the stacks to the container's log
+            return seen
+        if not shown and stepped == set(PEERS):  # every peer trains: the view has something to show
+            shown = True
+            print(bed.exec(ids["bootstrap"], STATUS, timeout=90), flush=True)
+        time.sleep(args.poll)
+    return seen
+
+
 def run(args: argparse.Namespace) -> int:
     env = {"NOLOCO_IMAGE": args.image, "NOLOCO_STEPS": str(args.steps), "NOLOCO_SET": args.set}
     for item in args.slow:
@@ -210,77 +271,31 @@ def run(args: argparse.Namespace) -> int:
     bed = Testbed(shlex.split(args.compose), args.project, env)
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
-    # Ctrl-C and SIGTERM unwind through `finally`: the project comes down whatever happened
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    signal.signal(signal.SIGTERM, _raise_interrupted)  # Ctrl-C raises KeyboardInterrupt already
     started = time.monotonic()
     try:
         ids = bed.up()
-        print(f"compose: up: bootstrap + {len(PEERS)} peers ({args.steps} steps)", flush=True)
-        addresses = {
-            p: bed.sh(
-                "docker", "inspect", "-f", "{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}", ids[p]
-            ).strip()
-            for p in PEERS
-        }
-        print(
-            "compose: container addresses " + ", ".join(f"{p} {a}" for p, a in addresses.items()), flush=True
-        )
-        connections: dict[str, set[tuple[str, int, str, int]]] = {p: set() for p in PEERS}
-        final_seen: dict[str, float] = {}
-        shown = hang = False
-        while any(bed.running(ids[p]) for p in PEERS):
-            if time.monotonic() - started > args.timeout:
-                print(f"compose: the run did not end within {args.timeout:.0f} s", file=sys.stderr)
-                hang = True
-                break
-            for p in PEERS:
-                if not bed.running(ids[p]):
-                    continue
-                table = bed.exec(
-                    ids[p], 'grep -q \'"event": "final"\' /tmp/events.jsonl && echo FINAL; cat /proc/net/tcp'
-                )
-                connections[p].update(parse_proc_net_tcp(table.removeprefix("FINAL\n")))
-                if table.startswith("FINAL"):
-                    final_seen.setdefault(p, time.monotonic())
-            stuck = [
-                p for p, t in final_seen.items() if time.monotonic() - t > EXIT_GRACE and bed.running(ids[p])
-            ]
-            if stuck:
-                print(f"compose: HANG: {stuck} wrote a final summary but did not exit in {EXIT_GRACE:.0f} s")
-                hang = True
-                break
-            if not shown and time.monotonic() - started > args.status_after:
-                shown = True
-                print(
-                    bed.exec(
-                        ids["bootstrap"],
-                        'COLUMNS=120 noloco status --once --run-id compose --initial-peers "$(cat /shared/bootstrap.addr)"',
-                        timeout=90,
-                    ),
-                    flush=True,
-                )
-            time.sleep(args.poll)
-        if hang:
-            for p in PEERS:
-                if bed.running(ids[p]):
-                    (out / f"{p}.diagnosis.txt").write_text(bed.exec(ids[p], DIAGNOSE))
-            time.sleep(3)  # faulthandler writes the stacks to the container's log
-        events: dict[str, list[Event]] = {}
+        ip = "{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}"
+        addresses = {p: bed.sh("docker", "inspect", "-f", ip, ids[p]).strip() for p in PEERS}
+        at = ", ".join(f"{p} {a}" for p, a in addresses.items())
+        print(f"compose: up: bootstrap + {len(PEERS)} peers, {args.steps} steps, at {at}", flush=True)
+        seen = watch(bed, ids, args, out)
         for p in PEERS:
             (out / f"{p}.log").write_text(bed.logs(ids[p]))
             bed.sh("docker", "cp", f"{ids[p]}:/tmp/events.jsonl", str(out / f"{p}.events.jsonl"), check=False)
-            events[p] = _read(out / f"{p}.events.jsonl")
         codes = {p: bed.sh("docker", "inspect", "-f", "{{.State.ExitCode}}", ids[p]).strip() for p in PEERS}
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Interrupted):
         print("compose: interrupted; taking the testbed down", file=sys.stderr)
         return 130
+    except (RuntimeError, subprocess.TimeoutExpired) as e:
+        print(f"compose: {e}", file=sys.stderr)
+        return 1
     finally:
         bed.down()
-    verdict = judge(events, args.steps, addresses, connections)
-    problems = list(verdict.problems)
-    problems += [f"{p} exited with code {c}" for p, c in codes.items() if c != "0"]
-    if hang:
-        problems.insert(0, "the run hung (see *.diagnosis.txt and the peer's log for its stacks)")
+    events = {p: read(out / f"{p}.events.jsonl") for p in PEERS}
+    verdict = judge(events, args.steps, addresses, seen.connections)
+    problems = [f"the run hung: {seen.hang} (see *.diagnosis.txt and *.log)"] if seen.hang else []
+    problems += verdict.problems + [f"{p} exited with code {c}" for p, c in codes.items() if c != "0"]
     result = {
         "command": args.command or shlex.join(sys.argv),
         "steps": args.steps,
@@ -295,19 +310,7 @@ def run(args: argparse.Namespace) -> int:
     print(json.dumps(result, indent=2))
     for line in problems:
         print(f"compose: FAILED: {line}", file=sys.stderr)
-    return 0 if not problems else (2 if hang else 1)
-
-
-def _read(path: Path) -> list[Event]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(from_dict(json.loads(line)))
-        except ValueError:
-            continue
-    return out
+    return 0 if not problems else (2 if seen.hang else 1)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -330,7 +333,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--out", type=Path, default=Path("runs/compose"), help="logs, events and result.json go here"
     )
     p.add_argument("--timeout", type=float, default=1200, help="seconds before the run counts as hung")
-    p.add_argument("--status-after", type=float, default=45, help="show `noloco status` this many seconds in")
     p.add_argument("--poll", type=float, default=3.0, help="seconds between looks at the peers")
     p.add_argument("--command", default="", help=argparse.SUPPRESS)  # the user's command, for result.json
     return run(p.parse_args(argv))
