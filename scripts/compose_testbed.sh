@@ -80,6 +80,19 @@ PY="${PYTHON:-}"
 PY="${PY:-python3}"
 "$PY" -c 'import sys; assert sys.version_info >= (3, 11)' 2>/dev/null || missing "needs Python 3.11+ as \$PYTHON or python3"
 
+# --- cached images: NOLOCO_COMPOSE_CACHE=DIR keeps them (docker save) for an engine that starts
+# empty, as on CI; keyed by what the base and dependency layers are built from. Loaded first, so
+# the local base keeps its id and the build reuses the loaded layers (--cache-from).
+CACHE_TAR=""
+if [ -n "${NOLOCO_COMPOSE_CACHE:-}" ]; then
+    key=$(cat Dockerfile constraints.txt pyproject.toml <(echo "$BASE $TORCH_VERSION") | sha256sum | cut -c1-16)
+    CACHE_TAR="$NOLOCO_COMPOSE_CACHE/images-$key.tar"
+    if [ -s "$CACHE_TAR" ] && ! docker image inspect "$IMAGE" >/dev/null 2>&1; then
+        say "loading cached images from $CACHE_TAR"
+        docker load -q -i "$CACHE_TAR" >/dev/null || rm -f "$CACHE_TAR"
+    fi
+fi
+
 # --- the base image: the official one, else a Debian 12 built here ---------------------------
 if ! docker image inspect "$BASE" >/dev/null 2>&1 && ! docker pull -q "$BASE" >/dev/null 2>&1; then
     say "cannot pull $BASE (no registry?): using a local Debian 12 base, $LOCAL_BASE"
@@ -87,6 +100,7 @@ if ! docker image inspect "$BASE" >/dev/null 2>&1 && ! docker pull -q "$BASE" >/
         command -v debootstrap >/dev/null && [ "$(id -u)" = 0 ] || missing "building $LOCAL_BASE needs root
   and debootstrap (sudo apt-get install debootstrap), or give an image that has Python 3.11 as NOLOCO_BASE_IMAGE"
         root=$(mktemp -d)
+        mkdir -p runs
         say "debootstrap bookworm into $root (about a minute)"
         nice -n 10 debootstrap --variant=minbase --include=python3,python3-venv,iproute2,ca-certificates \
             bookworm "$root" "${NOLOCO_DEBIAN_MIRROR:-http://deb.debian.org/debian}" >runs/debootstrap.log 2>&1 ||
@@ -107,17 +121,6 @@ if [ -s /etc/ssl/certs/ca-certificates.crt ] && ! cmp -s /etc/ssl/certs/ca-certi
 fi
 
 # --- the image (host networking: pip reaches the index where the bridge has no route out) ---
-# NOLOCO_COMPOSE_CACHE=DIR keeps the images in DIR (docker save) for an engine that starts empty,
-# as on CI: keyed by what the dependency layers are built from, reused with --cache-from.
-CACHE_TAR=""
-if [ -n "${NOLOCO_COMPOSE_CACHE:-}" ]; then
-    key=$(cat Dockerfile constraints.txt pyproject.toml <(echo "$BASE") <(ls docker/wheelhouse) | sha256sum | cut -c1-16)
-    CACHE_TAR="$NOLOCO_COMPOSE_CACHE/images-$key.tar"
-    if [ -s "$CACHE_TAR" ] && ! docker image inspect "$IMAGE" >/dev/null 2>&1; then
-        say "loading cached images from $CACHE_TAR"
-        docker load -q -i "$CACHE_TAR" >/dev/null || rm -f "$CACHE_TAR"
-    fi
-fi
 say "building $IMAGE on $BASE"
 start=$SECONDS
 docker build --force-rm --network host --build-arg BASE_IMAGE="$BASE" --cache-from "$IMAGE" -t "$IMAGE" -q . >/dev/null ||
@@ -127,7 +130,7 @@ if [ -n "$CACHE_TAR" ] && [ ! -s "$CACHE_TAR" ]; then
     mkdir -p "$NOLOCO_COMPOSE_CACHE"
     rm -f "$NOLOCO_COMPOSE_CACHE"/images-*.tar
     images=("$IMAGE")
-    [ "$BASE" = "$LOCAL_BASE" ] && images+=("$LOCAL_BASE")
+    [ "$BASE" = "$LOCAL_BASE" ] && images+=("$LOCAL_BASE")  # a pulled base comes back by pull
     docker save -o "$CACHE_TAR.tmp" "${images[@]}" && mv "$CACHE_TAR.tmp" "$CACHE_TAR" && say "images cached in $CACHE_TAR"
 fi
 
