@@ -56,7 +56,8 @@ if ! docker info >/dev/null 2>&1; then
         BRIDGE_NF=$(cat /proc/sys/net/bridge/bridge-nf-call-iptables 2>/dev/null || echo 0)
         mkdir -p runs
         say "the Docker engine is installed but not running: starting dockerd (log: runs/dockerd.log)"
-        nice -n 10 dockerd >runs/dockerd.log 2>&1 &
+        # its own session: a Ctrl-C at the terminal must reach the run, not the engine under it
+        setsid nice -n 10 dockerd >runs/dockerd.log 2>&1 &
         STARTED_DOCKERD=$!
         for _ in $(seq 60); do docker info >/dev/null 2>&1 && break; sleep 0.5; done
         docker info >/dev/null 2>&1 || missing "dockerd did not come up; see runs/dockerd.log"
