@@ -14,7 +14,7 @@ import torch
 
 from noloco_swarm.data.stream import validation_windows
 from noloco_swarm.peer.context import PeerContext
-from noloco_swarm.peer.inner import InnerSteps
+from noloco_swarm.peer.inner import InnerSteps, check_sender, checked_rows
 from noloco_swarm.peer.streams import PeerUnavailable, RemoteRefused
 from noloco_swarm.protocol import messages
 from noloco_swarm.protocol.membership import MembershipView
@@ -105,10 +105,10 @@ class Evaluation:
         if header.step != ctx.step:
             raise MessageError(f"evaluation after step {header.step}; this peer ended at step {ctx.step}")
         view, paths = self._paths()
-        self.inner.check_sender(peer_id, view, header.run_id, header.hop, header.rank)
+        check_sender(self.ctx, peer_id, view, header.run_id, header.hop, header.rank)
         if header.rank >= paths or view.rank_of(ctx.me)[1] != header.rank:
             raise MessageError("evaluation follows the fixed path: same rank at every stage")
-        acts, toks = self.inner.checked_rows(tensors)
+        acts, toks = checked_rows(self.ctx, tensors)
         losses = await self._batch(view, header.rank, header.batch, acts, toks)
         self._served.put_nowait(None)
         return EvalReply(tuple(losses)), []

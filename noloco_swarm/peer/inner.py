@@ -373,7 +373,7 @@ class InnerSteps:
             raise MessageError(
                 f"views of round {header.round} differ (theirs {header.view}, ours {view.digest()})"
             )
-        self.check_sender(peer_id, view, header.run_id, header.hop, header.sender_rank)
+        check_sender(ctx, peer_id, view, header.run_id, header.hop, header.sender_rank)
         if (again := self.answered.get((header.step, header.sender_rank, header.samples))) is not None:
             return again  # the sender lost our reply and sent the same rows again
         if header.step < ctx.step:
@@ -386,7 +386,7 @@ class InnerSteps:
         if header.step <= self.consumed:
             raise MessageError(f"rows for step {header.step} came after this replica had collected that step")
         positions = [k - header.step * ctx.B for k in header.samples]
-        acts, toks = self.checked_rows(tensors)
+        acts, toks = checked_rows(ctx, tensors)
         arrival = Arrival(header.sender_rank, positions, acts, toks)
         self._collector(header.step).add(arrival)
         grad, losses = await asyncio.wait_for(arrival.result, ctx.cfg.peer.step_timeout * 2)
@@ -404,26 +404,29 @@ class InnerSteps:
         self.answered[(header.step, header.sender_rank, header.samples)] = (reply, [grad])
         return reply, [grad]
 
-    def checked_rows(self, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Activations and token ids from another peer, checked against this model before use.
 
-        (The transport already checked them against the header's metas and for NaN/inf.)"""
-        model = self.ctx.cfg.model
-        if len(tensors) != 2:
-            raise MessageError(f"expected activations and token ids, got {len(tensors)} tensors")
-        acts, toks = tensors
-        if acts.dtype != torch.float32 or acts.shape[1:] != (model.seq_len, model.hidden_size):
-            raise MessageError(f"activations {acts.dtype} {tuple(acts.shape)} do not fit this model")
-        if toks.dtype != torch.int64 or int(toks.min()) < 0 or int(toks.max()) >= model.vocab_size:
-            raise MessageError("token ids must be int64 within the vocabulary")
-        return acts, toks
+def checked_rows(ctx: PeerContext, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations and token ids from another peer, checked against this model before use.
 
-    def check_sender(self, peer_id: str, view: MembershipView, run_id: str, hop: int, rank: int) -> None:
-        """The request must come from the peer `view` puts at (hop, rank), for our stage."""
-        ctx = self.ctx
-        if run_id != ctx.run_id or hop != ctx.stage - 1:
-            raise MessageError(
-                f"request for run {run_id!r} hop {hop}; this is stage {ctx.stage} of {ctx.run_id!r}"
-            )
-        if not 0 <= rank < len(view.stages[hop]) or view.peer_at(hop, rank) != peer_id:
-            raise MessageError(f"peer {peer_id} is not replica {rank} of stage {hop} in round {view.round}")
+    (The transport already checked them against the header's metas and for NaN/inf.)"""
+    model = ctx.cfg.model
+    if len(tensors) != 2:
+        raise MessageError(f"expected activations and token ids, got {len(tensors)} tensors")
+    acts, toks = tensors
+    if acts.dtype != torch.float32 or acts.shape[1:] != (model.seq_len, model.hidden_size):
+        raise MessageError(f"activations {acts.dtype} {tuple(acts.shape)} do not fit this model")
+    if toks.dtype != torch.int64 or int(toks.min()) < 0 or int(toks.max()) >= model.vocab_size:
+        raise MessageError("token ids must be int64 within the vocabulary")
+    return acts, toks
+
+
+def check_sender(
+    ctx: PeerContext, peer_id: str, view: MembershipView, run_id: str, hop: int, rank: int
+) -> None:
+    """The request must come from the peer `view` puts at (hop, rank), for our stage."""
+    if run_id != ctx.run_id or hop != ctx.stage - 1:
+        raise MessageError(
+            f"request for run {run_id!r} hop {hop}; this is stage {ctx.stage} of {ctx.run_id!r}"
+        )
+    if not 0 <= rank < len(view.stages[hop]) or view.peer_at(hop, rank) != peer_id:
+        raise MessageError(f"peer {peer_id} is not replica {rank} of stage {hop} in round {view.round}")
