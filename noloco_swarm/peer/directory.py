@@ -14,11 +14,15 @@ counted), never trusted. The frozen per-round view itself is built by protocol.m
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import asyncio
+import functools
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
 from hivemind import DHT
+from hivemind.dht.node import DHTNode
+from hivemind.p2p import PeerID
 from hivemind.utils import MPFuture, ValueWithExpiration, get_dht_time
 
 from noloco_swarm.protocol import messages
@@ -131,6 +135,13 @@ class RunDirectory:
         good.sort(key=lambda a: a.peer_id)
         return DirectoryReadout(good, bad)
 
+    def rebootstrap(self, peer_ids: Sequence[str]) -> int:
+        """Ping `peer_ids` (the run's entry points) from our DHT node and look up our neighbours
+        again, as hivemind does at start: a node that was cut off from everyone has emptied its
+        routing table, and would otherwise find no record again. How many answered."""
+        ping = functools.partial(_ping_entry_points, tuple(peer_ids))  # runs in the DHT process
+        return self._wait(self.dht.run_coroutine(ping, return_future=True))
+
     def _store(self, key: str, record: messages.Message, subkey: str, ttl: float) -> bool:
         expiration = get_dht_time() + ttl
         return bool(
@@ -186,6 +197,12 @@ class RunDirectory:
         reports, _ = self._read(gone_key(self.run_id), messages.GoneReport)
         on_record = [(r.peer_id, r.reporter, r.round) for r in reports]
         return credible_gone(item for item in [*on_record, *seen] if members is None or item[1] in members)
+
+
+async def _ping_entry_points(peer_ids: tuple[str, ...], _: DHT, node: DHTNode) -> int:
+    answers = await asyncio.gather(*(node.protocol.call_ping(PeerID.from_base58(p)) for p in peer_ids))
+    await node.find_nearest_nodes([node.node_id])
+    return sum(a is not None for a in answers)
 
 
 def subkey_of(record: messages.PeerAnnouncement | messages.GoneReport) -> str:

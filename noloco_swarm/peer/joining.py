@@ -19,11 +19,12 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import torch
+from hivemind.utils.multiaddr import Multiaddr
 
 from noloco_swarm.peer import events
 from noloco_swarm.peer.context import PeerContext
 from noloco_swarm.peer.exchange import ByteLedger
-from noloco_swarm.peer.rounds import PROBE_TIMEOUT, ask_status
+from noloco_swarm.peer.rounds import DHT_ERRORS, PROBE_TIMEOUT, ask_status
 from noloco_swarm.peer.streams import PeerUnavailable, RemoteRefused
 from noloco_swarm.peer.transport import Transport
 from noloco_swarm.protocol import messages
@@ -194,8 +195,9 @@ class Joining:
                 raise RuntimeError(
                     f"no live replica of stage {ctx.stage} holds its state; this peer cannot join"
                 )
-            if not servers:  # e.g. our DHT node is still reconnecting after a cut: read again
-                logger.warning("no replica of stage %d in the directory yet; looking again", ctx.stage)
+            if not servers:  # e.g. our DHT node lost every neighbour during a cut: reconnect
+                logger.warning("no replica of stage %d in the directory yet; reconnecting", ctx.stage)
+                await self._reconnect()
             # Spread joiners over the servers; each joiner tries them all, in its own order.
             servers.sort(key=lambda p: hashlib.sha256(f"{ctx.me}/{p}".encode()).digest())
             for server in servers:
@@ -222,6 +224,20 @@ class Joining:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"could not join the run within {timeout:.0f} s")
             await asyncio.sleep(1.0)
+
+    async def _reconnect(self) -> None:
+        """Dial the run's entry points again and refill our DHT node's routing table from them."""
+        ctx, entry = self.ctx, self.ctx.cfg.network.initial_peers
+        ids = [str(Multiaddr(m)["p2p"]) for m in entry]
+        async with asyncio.TaskGroup() as group:
+            for peer, maddr in zip(ids, entry, strict=True):
+                group.create_task(ctx.transport.connect(peer, [maddr], timeout=PROBE_TIMEOUT))
+        try:
+            answered = await asyncio.to_thread(ctx.rounds.directory.rebootstrap, ids)
+        except DHT_ERRORS as e:
+            logger.warning("could not reach the run's entry points again: %s", e)
+            return
+        logger.warning("%d of %d entry points answered", answered, len(ids))
 
     async def rpc_fetch_state(
         self, peer_id: str, header: messages.Message, tensors: list[torch.Tensor]

@@ -168,3 +168,13 @@ def test_a_dht_call_gives_up_at_its_deadline_when_the_dht_process_cannot_answer(
     finally:
         os.kill(a.pid, signal.SIGCONT)
     assert found.read_peers().announcements == []  # and the DHT still serves once it runs again
+
+
+def test_rebootstrap_pings_the_entry_points_again(two_peers: tuple[DHT, DHT], bootstrap: str) -> None:
+    """After a cut a DHT node may know nobody; rebootstrap asks the run's entry points again and
+    counts those that answer."""
+    a, b = two_peers
+    found = RunDirectory(a, "run-reboot")
+    entry = bootstrap.rsplit("/p2p/", 1)[1]
+    assert found.rebootstrap([entry]) == 1
+    assert found.rebootstrap([entry, str(b.peer_id)]) == 2
