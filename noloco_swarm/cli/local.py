@@ -8,6 +8,7 @@ reference simulator instead (same routes, groups and outer steps, no transport).
 from __future__ import annotations
 
 import math
+import signal
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -215,6 +216,10 @@ def swarm_status(
 
 
 def run_local_swarm(cfg: RunConfig, steps: int, *, plain: bool = False, keep: Path | None = None) -> int:
+    # Ctrl-C (SIGINT) must stop the swarm however this process was started: a non-interactive
+    # shell's background job, or a harness, hands it SIGINT ignored, and Python then installs no
+    # handler of its own, so the signal would be dropped and the run go on.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     console = Console()
     console.print(
         f"[bold]noloco local[/]: starting a bootstrap node and {cfg.num_stages * cfg.num_replicas} peers "
