@@ -15,3 +15,15 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("NOLOCO_CACHE", str(path))
         yield path
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """One torch thread, as the peers run: a reference computed with more may order float sums
+    differently inside the kernels, and no longer match them bit for bit."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -11,7 +11,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
@@ -60,16 +60,6 @@ def small(method: str, **extra: str) -> RunConfig:
         **extra,
     }
     return build_config("tiny", method, assignments=assignments, env={})
-
-
-@pytest.fixture
-def one_thread() -> Iterator[None]:
-    # The peers run with one torch thread; the reference must too, or float sums may be ordered
-    # differently inside the kernels.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def simulate(cfg: RunConfig, steps: int) -> tuple[list[list[str]], dict[int, list[list[str]]]]:

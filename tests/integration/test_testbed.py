@@ -12,7 +12,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from noloco_swarm.cli.swarm import LocalSwarm, wait
 from noloco_swarm.cli.testbed import BOOT, namespace_swarm, peer_host
@@ -25,14 +24,6 @@ PERMITTED, WHY = namespaces_permitted()
 pytestmark = [pytest.mark.integration, pytest.mark.skipif(not PERMITTED, reason=f"testbed: {WHY}")]
 PROBE = [sys.executable, "-m", "tests.integration.netprobe"]
 ROOT = str(Path(__file__).resolve().parents[2])
-
-
-@pytest.fixture
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture
