@@ -331,12 +331,7 @@ class InnerSteps:
                 async with asyncio.TaskGroup() as group:
                     for p in peers:
                         group.create_task(ctx.rounds.suspect(p, why))
-                lost = sum(len(collector.rows_from(s)) for s in missing)
-                for sender in missing:
-                    collector.drop_sender(sender)
-                ctx.events.emit(
-                    events.Dropped(step=t, hop=ctx.stage - 1, samples=lost, side="receiver", senders=missing)
-                )
+                self._give_up_on(collector, missing)
                 return
             async with asyncio.TaskGroup() as group:
                 probes = [group.create_task(ctx.rounds.probe(p)) for p in peers]
@@ -349,12 +344,18 @@ class InnerSteps:
                 elif isinstance(status, PeerStatus) and status.step > t:
                     passed.append(sender)  # it gave up on us for step t: its rows will not come
             if passed:
-                lost = sum(len(collector.rows_from(s)) for s in passed)
-                for sender in passed:
-                    collector.drop_sender(sender)
-                ctx.events.emit(
-                    events.Dropped(step=t, hop=ctx.stage - 1, samples=lost, side="receiver", senders=passed)
-                )
+                self._give_up_on(collector, passed)
+
+    def _give_up_on(self, collector: StepCollector, senders: list[int]) -> None:
+        """Run the step without `senders`' rows, and record them as dropped."""
+        lost = sum(len(collector.rows_from(s)) for s in senders)
+        for sender in senders:
+            collector.drop_sender(sender)
+        self.ctx.events.emit(
+            events.Dropped(
+                step=collector.step, hop=self.ctx.stage - 1, samples=lost, side="receiver", senders=senders
+            )
+        )
 
     async def rpc_forward(
         self, peer_id: str, header: messages.Message, tensors: list[torch.Tensor]
