@@ -19,7 +19,7 @@ pytestmark = pytest.mark.integration
 
 @pytest.mark.parametrize(("stage", "frozen"), [(1, "peer"), (0, "peer-and-daemon")])
 def test_a_peer_frozen_past_the_deadline_is_dropped_and_rejoins_by_itself(
-    cache: Path, stage: int, frozen: str
+    cache: Path, tmp_path: Path, stage: int, frozen: str
 ) -> None:
     """A peer stopped for 15 s (step deadline 8 s) is dropped by the others, who train on
     without it. Once it runs again it finds itself outside the swarm's view, joins again at a
@@ -32,7 +32,7 @@ def test_a_peer_frozen_past_the_deadline_is_dropped_and_rejoins_by_itself(
     # peer looks for a round to join (they run on at a few steps a second meanwhile).
     steps, H = 300, 3
     cfg = small("noloco", **{**SLOWER, "outer.inner_steps": str(H), "inner.total_steps": str(steps)})
-    with local_swarm(cfg, steps, step_timeout=8) as swarm:
+    with local_swarm(cfg, steps, step_timeout=8, workdir=tmp_path) as swarm:  # logs kept by pytest
         victim = next(p for p in swarm.peers if p.stage == stage and p.replica == 1)
         deadline = time.monotonic() + 120
         while not any(e.step >= 8 for e in of_kind(victim.events(), Step)):
