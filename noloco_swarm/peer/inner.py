@@ -192,7 +192,7 @@ class InnerSteps:
         view, plan = ctx.view_at(t), ctx.plan_at(t)
         rank = view.rank_of(ctx.me)[1]
         held = plan.rows(t, ctx.stage, rank)
-        results: dict[int, asyncio.Task[GradRows | None]] = {}
+        results: dict[int, asyncio.Task[GradRows | str]] = {}
         async with asyncio.TaskGroup() as group:
             for receiver, sent in plan.sends(t, ctx.stage, rank).items():
                 samples = tuple(routing.sample_index(t, held[j].row.position, ctx.B) for j in sent)
@@ -201,16 +201,21 @@ class InnerSteps:
         # Rows whose gradient never came back are dropped from this step: their gradient stays 0.
         grad = torch.zeros_like(out)
         losses: list[float] = []
+        lost: list[str] = []
         for task in results.values():
             result = task.result()
-            if result is not None:
-                sent, rows, sample_losses = result
-                grad[sent] = rows.to(grad.device)
-                losses.extend(sample_losses)
+            if isinstance(result, str):
+                lost.append(result)
+                continue
+            sent, rows, sample_losses = result
+            grad[sent] = rows.to(grad.device)
+            losses.extend(sample_losses)
         dropped = out.shape[0] - len(losses)
         if dropped:
             self.dropped_samples += dropped
-            ctx.events.emit(events.Dropped(step=t, hop=ctx.stage, samples=dropped, side="sender"))
+            ctx.events.emit(
+                events.Dropped(step=t, hop=ctx.stage, samples=dropped, side="sender", reasons=lost)
+            )
         return grad, losses
 
     async def _call_or_drop(
@@ -222,8 +227,8 @@ class InnerSteps:
         out: torch.Tensor,
         tokens: torch.Tensor,
         t: int,
-    ) -> GradRows | None:
-        """Forward `sent` rows to one receiver; None if they are lost (the reason is recorded)."""
+    ) -> GradRows | str:
+        """Forward `sent` rows to one receiver; if they are lost, why (for the Dropped event)."""
         ctx, hop = self.ctx, self.ctx.stage
         receiver = view.peer_at(hop + 1, receiver_rank)
         acts, toks = out[sent].contiguous(), tokens[sent].contiguous()
@@ -240,7 +245,7 @@ class InnerSteps:
         )
         for attempt in range(2):  # a live receiver whose stream broke gets the rows once more
             if receiver in ctx.rounds.dead:
-                return None
+                return f"{receiver} is gone"
             try:
                 reply, tensors = await ctx.rounds.watched(
                     receiver,
@@ -253,27 +258,28 @@ class InnerSteps:
                     not isinstance(reply, BackwardHeader)
                     or len(tensors) != 1
                     or tensors[0].shape != acts.shape
+                    or len(reply.losses) != len(sent)
                 ):
                     raise MessageError(f"{receiver} answered step {t} with a malformed reply")
                 return sent, tensors[0], reply.losses
             except RemoteRefused as e:  # alive but disagrees (e.g. another view): drop these rows
                 logger.warning("stage %d peer %s refused step %d: %s", hop + 1, receiver, t, e)
                 ctx.events.emit(events.Refused(step=t, peer=receiver, reason=str(e)))
-                return None
+                return str(e)
             except (StreamTruncated, StreamClosed) as e:  # the stream broke, maybe not the receiver
                 if attempt or await ctx.rounds.suspect(receiver, f"forward of step {t} broke: {e}"):
-                    return None
+                    return f"{receiver}: {e}"
                 logger.warning(
                     "the forward of step %d to %s broke (%s); sending it once more", t, receiver, e
                 )
                 ctx.events.emit(events.Retried(step=t, peer=receiver, reason=str(e)))
             except PeerUnavailable as e:
                 await ctx.rounds.suspect(receiver, f"forward of step {t} failed: {e}")
-                return None
+                return f"{receiver}: {e}"
             except MessageError as e:  # it answered with garbage: do not trust it again
                 ctx.rounds.mark_dead(receiver, f"malformed answer to the forward of step {t}: {e}")
-                return None
-        return None
+                return f"{receiver}: {e}"
+        raise AssertionError("the second attempt always returns")
 
     # ------------------------------------------------------------------ stages after the first
 
