@@ -11,6 +11,7 @@ from rich.console import Console
 
 from noloco_swarm.peer.events import Final, to_dict
 from noloco_swarm.peer.launch import run_on_loop, run_peer
+from noloco_swarm.peer.lifetime import orphaned
 from noloco_swarm.train.config import RunConfig
 
 # Once the peer has shut down, its event loop must close (joining its worker threads) within this
@@ -39,6 +40,10 @@ def run_join(cfg: RunConfig, steps: int, *, new_run: bool, resume: bool = False,
 
         def on_signal() -> None:
             if leave.is_set():  # the second signal: stop now, unwinding every finally (no daemon left)
+                task.cancel()
+                return
+            if orphaned():  # the launcher that started us died: nobody waits for a graceful leave
+                console.print("the process that started this peer is gone: stopping now")
                 task.cancel()
                 return
             console.print("leaving the swarm at the next boundary; a second signal stops at once")
