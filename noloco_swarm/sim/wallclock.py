@@ -30,8 +30,9 @@ link:
   the links with the pipeline's. The outer update's own compute is not modelled (it is a few
   element-wise passes over the stage).
 
-`simulate` runs two outer periods (steps 1..2H, one exchange at step H) and reports the second,
-which holds exactly one exchange and no start-up, so its rate is the steady-state one.
+`simulate` reports one outer period in steady state: H steps and the exchange; it plays out only
+the steps the exchange can touch and counts the others at a steady step's time (every step ends
+with a flush, so they are all alike), which a test checks against playing out whole periods.
 """
 
 from __future__ import annotations
@@ -154,19 +155,19 @@ class Swarm:
 
 @dataclass(frozen=True)
 class Timing:
-    """What `simulate` found for the second outer period (steps H+1..2H, one exchange)."""
+    """What `simulate` found for one outer period in steady state (H steps, one exchange)."""
 
     period_s: float
     """Seconds for H inner steps and one outer exchange, in steady state."""
     step_s: float
-    """Seconds per inner step without an exchange (the first period's mean)."""
+    """Seconds per inner step away from the exchange."""
     exchange_s: float
     """Seconds from the exchange's start to its end on the slowest replica (overlap included)."""
     tokens_per_s: float
     utilisation: float
     """tokens_per_s over the compute-bound rate (the busiest stage computing all the time)."""
     busy: tuple[float, ...] = field(default=())
-    """Per stage, the share of the period its replicas spent computing (mean over replicas)."""
+    """Per stage, the share of the period each of its replicas spends computing."""
 
 
 def wire_bytes(rows: float, seq_len: int, hidden: int, wire: Wire, token_ids: bool) -> float:
@@ -188,6 +189,28 @@ def compute_bound_tokens_per_s(swarm: Swarm) -> float:
     """The rate when the busiest stage computes all the time (no network, no pipeline bubble)."""
     slowest = max(s.forward_s + s.backward_s + s.optimizer_s / swarm.batch for s in swarm.stages)
     return swarm.tokens_per_step / (swarm.batch * slowest) if slowest > 0 else math.inf
+
+
+def resource_bound_s(swarm: Swarm, schedule: Schedule) -> float:
+    """A floor on seconds per inner step: the busiest GPU, uplink or downlink of any peer.
+
+    Per step a peer computes its stage's B samples, sends activations on and gradients back,
+    receives the same, and carries 1/H of its outer exchange each way. No schedule beats this;
+    a deep enough pipeline with overlap approaches it.
+    """
+    P, B = len(swarm.stages), swarm.batch
+    act = wire_bytes(B, swarm.seq_len, swarm.hidden, schedule.wire, token_ids=True)
+    grad = wire_bytes(B, swarm.seq_len, swarm.hidden, schedule.wire, token_ids=False)
+    floor = 0.0
+    for s, cost in enumerate(swarm.stages):
+        outer = exchange_bytes(cost.params, schedule, swarm.replicas) / swarm.inner_steps
+        up = (act if s < P - 1 else 0.0) + (grad if s > 0 else 0.0) + outer
+        down = (act if s > 0 else 0.0) + (grad if s < P - 1 else 0.0) + outer
+        for d in range(swarm.replicas):
+            link = swarm.link_of(s, d)
+            compute = B * (cost.forward_s + cost.backward_s) + cost.optimizer_s
+            floor = max(floor, compute, up / link.bytes_per_s(up=True), down / link.bytes_per_s(up=False))
+    return floor
 
 
 # ---------------------------------------------------------------------- FLOPs of the presets
@@ -367,10 +390,23 @@ def _max_min_rates(flows: dict[int, float], tasks: list[_Task], capacity: list[f
 # ---------------------------------------------------------------------- the swarm's schedule
 
 
-def simulate(swarm: Swarm, schedule: Schedule) -> Timing:
-    """Play out steps 1..2H with one outer exchange after step H; time the second period."""
+def simulate(swarm: Swarm, schedule: Schedule, exact: bool = False) -> Timing:
+    """Time one outer period in steady state: H inner steps and one outer exchange.
+
+    Every inner step ends with a flush, so steps away from the exchange all take the same time.
+    The model plays out steps 1..w (w = 3) with the exchange after step w, and the steps it can
+    touch: step w itself (the exchange of a stage that finished early shares links with the
+    others' last transfers), k overlapped steps, the one that waits for it and two to settle; it
+    counts the period's other steps at step 2's time. `exact` plays out steps 1..2H with
+    exchanges after steps H and 2H instead and times steps H+1..2H (slower; a test checks that
+    both agree). Needs H >= 3 when exact.
+    """
     P, D, M, H = len(swarm.stages), swarm.replicas, schedule.microbatches, swarm.inner_steps
     k = min(schedule.overlap_steps, H - 1)
+    if exact and H < 3:
+        raise ValueError(f"an exact simulation needs H >= 3, got {H}")
+    w = H if exact else 3  # an exchange follows step w (and, when exact, step 2H)
+    n = 2 * H if exact else w + min(H - 1, k + 3)  # steps played out
     peer = {(s, d): s * D + d for s in range(P) for d in range(D)}
     links = [swarm.link_of(s, d) for s in range(P) for d in range(D)]
     graph = _Graph([x.bytes_per_s(up=True) for x in links], [x.bytes_per_s(up=False) for x in links])
@@ -385,11 +421,10 @@ def simulate(swarm: Swarm, schedule: Schedule) -> Timing:
     act = wire_bytes(rows / D, swarm.seq_len, swarm.hidden, schedule.wire, token_ids=True)
     grad = wire_bytes(rows / D, swarm.seq_len, swarm.hidden, schedule.wire, token_ids=False)
     opt: dict[tuple[int, int], int] = {}  # (stage, replica) -> last optimizer step's task
-    exchange_start: dict[tuple[int, int], int] = {}
+    exchange_start: dict[tuple[int, int], int] = {}  # of the exchange after step w
     exchange_done: dict[tuple[int, int], int] = {}
     step_end: dict[int, list[int]] = {}
-    computes: list[tuple[int, int]] = []  # (task, stage) of every compute task
-    for t in range(1, 2 * H + 1):
+    for t in range(1, n + 1):
         fwd: dict[tuple[int, int, int], int] = {}
         bwd: dict[tuple[int, int, int], int] = {}
         sent: dict[tuple[int, int, int, int], int] = {}  # (stage, from, to, m) -> activation flow
@@ -398,7 +433,7 @@ def simulate(swarm: Swarm, schedule: Schedule) -> Timing:
             last = s == P - 1
             for d in range(D):
                 gate_deps = [opt[(s, d)]] if (s, d) in opt else []
-                if t == H + k + 1:
+                if t == w + k + 1:
                     gate_deps.append(exchange_done[(s, d)])
                 gate = graph.add(_Task("gate"), gate_deps)
                 for m in range(M):
@@ -406,7 +441,6 @@ def simulate(swarm: Swarm, schedule: Schedule) -> Timing:
                     seconds = rows * (cost.forward_s + (cost.backward_s if last else 0.0))
                     task = _Task("compute", peer=peer[(s, d)], amount=seconds, priority=(t, 1, m))
                     fwd[(s, d, m)] = graph.add(task, deps)
-                    computes.append((fwd[(s, d, m)], s))
                     if not last:
                         for e in range(D):
                             sent[(s, d, e, m)] = flow(peer[(s, d)], peer[(s + 1, e)], act, [fwd[(s, d, m)]])
@@ -425,31 +459,28 @@ def simulate(swarm: Swarm, schedule: Schedule) -> Timing:
                         task = _Task("compute", peer=peer[(s, d)], amount=rows * cost.backward_s)
                         task.priority = (t, 0, m)
                         bwd[(s, d, m)] = graph.add(task, deps)
-                        computes.append((bwd[(s, d, m)], s))
                     ends.append(bwd[(s, d, m)])
                 task = _Task("compute", peer=peer[(s, d)], amount=cost.optimizer_s, priority=(t, 0, M))
                 opt[(s, d)] = graph.add(task, ends)
-                computes.append((opt[(s, d)], s))
                 step_end.setdefault(t, []).append(opt[(s, d)])
-        if t == H:
+        if t == w or (exact and t == n):
+            starts, dones = (exchange_start, exchange_done) if t == w else ({}, {})
             for s in range(P):
-                _add_exchange(graph, swarm, schedule, s, peer, opt, flow, exchange_start, exchange_done)
+                _add_exchange(graph, swarm, schedule, s, peer, opt, flow, starts, dones)
     graph.run()
     tasks = graph.tasks
 
     def end_of(t: int) -> float:
         return max(tasks[i].end for i in step_end[t])
 
-    period = end_of(2 * H) - end_of(H)
+    step = end_of(w - 1) - end_of(w - 2)
+    period = end_of(n) - end_of(w - 1) + (H - (n - w + 1)) * step if not exact else end_of(n) - end_of(w)
     exchange = max(tasks[exchange_done[key]].end - tasks[exchange_start[key]].end for key in exchange_done)
-    busy = [0.0] * P
-    for tid, s in computes:
-        if tasks[tid].end > end_of(H):
-            busy[s] += tasks[tid].amount / (D * period)
+    busy = [H * (swarm.batch * (c.forward_s + c.backward_s) + c.optimizer_s) / period for c in swarm.stages]
     tokens_per_s = H * swarm.tokens_per_step / period
     return Timing(
         period_s=period,
-        step_s=end_of(H) / H,
+        step_s=step,
         exchange_s=exchange,
         tokens_per_s=tokens_per_s,
         utilisation=tokens_per_s / compute_bound_tokens_per_s(swarm),

@@ -15,6 +15,7 @@ from noloco_swarm.sim.wallclock import (
     compute_bound_tokens_per_s,
     exchange_bytes,
     preset_stages,
+    resource_bound_s,
     simulate,
     stage_flops_per_token,
     wire_bytes,
@@ -71,6 +72,7 @@ def test_many_microbatches_are_bounded_by_the_slowest_resource() -> None:
     grad = wire_bytes(batch, seq, hidden, "fp32", False) / wire_bytes(batch, seq, hidden, "fp32", True)
     assert one == pytest.approx(1 + grad, rel=1e-6)  # the two legs one after the other
     assert 1.0 < deep <= 1.0 + 2 / batch  # the legs overlap; fill and drain cost a microbatch each
+    assert resource_bound_s(sw, Schedule(microbatches=batch)) == pytest.approx(1.0)  # stage 0's uplink
 
 
 def test_the_wire_format_scales_a_transfer_bound_step() -> None:
@@ -92,6 +94,8 @@ def test_overlap_hides_the_exchange_once_k_steps_of_compute_exceed_it(k: int) ->
     exchange = 625_000 * 4 / MB + 0.05
     assert t.step_s == pytest.approx(1.0)
     assert t.period_s == pytest.approx(10 + max(exchange - k, 0.0))
+    # the floor amortises the exchange's bytes over H steps: 0.25 s a step, below the compute
+    assert resource_bound_s(sw, Schedule(overlap_steps=k)) == pytest.approx(1.0)
 
 
 def test_diloco_all_reduce_moves_two_shards_phases_against_nolocos_one_swap() -> None:
@@ -129,3 +133,14 @@ def test_preset_flops_follow_the_6n_convention() -> None:
     stages = preset_stages(cfg, 4, flops_per_s=1e15)
     assert sum(s.params for s in stages) == count_parameters(cfg)
     assert all(s.backward_s == 2 * s.forward_s for s in stages)
+
+
+def test_the_short_cut_over_steady_steps_equals_playing_out_whole_periods() -> None:
+    # A pipelined, link-bound swarm whose overlapped exchange slows the steps it shares links with.
+    stages = [StageCost(0.01, 0.02, params=200_000), StageCost(0.02, 0.04, params=100_000)]
+    sw = swarm(stages, Link.symmetric(8, rtt_s=0.05), replicas=2, batch=4, inner_steps=12)
+    for schedule in (Schedule(microbatches=2, overlap_steps=3), Schedule(exchange="diloco")):
+        short, exact = simulate(sw, schedule), simulate(sw, schedule, exact=True)
+        assert short.period_s == pytest.approx(exact.period_s, rel=1e-9)
+        assert short.step_s == pytest.approx(exact.step_s, rel=1e-9)
+        assert short.exchange_s == pytest.approx(exact.exchange_s, rel=1e-9)
