@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -91,14 +92,16 @@ def model_swarm(cfg: RunConfig, step_compute_s: float, link: Link) -> Swarm:
 
 def compare(cfg: RunConfig, step_compute_s: float, measured: dict) -> dict:
     """The model's figures for one measured profile, as they are and with the link share fitted."""
-    rate, one_way = measured["rate_mbit"], measured["rtt_ms"] / 2000
+    rate, one_way = measured["rate_mbit"] or math.inf, measured["rtt_ms"] / 2000  # rate 0: unshaped
     link = Link.symmetric(rate, rtt_s=2 * one_way, efficiency=TCP_EFFICIENCY)
     model = simulate(model_swarm(cfg, step_compute_s, link), Schedule())
     # The same model given the share of the rate that the exchange actually got (its bytes are
     # known exactly): tells a wrong structure apart from links that deliver less than their rate.
     share = TCP_EFFICIENCY * (model.exchange_s - one_way) / (measured["exchange_s"] - one_way)
-    fitted_link = Link.symmetric(rate, rtt_s=2 * one_way, efficiency=min(share, 1.0))
-    fitted = simulate(model_swarm(cfg, step_compute_s, fitted_link), Schedule())
+    fitted = model
+    if rate < math.inf:
+        fitted_link = Link.symmetric(rate, rtt_s=2 * one_way, efficiency=min(share, 1.0))
+        fitted = simulate(model_swarm(cfg, step_compute_s, fitted_link), Schedule())
     return {
         "measured": measured,
         "model": {"step_s": model.step_s, "exchange_s": model.exchange_s, "tokens_per_s": model.tokens_per_s},
@@ -121,7 +124,11 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--inner-steps", type=int, default=10)
-    ap.add_argument("--profiles", default="5:25,20:25", help="RATE_MBIT:ONE_WAY_DELAY_MS, comma-separated")
+    ap.add_argument(
+        "--profiles",
+        default="10:25,20:0,20:25",
+        help="RATE_MBIT:ONE_WAY_DELAY_MS, comma-separated (rate 0: unshaped)",
+    )
     ap.add_argument(
         "--keep", type=Path, default=None, help="keep each run's logs and events under this folder"
     )

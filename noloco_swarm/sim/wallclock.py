@@ -18,7 +18,8 @@ link:
   (the last stage needs them); gradients cross in the same format, without token ids.
 - **Links.** Every peer has one uplink and one downlink (full duplex) of its `Link`'s rate; a
   transfer from a to b uses a's uplink and b's downlink, and concurrent transfers share links
-  max-min fairly (as long-lived TCP flows roughly do). A message is delivered when its last byte
+  max-min fairly (as long-lived TCP flows roughly do); messages between one pair go out in order
+  (one connection), so microbatch m+1 follows m. A message is delivered when its last byte
   has been serialised plus a one-way latency of (rtt_a + rtt_b) / 4, so two peers of one profile
   see its RTT. Not modelled: TCP slow start and window limits (a window below rate x RTT would cap
   a flow), loss, jitter, protocol CPU costs, framing beyond `Link.efficiency`.
@@ -37,7 +38,6 @@ with a flush, so they are all alike), which a test checks against playing out wh
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -46,6 +46,7 @@ from typing import Literal
 from noloco_swarm.model.presets import ModelConfig, count_stage_parameters, layer_parameters
 from noloco_swarm.model.split import split_layers
 from noloco_swarm.protocol.gossip import make_groups
+from noloco_swarm.sim.flows import Graph, Task
 
 Wire = Literal["fp32", "bf16", "int8"]
 Exchange = Literal["noloco", "diloco"]
@@ -245,148 +246,6 @@ def preset_stages(cfg: ModelConfig, num_stages: int, flops_per_s: float) -> tupl
     return tuple(costs)
 
 
-# ---------------------------------------------------------------------- the event engine
-
-
-@dataclass
-class _Task:
-    kind: Literal["compute", "flow", "gate"]
-    peer: int = -1  # compute: who runs it; flow: sender
-    dst: int = -1  # flow: receiver
-    amount: float = 0.0  # compute: seconds; flow: bytes
-    latency: float = 0.0
-    priority: tuple[int, int, int] = (0, 0, 0)
-    waiting: int = 0
-    dependents: list[int] = field(default_factory=list)
-    end: float = math.nan
-
-
-class _Graph:
-    """Tasks with dependencies; `run` plays them out on peers' GPUs and max-min fair links."""
-
-    def __init__(self, up: list[float], down: list[float]) -> None:
-        self.tasks: list[_Task] = []
-        self.capacity = up + down  # bytes/s: every peer's uplink, then every peer's downlink
-
-    def add(self, task: _Task, deps: list[int]) -> int:
-        tid = len(self.tasks)
-        self.tasks.append(task)
-        for dep in deps:
-            self.tasks[dep].dependents.append(tid)
-        task.waiting = len(deps)
-        return tid
-
-    def run(self) -> None:
-        tasks, peers = self.tasks, len(self.capacity) // 2
-        now = 0.0
-        events: list[tuple[float, int]] = []  # (time, task) that ends then
-        ready: list[list[tuple[tuple[int, int, int], int]]] = [[] for _ in range(peers)]
-        busy = [False] * peers
-        flows: dict[int, float] = {}  # task -> bytes left to serialise
-        sending: set[tuple[int, int]] = set()  # (sender, receiver) pairs with a flow on the wire
-        queued: dict[tuple[int, int], list[int]] = {}  # flows waiting for their pair, in order
-        rates: dict[int, float] = {}
-        idle: set[int] = set()  # peers that may pick a task once everything due now is done
-        dirty = False
-
-        def start(tid: int) -> None:
-            nonlocal dirty
-            task = tasks[tid]
-            if task.kind == "gate":
-                heapq.heappush(events, (now, tid))
-            elif task.kind == "flow":
-                pair = (task.peer, task.dst)
-                if pair in sending:  # one connection per pair: its messages go out in order
-                    queued.setdefault(pair, []).append(tid)
-                else:
-                    sending.add(pair)
-                    flows[tid] = task.amount
-                    dirty = True
-            else:
-                heapq.heappush(ready[task.peer], (task.priority, tid))
-                idle.add(task.peer)
-
-        def run_next(peer: int) -> None:
-            if not busy[peer] and ready[peer]:
-                _, tid = heapq.heappop(ready[peer])
-                busy[peer] = True
-                heapq.heappush(events, (now + tasks[tid].amount, tid))
-
-        def finish(tid: int) -> None:
-            task = tasks[tid]
-            task.end = now
-            if task.kind == "compute":
-                busy[task.peer] = False
-                idle.add(task.peer)
-            for dep in task.dependents:
-                tasks[dep].waiting -= 1
-                if tasks[dep].waiting == 0:
-                    start(dep)
-
-        for tid, task in enumerate(tasks):
-            if task.waiting == 0:
-                start(tid)
-        for peer in sorted(idle):
-            run_next(peer)
-        idle.clear()
-        rated_at, next_flow = 0.0, (math.inf, -1)
-        while events or flows:
-            if dirty:  # flows changed: bring their bytes up to now, share the links anew
-                if now > rated_at:
-                    for tid in flows.keys() & rates.keys():
-                        flows[tid] = max(flows[tid] - rates[tid] * (now - rated_at), 0.0)
-                rates, rated_at, dirty = _max_min_rates(flows, tasks, self.capacity), now, False
-                ends = ((now + left / rates[tid], tid) for tid, left in flows.items())
-                next_flow = min(ends, default=(math.inf, -1))
-            if events and events[0][0] <= next_flow[0]:
-                now, tid = heapq.heappop(events)
-                finish(tid)
-                if not (events and events[0][0] <= now):  # all of now is done: peers choose
-                    for peer in sorted(idle):
-                        run_next(peer)
-                    idle.clear()
-                continue
-            now, tid = next_flow
-            del flows[tid]
-            dirty = True
-            pair = (tasks[tid].peer, tasks[tid].dst)
-            if queued.get(pair):
-                waiting = queued[pair].pop(0)
-                flows[waiting] = tasks[waiting].amount
-            else:
-                sending.discard(pair)
-            heapq.heappush(events, (now + tasks[tid].latency, tid))
-
-
-def _max_min_rates(flows: dict[int, float], tasks: list[_Task], capacity: list[float]) -> dict[int, float]:
-    """Max-min fair rates (progressive filling) of the flows; links are uplinks, then downlinks."""
-    peers = len(capacity) // 2
-    users: dict[int, list[int]] = {}
-    for tid in flows:
-        users.setdefault(tasks[tid].peer, []).append(tid)
-        users.setdefault(peers + tasks[tid].dst, []).append(tid)
-    left = {link: capacity[link] for link in users}
-    count = {link: len(tids) for link, tids in users.items()}
-    rates: dict[int, float] = {}
-    while count:
-        link = min(count, key=lambda x: left[x] / count[x])
-        share = left[link] / count[link]
-        if share == math.inf:  # only unshaped links are left: their flows take no time
-            return rates | {tid: math.inf for tid in flows if tid not in rates}
-        del count[link]
-        for tid in users[link]:
-            if tid in rates:
-                continue
-            rates[tid] = share
-            for other in (tasks[tid].peer, peers + tasks[tid].dst):
-                if other in count:
-                    left[other] -= share
-                    count[other] -= 1
-                    if not count[other]:
-                        del count[other]
-    return rates
-
-
 # ---------------------------------------------------------------------- the swarm's schedule
 
 
@@ -409,13 +268,13 @@ def simulate(swarm: Swarm, schedule: Schedule, exact: bool = False) -> Timing:
     n = 2 * H if exact else w + min(H - 1, k + 3)  # steps played out
     peer = {(s, d): s * D + d for s in range(P) for d in range(D)}
     links = [swarm.link_of(s, d) for s in range(P) for d in range(D)]
-    graph = _Graph([x.bytes_per_s(up=True) for x in links], [x.bytes_per_s(up=False) for x in links])
+    graph = Graph([x.bytes_per_s(up=True) for x in links], [x.bytes_per_s(up=False) for x in links])
 
     def latency(a: int, b: int) -> float:
         return (links[a].rtt_s + links[b].rtt_s) / 4
 
     def flow(a: int, b: int, nbytes: float, deps: list[int]) -> int:
-        return graph.add(_Task("flow", peer=a, dst=b, amount=nbytes, latency=latency(a, b)), deps)
+        return graph.add(Task("flow", peer=a, dst=b, amount=nbytes, latency=latency(a, b)), deps)
 
     rows = swarm.batch / M  # per microbatch of one replica
     act = wire_bytes(rows / D, swarm.seq_len, swarm.hidden, schedule.wire, token_ids=True)
@@ -435,11 +294,11 @@ def simulate(swarm: Swarm, schedule: Schedule, exact: bool = False) -> Timing:
                 gate_deps = [opt[(s, d)]] if (s, d) in opt else []
                 if t == w + k + 1:
                     gate_deps.append(exchange_done[(s, d)])
-                gate = graph.add(_Task("gate"), gate_deps)
+                gate = graph.add(Task("gate"), gate_deps)
                 for m in range(M):
                     deps = [gate] + [sent[(s - 1, e, d, m)] for e in range(D)] if s else [gate]
                     seconds = rows * (cost.forward_s + (cost.backward_s if last else 0.0))
-                    task = _Task("compute", peer=peer[(s, d)], amount=seconds, priority=(t, 1, m))
+                    task = Task("compute", peer=peer[(s, d)], amount=seconds, priority=(t, 1, m))
                     fwd[(s, d, m)] = graph.add(task, deps)
                     if not last:
                         for e in range(D):
@@ -456,11 +315,11 @@ def simulate(swarm: Swarm, schedule: Schedule, exact: bool = False) -> Timing:
                         deps += [
                             flow(peer[(s + 1, e)], peer[(s, d)], grad, [bwd[(s + 1, e, m)]]) for e in range(D)
                         ]
-                        task = _Task("compute", peer=peer[(s, d)], amount=rows * cost.backward_s)
+                        task = Task("compute", peer=peer[(s, d)], amount=rows * cost.backward_s)
                         task.priority = (t, 0, m)
                         bwd[(s, d, m)] = graph.add(task, deps)
                     ends.append(bwd[(s, d, m)])
-                task = _Task("compute", peer=peer[(s, d)], amount=cost.optimizer_s, priority=(t, 0, M))
+                task = Task("compute", peer=peer[(s, d)], amount=cost.optimizer_s, priority=(t, 0, M))
                 opt[(s, d)] = graph.add(task, ends)
                 step_end.setdefault(t, []).append(opt[(s, d)])
         if t == w or (exact and t == n):
@@ -489,7 +348,7 @@ def simulate(swarm: Swarm, schedule: Schedule, exact: bool = False) -> Timing:
 
 
 def _add_exchange(
-    graph: _Graph,
+    graph: Graph,
     swarm: Swarm,
     schedule: Schedule,
     s: int,
@@ -503,7 +362,7 @@ def _add_exchange(
     D, H = swarm.replicas, swarm.inner_steps
     stage_bytes = swarm.stages[s].params * PARAM_BYTES
     for d in range(D):
-        exchange_start[(s, d)] = graph.add(_Task("gate"), [opt[(s, d)]])
+        exchange_start[(s, d)] = graph.add(Task("gate"), [opt[(s, d)]])
     incoming: dict[int, list[int]] = {d: [] for d in range(D)}
     outgoing: dict[int, list[int]] = {d: [] for d in range(D)}
     if schedule.exchange == "noloco":
@@ -524,7 +383,7 @@ def _add_exchange(
                     scatter[b].append(f)
                     outgoing[a].append(f)
         for owner in range(D):
-            reduced = graph.add(_Task("gate"), [exchange_start[(s, owner)], *scatter[owner]])
+            reduced = graph.add(Task("gate"), [exchange_start[(s, owner)], *scatter[owner]])
             for b in range(D):
                 if b != owner:
                     f = flow(peer[(s, owner)], peer[(s, b)], shard, [reduced])
@@ -532,4 +391,4 @@ def _add_exchange(
                     outgoing[owner].append(f)
     for d in range(D):
         deps = [exchange_start[(s, d)], *incoming[d], *outgoing[d]]
-        exchange_done[(s, d)] = graph.add(_Task("gate"), deps)
+        exchange_done[(s, d)] = graph.add(Task("gate"), deps)

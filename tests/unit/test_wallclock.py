@@ -7,6 +7,7 @@ import math
 import pytest
 
 from noloco_swarm.model.presets import count_parameters, get_preset, layer_parameters
+from noloco_swarm.sim.flows import Graph, Task, max_min_rates
 from noloco_swarm.sim.wallclock import (
     Link,
     Schedule,
@@ -144,3 +145,14 @@ def test_the_short_cut_over_steady_steps_equals_playing_out_whole_periods() -> N
         assert short.period_s == pytest.approx(exact.period_s, rel=1e-9)
         assert short.step_s == pytest.approx(exact.step_s, rel=1e-9)
         assert short.exchange_s == pytest.approx(exact.exchange_s, rel=1e-9)
+
+
+def test_links_are_shared_max_min_fairly() -> None:
+    # Peers 0..3. Flow a: 0 -> 1, b: 0 -> 2, c: 3 -> 2. Peer 2's downlink (0.4) is the tightest:
+    # b and c get 0.2 each; a then takes what b leaves of peer 0's uplink (1.0).
+    graph = Graph([1.0] * 4, [1.0, 1.0, 0.4, 1.0])
+    a, b, c = (graph.add(Task("flow", peer=p, dst=q, amount=1.0), []) for p, q in ((0, 1), (0, 2), (3, 2)))
+    rates = max_min_rates({a: 1.0, b: 1.0, c: 1.0}, graph.tasks, graph.capacity)
+    assert rates == pytest.approx({a: 0.8, b: 0.2, c: 0.2})
+    graph.run()  # b and c end at 5 s; a at 1 / 0.8 = 1.25 s
+    assert [graph.tasks[t].end for t in (a, b, c)] == pytest.approx([1.25, 5.0, 5.0])
