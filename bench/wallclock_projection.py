@@ -39,22 +39,31 @@ from noloco_swarm.sim.wallclock import (
     simulate,
 )
 
-# (label, schedule, H): today's schedule first, then the new one's parts one at a time.
-SCHEDULES: list[tuple[str, Schedule, int]] = [
-    ("today: M=1 fp32, blocking", Schedule(microbatches=1, wire="fp32", overlap_steps=0), 50),
-    ("M=8 fp32, blocking", Schedule(microbatches=8, wire="fp32", overlap_steps=0), 50),
-    ("M=8 bf16, blocking", Schedule(microbatches=8, wire="bf16", overlap_steps=0), 50),
-    ("new: M=8 bf16, overlap k=10", Schedule(microbatches=8, wire="bf16", overlap_steps=10), 50),
-    ("new: M=8 int8, overlap k=10", Schedule(microbatches=8, wire="int8", overlap_steps=10), 50),
-    ("DiLoCo today: M=1 fp32, blocking", Schedule(exchange="diloco"), 100),
-    (
-        "DiLoCo new: M=8 bf16, overlap k=20",
-        Schedule(microbatches=8, wire="bf16", overlap_steps=20, exchange="diloco"),
-        100,
-    ),
-]
-PRESETS = ("small", "medium", "large")
-RATES_MBIT = (100.0, 1000.0)
+
+def schedules(m: int) -> list[tuple[str, Schedule, int]]:
+    """(label, schedule, H): today's schedule first, then the new one's parts one at a time."""
+    k_noloco, k_diloco = 10, 20  # H/5
+    return [
+        ("today: M=1 fp32, blocking", Schedule(microbatches=1, wire="fp32", overlap_steps=0), 50),
+        (f"M={m} fp32, blocking", Schedule(microbatches=m, wire="fp32", overlap_steps=0), 50),
+        (f"M={m} bf16, blocking", Schedule(microbatches=m, wire="bf16", overlap_steps=0), 50),
+        (
+            f"new: M={m} bf16, overlap k={k_noloco}",
+            Schedule(microbatches=m, wire="bf16", overlap_steps=k_noloco),
+            50,
+        ),
+        (
+            f"new: M={m} int8, overlap k={k_noloco}",
+            Schedule(microbatches=m, wire="int8", overlap_steps=k_noloco),
+            50,
+        ),
+        ("DiLoCo today: M=1 fp32, blocking", Schedule(exchange="diloco"), 100),
+        (
+            f"DiLoCo new: M={m} bf16, overlap k={k_diloco}",
+            Schedule(microbatches=m, wire="bf16", overlap_steps=k_diloco, exchange="diloco"),
+            100,
+        ),
+    ]
 
 
 def main() -> None:
@@ -65,6 +74,11 @@ def main() -> None:
     ap.add_argument("--replicas", type=int, default=4)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--rtt-ms", type=float, default=50.0)
+    ap.add_argument(
+        "--microbatches", type=int, default=8, help="M of the new schedule (at most the batch size)"
+    )
+    ap.add_argument("--presets", nargs="+", default=["small", "medium", "large"])
+    ap.add_argument("--rates-mbit", nargs="+", type=float, default=[100.0, 1000.0])
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--plot", type=Path, default=None)
     ap.add_argument(
@@ -72,19 +86,30 @@ def main() -> None:
     )
     args = ap.parse_args()
     if args.tables_from is not None:
-        rows = json.loads(args.tables_from.read_text())["rows"]
-        print(table(rows) + "\n\n" + summary(rows))
+        earlier = json.loads(args.tables_from.read_text())
+        print(table(earlier["rows"]) + "\n\n" + summary(earlier["rows"]))
         if args.plot is not None:
-            plot(rows, args.plot)
+            plot(earlier["rows"], earlier["assumptions"], args.plot)
         return
     flops = args.peak_tflops * 1e12 * args.mfu
+    assumptions = {
+        "gpu_peak_tflops": args.peak_tflops,
+        "mfu": args.mfu,
+        "sustained_tflops": flops / 1e12,
+        "stages": args.stages,
+        "replicas": args.replicas,
+        "batch_size": args.batch_size,
+        "microbatches": args.microbatches,
+        "rtt_ms": args.rtt_ms,
+        "tcp_payload_efficiency": TCP_EFFICIENCY,
+    }
     rows = []
-    for preset in PRESETS:
+    for preset in args.presets:
         cfg = get_preset(preset)
         stages = preset_stages(cfg, args.stages, flops)
-        for rate in RATES_MBIT:
+        for rate in args.rates_mbit:
             link = Link.symmetric(rate, rtt_s=args.rtt_ms / 1000, efficiency=TCP_EFFICIENCY)
-            for label, schedule, H in SCHEDULES:
+            for label, schedule, H in schedules(args.microbatches):
                 swarm = Swarm(
                     stages,
                     replicas=args.replicas,
@@ -127,48 +152,41 @@ def main() -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         result = {
             "command": "python bench/wallclock_projection.py " + " ".join(sys.argv[1:]),
-            "assumptions": {
-                "gpu_peak_tflops": args.peak_tflops,
-                "mfu": args.mfu,
-                "sustained_tflops": flops / 1e12,
-                "stages": args.stages,
-                "replicas": args.replicas,
-                "batch_size": args.batch_size,
-                "rtt_ms": args.rtt_ms,
-                "tcp_payload_efficiency": TCP_EFFICIENCY,
-            },
+            "assumptions": assumptions,
             "rows": rows,
         }
         args.out.write_text(json.dumps(result, indent=2) + "\n")
     if args.plot is not None:
-        plot(rows, args.plot)
+        plot(rows, assumptions, args.plot)
 
 
 def link_label(rate_mbit: float) -> str:
     return f"{rate_mbit / 1000:g} Gbit/s" if rate_mbit >= 1000 else f"{rate_mbit:g} Mbit/s"
 
 
+def groups(rows: list[dict]) -> list[tuple[str, float]]:
+    """The (preset, rate) pairs of the rows, in order."""
+    return list(dict.fromkeys((r["preset"], r["rate_mbit"]) for r in rows))
+
+
 def summary(rows: list[dict]) -> str:
     """One line per preset and link: today's schedule against the new one (bf16 and int8)."""
-    today, bf16, int8 = SCHEDULES[0][0], SCHEDULES[3][0], SCHEDULES[4][0]
-    dtoday, dnew = SCHEDULES[5][0], SCHEDULES[6][0]
     lines = [
         "| preset | link | today: tokens/s | today: util. | new, bf16: tokens/s | new, bf16: util. "
         "| new, int8: tokens/s | new, int8: util. | int8 floor util. | new int8 / today "
         "| DiLoCo today / new bf16: tokens/s |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for preset in PRESETS:
-        for rate in RATES_MBIT:
-            by = {r["schedule"]: r for r in rows if r["preset"] == preset and r["rate_mbit"] == rate}
-            a, b, c = by[today], by[bf16], by[int8]
-            lines.append(
-                f"| {preset} | {link_label(rate)} | {a['tokens_per_s']:,.0f} | {a['utilisation']:.4f} "
-                f"| {b['tokens_per_s']:,.0f} | {b['utilisation']:.3f} | {c['tokens_per_s']:,.0f} "
-                f"| {c['utilisation']:.3f} | {c['utilisation_floor']:.3f} "
-                f"| **{c['tokens_per_s'] / a['tokens_per_s']:.1f}x** "
-                f"| {by[dtoday]['tokens_per_s']:,.0f} / {by[dnew]['tokens_per_s']:,.0f} |"
-            )
+    for preset, rate in groups(rows):
+        # rows of a group come in the order of `schedules`
+        a, _, _, b, c, dtoday, dnew = [r for r in rows if (r["preset"], r["rate_mbit"]) == (preset, rate)]
+        lines.append(
+            f"| {preset} | {link_label(rate)} | {a['tokens_per_s']:,.0f} | {a['utilisation']:.4f} "
+            f"| {b['tokens_per_s']:,.0f} | {b['utilisation']:.3f} | {c['tokens_per_s']:,.0f} "
+            f"| {c['utilisation']:.3f} | {c['utilisation_floor']:.3f} "
+            f"| **{c['tokens_per_s'] / a['tokens_per_s']:.1f}x** "
+            f"| {dtoday['tokens_per_s']:,.0f} / {dnew['tokens_per_s']:,.0f} |"
+        )
     return "\n".join(lines)
 
 
@@ -186,29 +204,33 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], path: Path) -> None:
+def plot(rows: list[dict], assumptions: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [label for label, _, _ in SCHEDULES]
-    groups = [(p, r) for p in PRESETS for r in RATES_MBIT]
+    labels = list(dict.fromkeys(r["schedule"] for r in rows))
+    pairs = groups(rows)
     fig, axes = plt.subplots(2, 1, figsize=(11, 8), sharex=True)
     width = 0.8 / len(labels)
     for i, label in enumerate(labels):
         by = {(r["preset"], r["rate_mbit"]): r for r in rows if r["schedule"] == label}
-        xs = [g + (i - (len(labels) - 1) / 2) * width for g in range(len(groups))]
-        axes[0].bar(xs, [by[g]["tokens_per_s"] for g in groups], width, label=label)
-        axes[1].bar(xs, [by[g]["utilisation"] for g in groups], width, label=label)
+        xs = [g + (i - (len(labels) - 1) / 2) * width for g in range(len(pairs))]
+        axes[0].bar(xs, [by[g]["tokens_per_s"] for g in pairs], width, label=label)
+        axes[1].bar(xs, [by[g]["utilisation"] for g in pairs], width, label=label)
     axes[0].set_yscale("log")
-    axes[0].set_ylabel("tokens/s (16 GPUs)")
+    axes[0].set_ylabel(f"tokens/s ({assumptions['stages'] * assumptions['replicas']} GPUs)")
     axes[1].set_yscale("log")
     axes[1].set_ylabel("utilisation of the busiest GPU")
-    axes[1].set_xticks(range(len(groups)))
-    axes[1].set_xticklabels([f"{p}\n{link_label(r)}" for p, r in groups])
+    axes[1].set_xticks(range(len(pairs)))
+    axes[1].set_xticklabels([f"{p}\n{link_label(r)}" for p, r in pairs])
     axes[0].legend(fontsize=8, ncol=2)
-    axes[0].set_title("Wall-clock model: P=4 x D=4 on H100s at 40% MFU, B=8 x 1024 tokens, RTT 50 ms")
+    a = assumptions
+    axes[0].set_title(
+        f"Wall-clock model: P={a['stages']} x D={a['replicas']} on H100s at {a['mfu']:.0%} MFU, "
+        f"B={a['batch_size']} x 1024 tokens, RTT {a['rtt_ms']:g} ms"
+    )
     for ax in axes:
         ax.grid(axis="y", which="both", alpha=0.3)
     fig.tight_layout()
