@@ -265,7 +265,7 @@ def simulate(swarm: Swarm, schedule: Schedule, exact: bool = False) -> Timing:
     if exact and H < 3:
         raise ValueError(f"an exact simulation needs H >= 3, got {H}")
     w = H if exact else 3  # an exchange follows step w (and, when exact, step 2H)
-    n = 2 * H if exact else w + min(H - 1, k + 3)  # steps played out
+    n = 2 * H if exact else w + min(H, k + 3)  # steps played out: the waiting one (w + k + 1) included
     peer = {(s, d): s * D + d for s in range(P) for d in range(D)}
     links = [swarm.link_of(s, d) for s in range(P) for d in range(D)]
     graph = Graph([x.bytes_per_s(up=True) for x in links], [x.bytes_per_s(up=False) for x in links])
@@ -333,6 +333,8 @@ def simulate(swarm: Swarm, schedule: Schedule, exact: bool = False) -> Timing:
         return max(tasks[i].end for i in step_end[t])
 
     step = end_of(w - 1) - end_of(w - 2)
+    # Steps w..n played out, the others of the period at `step` (with k = H - 1 the waiting step
+    # is the next period's first, so one step too many was played out: the count goes to -1).
     period = end_of(n) - end_of(w - 1) + (H - (n - w + 1)) * step if not exact else end_of(n) - end_of(w)
     exchange = max(tasks[exchange_done[key]].end - tasks[exchange_start[key]].end for key in exchange_done)
     busy = [H * (swarm.batch * (c.forward_s + c.backward_s) + c.optimizer_s) / period for c in swarm.stages]

@@ -85,14 +85,17 @@ def test_the_wire_format_scales_a_transfer_bound_step() -> None:
         assert t == pytest.approx(expected)
 
 
-@pytest.mark.parametrize("k", [0, 2, 5, 9])
-def test_overlap_hides_the_exchange_once_k_steps_of_compute_exceed_it(k: int) -> None:
+@pytest.mark.parametrize(
+    ("params", "k"), [(625_000, 0), (625_000, 2), (625_000, 5), (625_000, 9), (2_500_000, 9)]
+)
+def test_overlap_hides_the_exchange_once_k_steps_of_compute_exceed_it(params: int, k: int) -> None:
     # One stage, two replicas: no pipeline traffic, 1 s of compute per step, and a pairwise swap
-    # of 2.5e6 bytes at 1e6 bytes/s plus 0.05 s one way: 2.55 s.
-    stage = StageCost(0.25, 0.0, params=625_000)  # 4 samples x 0.25 s = 1 s per step
+    # of 4 bytes per parameter at 1e6 bytes/s plus 0.05 s one way: 2.55 s (or 10.05 s, longer
+    # than even k = H - 1 = 9 steps).
+    stage = StageCost(0.25, 0.0, params=params)  # 4 samples x 0.25 s = 1 s per step
     sw = swarm([stage], Link.symmetric(8, rtt_s=0.1), replicas=2, inner_steps=10)
     t = simulate(sw, Schedule(overlap_steps=k))
-    exchange = 625_000 * 4 / MB + 0.05
+    exchange = params * 4 / MB + 0.05
     assert t.step_s == pytest.approx(1.0)
     assert t.period_s == pytest.approx(10 + max(exchange - k, 0.0))
     # the floor amortises the exchange's bytes over H steps: 0.25 s a step, below the compute
