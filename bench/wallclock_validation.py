@@ -42,7 +42,7 @@ def measure(cfg: RunConfig, steps: int, rate_mbit: float | None, delay_ms: float
     shapes = [Shape(h, rate_mbit) for h in hosts] if rate_mbit else []
     workdir = None
     if keep is not None:
-        workdir = keep / (f"{rate_mbit:g}mbit-{delay_ms:g}ms" if rate_mbit else "unshaped")
+        workdir = keep / ("unshaped" if rate_mbit is None else f"{rate_mbit:g}mbit-{delay_ms:g}ms")
         workdir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     with namespace_swarm(
