@@ -10,6 +10,7 @@ import signal
 from rich.console import Console
 
 from noloco_swarm.peer.events import Final, to_dict
+from noloco_swarm.peer.joining import RunEnding
 from noloco_swarm.peer.launch import run_on_loop, run_peer
 from noloco_swarm.peer.lifetime import orphaned
 from noloco_swarm.train.config import RunConfig
@@ -61,6 +62,9 @@ def run_join(cfg: RunConfig, steps: int, *, new_run: bool, resume: bool = False,
     except asyncio.CancelledError:
         console.print("stopped by a signal; shut down cleanly")
         return 130
+    except RunEnding as e:  # not a failure of this peer: the swarm is about to finish without it
+        console.print(f"nothing left to train: {e}; this peer stops (start it again for the next run)")
+        return 0
     finally:
         faulthandler.cancel_dump_traceback_later()  # the loop and its worker threads have ended
     console.print(
