@@ -37,8 +37,8 @@ def test_a_peer_frozen_past_the_deadline_is_dropped_and_rejoins_by_itself(
     """A peer stopped for 15 s (step deadline 8 s) is dropped by the others, who train on
     without it. Once it runs again it finds itself outside the swarm's view, joins again at a
     later round with a live replica's state, and trains to the end. Every peer holds one view per
-    round, and once the peer is back nothing is refused and, from the round after its rejoin on,
-    nothing is dropped: the swarm does not stay behind a stage that fell behind. (Between its thaw and the boundary where it finds itself out of the
+    round, and once the peer is back nothing is refused or dropped: the swarm does not stay
+    behind a stage that fell behind. (Between its thaw and the boundary where it finds itself out of the
     view, a thawed stage-0 peer still sends rows for the steps it missed; they are refused at once
     as late, and cost the others nothing.)"""
     # Long enough that, on a loaded machine too, the others are still training when the thawed
@@ -76,10 +76,9 @@ def test_a_peer_frozen_past_the_deadline_is_dropped_and_rejoins_by_itself(
     # the frozen peer and given up on by their receiver. Once the peer is back, nobody is refused.
     refused = [e for ev in events for e in ev if isinstance(e, Refused | ViewMismatch) and e.step >= back]
     assert refused == [], refused
-    # Known and open (issue 9): under load, a sample of the first round after a join is sometimes
-    # lost on its way to or from the joined peer ("remote closed the stream"); from the round
-    # after that on, nothing may be dropped.
-    late_drops = [e for ev in events for e in of_kind(ev, Dropped) if e.step >= back + H]
+    # A stream that breaks under load (p2pd closes one now and then, the remote alive) costs a
+    # retry, not a sample: from its rejoin on, nothing may be dropped.
+    late_drops = [e for ev in events for e in of_kind(ev, Dropped) if e.step >= back]
     assert late_drops == [], late_drops
 
 
