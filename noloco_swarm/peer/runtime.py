@@ -154,8 +154,12 @@ class Peer:
 
     async def train(self) -> None:
         ctx = self.ctx
+        previous = time.monotonic()
         while ctx.step < self.steps:
             t = ctx.step
+            if time.monotonic() - previous > ctx.cfg.peer.step_timeout:  # frozen, or cut off?
+                await self._check_not_left_behind(t)
+            previous = time.monotonic()
             start = time.perf_counter()
             lr = ctx.replica.lr_at(t)
             loss = await self.inner.run(t)
@@ -195,6 +199,21 @@ class Peer:
                             raise
                         ctx.events.emit(events.Left(step=ctx.step, announced_round=self.leaving))
                         return  # the view we announced we would leave: done, nobody waits for us
+
+    async def _check_not_left_behind(self, t: int) -> None:
+        """After a step that outlasted the step deadline (this process was stopped, its link cut,
+        or it waited on someone who was): if the others are already two rounds past ours, they
+        have trained on without us and we are out of their views, or soon will be. Rejoin now,
+        instead of sending them rows for steps they left long ago."""
+        ctx = self.ctx
+        view = ctx.view_at(t)
+        others = sorted(view.members() - {ctx.me} - set(ctx.rounds.dead))
+        async with asyncio.TaskGroup() as group:
+            probes = [group.create_task(ctx.rounds.probe(p)) for p in others]
+        steps = [s.step for probe in probes if isinstance(s := probe.result(), messages.PeerStatus)]
+        furthest = max(steps, default=t)
+        if furthest >= ctx.clock.round_start(view.round + 2):
+            raise PeerExcluded(f"this peer fell behind: it is at step {t}, the swarm at step {furthest}")
 
     async def leave(self) -> bool:
         """Leave the swarm without failing anyone: report ourselves gone in the current round, so
