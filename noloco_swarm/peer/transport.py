@@ -151,6 +151,11 @@ class Transport:
         if verb in self._handlers or verb in self._stream_handlers:
             raise ValueError(f"{verb} is served already")
 
+    def received_from(self, peer: str) -> int:
+        """Bytes received from `peer` so far (framing included, counted as they arrive)."""
+        counts = self._counts.get(peer)
+        return 0 if counts is None else counts.received_total
+
     def byte_counts(self) -> dict[str, dict[str, int]]:
         """Snapshot of bytes moved per remote peer id (diff two snapshots for one outer step)."""
         return {peer: counts.as_dict() for peer, counts in sorted(self._counts.items())}
