@@ -4,6 +4,8 @@ Which rows go where comes from the step plan (protocol.plan) of the step's round
 
   stage 0      reads its data shard, runs its stage, sends each row's activations (with its token
                ids) to the replica the plan names, and gets the gradients back in the reply.
+               Both cross in the run's wire format (protocol.wire: encoded at the send, decoded
+               and checked at the receipt).
   stage s > 0  collects the rows the plan routes to it (`StepCollector`, any arrival order), runs
                them as one batch in the plan's order, forwards them on (or computes the loss on
                the last stage), and answers each sender with the gradients of its rows.
@@ -27,7 +29,7 @@ from noloco_swarm.peer import events
 from noloco_swarm.peer.context import PeerContext
 from noloco_swarm.peer.rounds import PROBE_PERIOD
 from noloco_swarm.peer.streams import PeerUnavailable, RemoteRefused, StreamTruncated
-from noloco_swarm.protocol import messages, routing
+from noloco_swarm.protocol import messages, routing, wire
 from noloco_swarm.protocol.membership import MembershipView
 from noloco_swarm.protocol.messages import BackwardHeader, ForwardHeader, MessageError, PeerStatus, TensorMeta
 from noloco_swarm.protocol.plan import Incoming, Row
@@ -214,7 +216,8 @@ class InnerSteps:
         """Forward `sent` rows to one receiver; None if they are lost (the reason is recorded)."""
         ctx, hop = self.ctx, self.ctx.stage
         receiver = view.peer_at(hop + 1, receiver_rank)
-        acts, toks = out[sent].contiguous(), tokens[sent].contiguous()
+        fmt = ctx.cfg.wire.activations
+        acts, toks = wire.encode(out[sent].cpu(), fmt), tokens[sent].contiguous()  # encoded on the CPU
         header = ForwardHeader(
             run_id=ctx.run_id,
             round=view.round,
@@ -222,9 +225,10 @@ class InnerSteps:
             hop=hop,
             sender_rank=view.rank_of(ctx.me)[1],
             samples=samples,
-            activations=TensorMeta.of(acts),
+            activations=TensorMeta.of(acts[0]),
             tokens=TensorMeta.of(toks),
             view=view.digest(),
+            scale=TensorMeta.of(acts[1]) if len(acts) > 1 else None,
         )
         for attempt in range(2):  # a live receiver whose stream broke gets the rows once more
             if receiver in ctx.rounds.dead:
@@ -233,17 +237,13 @@ class InnerSteps:
                 reply, tensors = await ctx.rounds.watched(
                     receiver,
                     ctx.transport.call(
-                        receiver, "rpc_forward", header, [acts, toks], timeout=ctx.cfg.peer.step_timeout
+                        receiver, "rpc_forward", header, [*acts, toks], timeout=ctx.cfg.peer.step_timeout
                     ),
                     f"the forward of step {t}",
                 )
-                if (
-                    not isinstance(reply, BackwardHeader)
-                    or len(tensors) != 1
-                    or tensors[0].shape != acts.shape
-                ):
+                if not isinstance(reply, BackwardHeader):
                     raise MessageError(f"{receiver} answered step {t} with a malformed reply")
-                return sent, tensors[0], reply.losses
+                return sent, wire.decode(tensors, fmt, acts[0].shape), reply.losses
             except RemoteRefused as e:  # alive but disagrees (e.g. another view): drop these rows
                 logger.warning("stage %d peer %s refused step %d: %s", hop + 1, receiver, t, e)
                 ctx.events.emit(events.Refused(step=t, peer=receiver, reason=str(e)))
@@ -387,10 +387,11 @@ class InnerSteps:
         if header.step <= self.consumed:
             raise MessageError(f"rows for step {header.step} came after this replica had collected that step")
         positions = [k - header.step * ctx.B for k in header.samples]
-        acts, toks = checked_rows(ctx, tensors)
+        acts, toks = checked_rows(ctx, [decode_rows(ctx, tensors[:-1], header.activations), tensors[-1]])
         arrival = Arrival(header.sender_rank, positions, acts, toks)
         self._collector(header.step).add(arrival)
         grad, losses = await asyncio.wait_for(arrival.result, ctx.cfg.peer.step_timeout * 2)
+        grads = wire.encode(grad, ctx.cfg.wire.activations)
         reply = BackwardHeader(
             run_id=header.run_id,
             round=header.round,
@@ -398,12 +399,21 @@ class InnerSteps:
             hop=header.hop,
             sender_rank=view.rank_of(ctx.me)[1],
             samples=header.samples,
-            grad=TensorMeta.of(grad),
+            grad=TensorMeta.of(grads[0]),
             losses=tuple(losses),
+            scale=TensorMeta.of(grads[1]) if len(grads) > 1 else None,
         )
         self.answered = {k: v for k, v in self.answered.items() if k[0] >= header.step - 2}
-        self.answered[(header.step, header.sender_rank, header.samples)] = (reply, [grad])
-        return reply, [grad]
+        self.answered[(header.step, header.sender_rank, header.samples)] = (reply, grads)
+        return reply, grads
+
+
+def decode_rows(ctx: PeerContext, parts: list[torch.Tensor], payload: TensorMeta) -> torch.Tensor:
+    """Float32 activations from their wire tensors, in the run's format (`wire.activations`) only."""
+    fmt = ctx.cfg.wire.activations
+    if payload.dtype != messages.WIRE_DTYPES[fmt]:
+        raise MessageError(f"rows came as {payload.dtype}; this run sends activations as {fmt}")
+    return wire.decode(parts, fmt)
 
 
 def checked_rows(ctx: PeerContext, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
