@@ -149,8 +149,8 @@ class WireConfig:
 
     activations: WireFormat = "fp32"
     """fp32 (exact), bf16 (half the bytes) or int8 (a quarter, plus a float32 scale per sample and
-    position); gradients travel back in the same format. What each costs in perplexity:
-    docs/benchmarks.md, "Activation wire formats"."""
+    position); gradients travel back in the same format. `noloco join` defaults to bf16, the rest
+    to fp32; what each costs in perplexity: docs/benchmarks.md, "Activation wire formats"."""
 
     def __post_init__(self) -> None:
         if self.activations not in FORMATS:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from noloco_swarm.sim.engine import Simulator
 from noloco_swarm.train.config import RunConfig
+from tests.sim.test_config_precedence import JOIN, printed
 
 
 def run(fmt: str, stages: int = 2, steps: int = 5) -> tuple[Simulator, list[float]]:
@@ -37,3 +39,20 @@ def test_each_format_is_deterministic_and_changes_training_only_through_the_hops
     # One stage: nothing crosses the wire, so every format trains the same weights.
     single = {fmt: run(fmt, stages=1)[0].state_hash() for fmt in ("fp32", "bf16", "int8")}
     assert len(set(single.values())) == 1
+
+
+@pytest.mark.parametrize(
+    ("argv", "fmt"),
+    [
+        (JOIN, "bf16"),  # a real swarm: the measured choice (docs/benchmarks.md)
+        ([*JOIN, "--set", "wire.activations=fp32"], "fp32"),
+        (["local"], "fp32"),  # its peers get the run config, so they stay exact too
+        (["local", "--in-process"], "fp32"),
+        (["local", "--in-process", "--set", "wire.activations=int8"], "int8"),
+    ],
+)
+def test_noloco_join_defaults_to_bf16_and_the_rest_to_exact_rows(
+    argv: list[str], fmt: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    values, _ = printed(argv, capsys, monkeypatch)
+    assert values["wire.activations"] == fmt
