@@ -217,7 +217,8 @@ class InnerSteps:
         ctx, hop = self.ctx, self.ctx.stage
         receiver = view.peer_at(hop + 1, receiver_rank)
         fmt = ctx.cfg.wire.activations
-        acts, toks = wire.encode(out[sent].cpu(), fmt), tokens[sent].contiguous()  # encoded on the CPU
+        acts = await asyncio.to_thread(wire.encode, out[sent].cpu(), fmt)  # encoded on the CPU
+        toks = tokens[sent].contiguous()
         header = ForwardHeader(
             run_id=ctx.run_id,
             round=view.round,
@@ -243,7 +244,9 @@ class InnerSteps:
                 )
                 if not isinstance(reply, BackwardHeader):
                     raise MessageError(f"{receiver} answered step {t} with a malformed reply")
-                return sent, wire.decode(tensors, fmt, acts[0].shape), reply.losses
+                # The transport checked the floats for NaN/inf as they landed.
+                grad = await asyncio.to_thread(wire.decode, tensors, fmt, acts[0].shape, check_finite=False)
+                return sent, grad, reply.losses
             except RemoteRefused as e:  # alive but disagrees (e.g. another view): drop these rows
                 logger.warning("stage %d peer %s refused step %d: %s", hop + 1, receiver, t, e)
                 ctx.events.emit(events.Refused(step=t, peer=receiver, reason=str(e)))
@@ -375,6 +378,8 @@ class InnerSteps:
                 f"views of round {header.round} differ (theirs {header.view}, ours {view.digest()})"
             )
         check_sender(ctx, peer_id, view, header.run_id, header.hop, header.sender_rank)
+        # Decoded before the step checks, so that no await falls between them and the collector.
+        decoded = await asyncio.to_thread(decode_rows, ctx, tensors[:-1], header.activations)
         if (again := self.answered.get((header.step, header.sender_rank, header.samples))) is not None:
             return again  # the sender lost our reply and sent the same rows again
         if header.step < ctx.step:
@@ -387,11 +392,11 @@ class InnerSteps:
         if header.step <= self.consumed:
             raise MessageError(f"rows for step {header.step} came after this replica had collected that step")
         positions = [k - header.step * ctx.B for k in header.samples]
-        acts, toks = checked_rows(ctx, [decode_rows(ctx, tensors[:-1], header.activations), tensors[-1]])
+        acts, toks = checked_rows(ctx, [decoded, tensors[-1]])
         arrival = Arrival(header.sender_rank, positions, acts, toks)
         self._collector(header.step).add(arrival)
         grad, losses = await asyncio.wait_for(arrival.result, ctx.cfg.peer.step_timeout * 2)
-        grads = wire.encode(grad, ctx.cfg.wire.activations)
+        grads = wire.encode(grad, ctx.cfg.wire.activations)  # no await before the reply is on record
         reply = BackwardHeader(
             run_id=header.run_id,
             round=header.round,
@@ -409,11 +414,13 @@ class InnerSteps:
 
 
 def decode_rows(ctx: PeerContext, parts: list[torch.Tensor], payload: TensorMeta) -> torch.Tensor:
-    """Float32 activations from their wire tensors, in the run's format (`wire.activations`) only."""
+    """Float32 activations from their wire tensors, in the run's format (`wire.activations`) only.
+
+    (The transport already checked their floats for NaN/inf.)"""
     fmt = ctx.cfg.wire.activations
     if payload.dtype != messages.WIRE_DTYPES[fmt]:
         raise MessageError(f"rows came as {payload.dtype}; this run sends activations as {fmt}")
-    return wire.decode(parts, fmt)
+    return wire.decode(parts, fmt, check_finite=False)
 
 
 def checked_rows(ctx: PeerContext, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

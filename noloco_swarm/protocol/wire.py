@@ -8,8 +8,8 @@ which other rows travel with it: a peer that sends a replica's rows in several m
 simulator that round-trips them as one batch get the same bits.
 
   fp32  exact: the tensor itself.
-  bf16  half the bytes: round to nearest even (torch's conversion); a finite value beyond
-        bfloat16's range saturates to its largest finite value instead of becoming inf.
+  bf16  half the bytes: round to nearest even (torch's conversion). A value beyond bfloat16's
+        range (above 3.39e38, where training has long diverged) becomes inf and is refused.
   int8  a quarter of the bytes, plus one float32 scale per row of the last dimension (per sample
         and sequence position: one vector of `hidden_size` values). Symmetric, round to nearest
         (ties to even): scale = max|x| / 127, q = round(x / scale) in [-127, 127], x' = q * scale,
@@ -36,7 +36,6 @@ FORMATS: tuple[str, ...] = tuple(WIRE_DTYPES)
 
 Q_MAX = 127  # symmetric int8: -128 is never produced, and refused on receipt
 _F32_MAX = torch.finfo(torch.float32).max
-_BF16_MAX = torch.finfo(torch.bfloat16).max  # exactly representable in float32
 
 
 def _largest_scale() -> float:
@@ -77,11 +76,7 @@ def encode(x: torch.Tensor, fmt: str) -> list[torch.Tensor]:
     if fmt == "fp32":
         return [x]
     if fmt == "bf16":
-        y = x.to(torch.bfloat16)
-        if not bool(torch.isfinite(y).all()):  # rare: saturate finite values beyond bf16's range
-            y = torch.where(torch.isinf(y) & torch.isfinite(x), x.clamp(-_BF16_MAX, _BF16_MAX), y)
-            y = y.to(torch.bfloat16)
-        return [y]
+        return [x.to(torch.bfloat16)]
     if x.dim() == 0:
         raise ValueError("int8 needs rows: a tensor of at least one dimension")
     if x.shape[-1] == 0:
@@ -89,14 +84,18 @@ def encode(x: torch.Tensor, fmt: str) -> list[torch.Tensor]:
     scale = x.abs().amax(dim=-1) / Q_MAX
     scale = torch.where(torch.isinf(scale), scale, scale.clamp(max=MAX_SCALE))
     safe = torch.where(scale > 0, scale, torch.ones_like(scale)).unsqueeze(-1)  # a zero row stays 0
-    q = torch.round(x / safe).clamp_(-Q_MAX, Q_MAX).to(torch.int8)
+    q = torch.div(x, safe).round_().clamp_(-Q_MAX, Q_MAX).to(torch.int8)
     return [q, scale]
 
 
-def decode(parts: Sequence[torch.Tensor], fmt: str, shape: Sequence[int] | None = None) -> torch.Tensor:
+def decode(
+    parts: Sequence[torch.Tensor], fmt: str, shape: Sequence[int] | None = None, *, check_finite: bool = True
+) -> torch.Tensor:
     """Float32 from received wire tensors; MessageError for anything `encode` could not have sent.
 
-    With `shape`, the tensor must have that shape. fp32 returns the received tensor itself."""
+    With `shape`, the tensor must have that shape. fp32 returns the received tensor itself.
+    `check_finite=False` skips the NaN/inf pass over a float payload, for callers whose transport
+    checked every received float already (int8's scales are checked whatever it says)."""
     check_format(fmt)
     try:
         got = tuple(TensorMeta.of(p) for p in parts)
@@ -111,13 +110,13 @@ def decode(parts: Sequence[torch.Tensor], fmt: str, shape: Sequence[int] | None 
             raise MessageError(f"int8 rows hold {int(q.min())}; symmetric int8 stays within +-{Q_MAX}")
         if scale.numel() and not (bool(torch.isfinite(scale).all()) and float(scale.min()) >= 0):
             raise MessageError("int8 scales must be finite and >= 0")
-        if scale.numel() and float(scale.max()) > MAX_SCALE:
+        if scale.numel() and float(scale.max()) > MAX_SCALE:  # 127 * scale would overflow
             raise MessageError(
                 f"an int8 scale of {float(scale.max()):.3g} overflows float32 (max {MAX_SCALE:.3g})"
             )
-        return q.to(torch.float32) * scale.unsqueeze(-1)
+        return _dequantize(q, scale)
     (payload,) = parts
-    if payload.numel() and not bool(torch.isfinite(payload).all()):
+    if check_finite and payload.numel() and not bool(torch.isfinite(payload).all()):
         raise MessageError(f"{fmt} rows hold NaN or infinite values")
     return payload if fmt == "fp32" else payload.to(torch.float32)
 
@@ -133,5 +132,9 @@ def round_trip(x: torch.Tensor, fmt: str) -> torch.Tensor:
     parts = encode(x, fmt)
     if fmt == "bf16":
         return parts[0].to(torch.float32)
-    q, scale = parts
-    return q.to(torch.float32) * scale.unsqueeze(-1)
+    return _dequantize(*parts)
+
+
+def _dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """q * scale in float32, in one pass (int8 promotes to float32 exactly)."""
+    return torch.mul(q, scale.unsqueeze(-1))

@@ -80,9 +80,12 @@ def test_zero_rows_tiny_rows_and_huge_rows() -> None:
     assert torch.equal(out[0], x[0])
     assert float(out[1, 1].abs().max()) <= F32_MAX and float(out[1, 1, -1]) > 0.99 * F32_MAX
     assert bool((out[1, 2] - x[1, 2]).abs().le(1e-40).all())
-    # bf16: finite values beyond its range saturate instead of becoming inf.
+    # bf16: a value beyond its range (which only a diverged run reaches) becomes inf: refused.
     bf = wire.round_trip(x, "bf16")
-    assert bool(torch.isfinite(bf).all()) and float(bf.max()) == BF16_MAX and float(bf.min()) == -BF16_MAX
+    assert torch.equal(bf[0], x[0]) and bool(torch.isinf(bf[1, 1, [0, -1]]).all())
+    assert bool(torch.isfinite(wire.round_trip(x.clamp(-BF16_MAX, BF16_MAX), "bf16")).all())
+    with pytest.raises(m.MessageError, match="NaN or infinite"):
+        wire.decode(wire.encode(x, "bf16"), "bf16")
     empty = torch.zeros(2, 0)
     for fmt in wire.FORMATS:
         assert wire.decode(wire.encode(empty, fmt), fmt, (2, 0)).shape == (2, 0)
@@ -126,6 +129,9 @@ def test_bad_wire_tensors_are_message_errors(case: str) -> None:
     fmt, parts = BAD[case]
     with pytest.raises(m.MessageError):
         wire.decode(parts, fmt)
+    if case != "inf in bf16":  # a peer's transport checks floats for NaN/inf before decode does
+        with pytest.raises(m.MessageError):
+            wire.decode(parts, fmt, check_finite=False)
 
 
 def test_decode_checks_the_expected_shape_and_encode_refuses_what_it_cannot_carry() -> None:
