@@ -69,6 +69,10 @@ class Snapshot:
         return header, tensor
 
 
+class RunEnding(RuntimeError):
+    """The run ends before the first round this peer could join at: there is nothing left to train."""
+
+
 async def pick_join_round(
     transport: Transport,
     run_id: str,
@@ -85,7 +89,7 @@ async def pick_join_round(
     steps = [a.step for a in others] + [x.step for x in answers if isinstance(x, messages.PeerStatus)]
     target = join_round(max(steps, default=0), clock.inner_steps)
     if clock.round_start(target) >= end_step:
-        raise RuntimeError(
+        raise RunEnding(
             f"the run ends at step {end_step}, before round {target} (step {clock.round_start(target)}) "
             "where this peer could join"
         )
