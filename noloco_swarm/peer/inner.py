@@ -233,9 +233,8 @@ class InnerSteps:
         """Forward `sent` rows to one receiver; if they are lost, why (for the Dropped event)."""
         ctx, hop = self.ctx, self.ctx.stage
         receiver = view.peer_at(hop + 1, receiver_rank)
-        fmt = ctx.cfg.wire.activations
+        fmt, toks = ctx.cfg.wire.activations, tokens[sent].contiguous()
         acts = await asyncio.to_thread(wire.encode, out[sent].cpu(), fmt)  # encoded on the CPU
-        toks = tokens[sent].contiguous()
         header = ForwardHeader(
             run_id=ctx.run_id,
             round=view.round,
@@ -417,21 +416,29 @@ class InnerSteps:
         # Shielded: a sender's retry may wait on the same arrival, and one waiter's deadline must
         # not cancel the other's answer.
         grad, losses = await asyncio.wait_for(asyncio.shield(arrival.result), ctx.cfg.peer.step_timeout * 2)
-        grads = wire.encode(grad, ctx.cfg.wire.activations)  # no await before the reply is on record
-        reply = BackwardHeader(
-            run_id=header.run_id,
-            round=header.round,
-            step=header.step,
-            hop=header.hop,
-            sender_rank=view.rank_of(ctx.me)[1],
-            samples=header.samples,
-            grad=TensorMeta.of(grads[0]),
-            losses=tuple(losses),
-            scale=TensorMeta.of(grads[1]) if len(grads) > 1 else None,
-        )
+        answer = backward_reply(ctx, header, view.rank_of(ctx.me)[1], grad, losses)  # no await: on record
         self.answered = {k: v for k, v in self.answered.items() if k[0] >= header.step - 2}
-        self.answered[(header.step, header.sender_rank, header.samples)] = (reply, grads)
-        return reply, grads
+        self.answered[(header.step, header.sender_rank, header.samples)] = answer
+        return answer
+
+
+def backward_reply(
+    ctx: PeerContext, header: ForwardHeader, rank: int, grad: torch.Tensor, losses: list[float]
+) -> tuple[BackwardHeader, list[torch.Tensor]]:
+    """The answer to `header`'s rows: their gradients in the run's wire format, and their losses."""
+    grads = wire.encode(grad, ctx.cfg.wire.activations)
+    reply = BackwardHeader(
+        run_id=header.run_id,
+        round=header.round,
+        step=header.step,
+        hop=header.hop,
+        sender_rank=rank,
+        samples=header.samples,
+        grad=TensorMeta.of(grads[0]),
+        losses=tuple(losses),
+        scale=TensorMeta.of(grads[1]) if len(grads) > 1 else None,
+    )
+    return reply, grads
 
 
 def decode_rows(ctx: PeerContext, parts: list[torch.Tensor], payload: TensorMeta) -> torch.Tensor:
