@@ -175,6 +175,10 @@ def _threads(args: argparse.Namespace, *, peer: bool = False) -> None:
 
 # Peers evaluate once, at the end of training: that is their default, and any other is refused.
 PEER_DEFAULTS = {"eval_every": 0}
+# A real swarm's rows and gradients cross in bf16: half fp32's bytes, at a cost in perplexity within
+# the seeds' noise (docs/benchmarks.md, "Activation wire formats"). `noloco local` and the testbed
+# hand their peers their own run config, exact (fp32) unless asked.
+JOIN_DEFAULTS = {**PEER_DEFAULTS, "wire.activations": "bf16"}
 
 
 def _local(args: argparse.Namespace) -> int:
@@ -228,7 +232,7 @@ def _testbed(args: argparse.Namespace) -> int:
 
 
 def _join(args: argparse.Namespace) -> int:
-    resolved = resolve_args(args, PEER_DEFAULTS)
+    resolved = resolve_args(args, JOIN_DEFAULTS)
     cfg = resolved.cfg
     missing = [] if cfg.peer.run_id else ["noloco join needs a run id: give --run-id NAME (or peer.run_id)"]
     _refuse(resolved, "peer", *missing)

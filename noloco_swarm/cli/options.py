@@ -24,7 +24,7 @@ from typing import Any
 
 from noloco_swarm.data.config import DataConfig
 from noloco_swarm.model.presets import ModelConfig
-from noloco_swarm.protocol.config import InnerConfig, OuterConfig
+from noloco_swarm.protocol.config import InnerConfig, OuterConfig, WireConfig
 from noloco_swarm.train.config import NetworkConfig, PeerConfig, RunConfig
 
 SECTIONS: dict[str, type] = {
@@ -32,6 +32,7 @@ SECTIONS: dict[str, type] = {
     "data": DataConfig,
     "inner": InnerConfig,
     "outer": OuterConfig,
+    "wire": WireConfig,
     "peer": PeerConfig,
     "network": NetworkConfig,
 }

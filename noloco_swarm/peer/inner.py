@@ -4,6 +4,8 @@ Which rows go where comes from the step plan (protocol.plan) of the step's round
 
   stage 0      reads its data shard, runs its stage, sends each row's activations (with its token
                ids) to the replica the plan names, and gets the gradients back in the reply.
+               Both cross in the run's wire format (protocol.wire: encoded at the send, decoded
+               and checked at the receipt).
   stage s > 0  collects the rows the plan routes to it (`StepCollector`, any arrival order), runs
                them as one batch in the plan's order, forwards them on (or computes the loss on
                the last stage), and answers each sender with the gradients of its rows.
@@ -27,7 +29,7 @@ from noloco_swarm.peer import events
 from noloco_swarm.peer.context import PeerContext
 from noloco_swarm.peer.rounds import PROBE_PERIOD
 from noloco_swarm.peer.streams import PeerUnavailable, Refused, RemoteRefused, StreamClosed, StreamTruncated
-from noloco_swarm.protocol import messages, routing
+from noloco_swarm.protocol import messages, routing, wire
 from noloco_swarm.protocol.membership import MembershipView
 from noloco_swarm.protocol.messages import BackwardHeader, ForwardHeader, MessageError, PeerStatus, TensorMeta
 from noloco_swarm.protocol.plan import Incoming, Row
@@ -231,7 +233,8 @@ class InnerSteps:
         """Forward `sent` rows to one receiver; if they are lost, why (for the Dropped event)."""
         ctx, hop = self.ctx, self.ctx.stage
         receiver = view.peer_at(hop + 1, receiver_rank)
-        acts, toks = out[sent].contiguous(), tokens[sent].contiguous()
+        fmt, toks = ctx.cfg.wire.activations, tokens[sent].contiguous()
+        acts = await asyncio.to_thread(wire.encode, out[sent].cpu(), fmt)  # encoded on the CPU
         header = ForwardHeader(
             run_id=ctx.run_id,
             round=view.round,
@@ -239,9 +242,10 @@ class InnerSteps:
             hop=hop,
             sender_rank=view.rank_of(ctx.me)[1],
             samples=samples,
-            activations=TensorMeta.of(acts),
+            activations=TensorMeta.of(acts[0]),
             tokens=TensorMeta.of(toks),
             view=view.digest(),
+            scale=TensorMeta.of(acts[1]) if len(acts) > 1 else None,
         )
         for attempt in range(2):  # a live receiver whose stream broke gets the rows once more
             if receiver in ctx.rounds.dead:
@@ -250,18 +254,15 @@ class InnerSteps:
                 reply, tensors = await ctx.rounds.watched(
                     receiver,
                     ctx.transport.call(
-                        receiver, "rpc_forward", header, [acts, toks], timeout=ctx.cfg.peer.step_timeout
+                        receiver, "rpc_forward", header, [*acts, toks], timeout=ctx.cfg.peer.step_timeout
                     ),
                     f"the forward of step {t}",
                 )
-                if (
-                    not isinstance(reply, BackwardHeader)
-                    or len(tensors) != 1
-                    or tensors[0].shape != acts.shape
-                    or len(reply.losses) != len(sent)
-                ):
+                if not isinstance(reply, BackwardHeader) or len(reply.losses) != len(sent):
                     raise MessageError(f"{receiver} answered step {t} with a malformed reply")
-                return sent, tensors[0], reply.losses
+                # The transport checked the floats for NaN/inf as they landed.
+                grad = await asyncio.to_thread(wire.decode, tensors, fmt, acts[0].shape, check_finite=False)
+                return sent, grad, reply.losses
             except RemoteRefused as e:  # alive but disagrees (e.g. another view): drop these rows
                 logger.warning("stage %d peer %s refused step %d: %s", hop + 1, receiver, t, e)
                 ctx.events.emit(events.Refused(step=t, peer=receiver, reason=str(e)))
@@ -396,6 +397,8 @@ class InnerSteps:
                 f"views of round {header.round} differ (theirs {header.view}, ours {view.digest()})"
             )
         check_sender(ctx, peer_id, view, header.run_id, header.hop, header.sender_rank)
+        # Decoded before the step checks, so that no await falls between them and the collector.
+        decoded = await asyncio.to_thread(decode_rows, ctx, tensors[:-1], header.activations)
         if (again := self.answered.get((header.step, header.sender_rank, header.samples))) is not None:
             return again  # the sender lost our reply and sent the same rows again
         if header.step < ctx.step:
@@ -408,24 +411,44 @@ class InnerSteps:
         if header.step <= self.consumed:
             raise MessageError(f"rows for step {header.step} came after this replica had collected that step")
         positions = [k - header.step * ctx.B for k in header.samples]
-        acts, toks = checked_rows(ctx, tensors)
+        acts, toks = checked_rows(ctx, [decoded, tensors[-1]])
         arrival = self._collector(header.step).add(Arrival(header.sender_rank, positions, acts, toks))
         # Shielded: a sender's retry may wait on the same arrival, and one waiter's deadline must
         # not cancel the other's answer.
         grad, losses = await asyncio.wait_for(asyncio.shield(arrival.result), ctx.cfg.peer.step_timeout * 2)
-        reply = BackwardHeader(
-            run_id=header.run_id,
-            round=header.round,
-            step=header.step,
-            hop=header.hop,
-            sender_rank=view.rank_of(ctx.me)[1],
-            samples=header.samples,
-            grad=TensorMeta.of(grad),
-            losses=tuple(losses),
-        )
+        answer = backward_reply(ctx, header, view.rank_of(ctx.me)[1], grad, losses)  # no await: on record
         self.answered = {k: v for k, v in self.answered.items() if k[0] >= header.step - 2}
-        self.answered[(header.step, header.sender_rank, header.samples)] = (reply, [grad])
-        return reply, [grad]
+        self.answered[(header.step, header.sender_rank, header.samples)] = answer
+        return answer
+
+
+def backward_reply(
+    ctx: PeerContext, header: ForwardHeader, rank: int, grad: torch.Tensor, losses: list[float]
+) -> tuple[BackwardHeader, list[torch.Tensor]]:
+    """The answer to `header`'s rows: their gradients in the run's wire format, and their losses."""
+    grads = wire.encode(grad, ctx.cfg.wire.activations)
+    reply = BackwardHeader(
+        run_id=header.run_id,
+        round=header.round,
+        step=header.step,
+        hop=header.hop,
+        sender_rank=rank,
+        samples=header.samples,
+        grad=TensorMeta.of(grads[0]),
+        losses=tuple(losses),
+        scale=TensorMeta.of(grads[1]) if len(grads) > 1 else None,
+    )
+    return reply, grads
+
+
+def decode_rows(ctx: PeerContext, parts: list[torch.Tensor], payload: TensorMeta) -> torch.Tensor:
+    """Float32 activations from their wire tensors, in the run's format (`wire.activations`) only.
+
+    (The transport already checked their floats for NaN/inf.)"""
+    fmt = ctx.cfg.wire.activations
+    if payload.dtype != messages.WIRE_DTYPES[fmt]:
+        raise MessageError(f"rows came as {payload.dtype}; this run sends activations as {fmt}")
+    return wire.decode(parts, fmt, check_finite=False)
 
 
 def checked_rows(ctx: PeerContext, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -239,10 +239,8 @@ def open_envelope(envelope: Envelope, max_bytes: int) -> Message:
 
 def declared_tensors(header: Message) -> tuple[TensorMeta, ...] | None:
     """The tensors a header says follow it, in order; None for headers that declare none."""
-    if isinstance(header, messages.ForwardHeader):
-        return (header.activations, header.tokens)
-    if isinstance(header, messages.BackwardHeader):
-        return (header.grad,)
+    if isinstance(header, messages.ForwardHeader | messages.BackwardHeader):
+        return header.tensors
     if isinstance(header, messages.ExchangeHeader):
         return (header.meta,) * len(header.parts)
     if isinstance(header, messages.StateReply):

@@ -1,4 +1,4 @@
-"""Typed, frozen settings of the algorithm: the outer step and the inner optimiser.
+"""Typed, frozen settings of the algorithm: the outer step, the inner optimiser, the wire format.
 
 These are the parts of the config tree that the protocol core owns. Defaults follow the official
 code's NoLoCo configs (`*_mean_*`: H = 50, group size 2, outer lr 0.7, outer momentum 0.5) and its
@@ -21,6 +21,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from typing import Literal
+
+from noloco_swarm.protocol.wire import FORMATS, WireFormat
 
 Method = Literal["noloco", "diloco", "allreduce", "local"]
 METHODS: tuple[str, ...] = ("noloco", "diloco", "allreduce", "local")
@@ -134,3 +136,24 @@ class InnerConfig:
             raise ValueError("weight_decay and grad_clip must be >= 0")
         if not all(0.0 <= b < 1.0 for b in self.betas):
             raise ValueError(f"betas must be in [0, 1), got {self.betas}")
+
+
+@dataclass(frozen=True)
+class WireConfig:
+    """How activations and their gradients cross between pipeline stages (protocol/wire.py).
+
+    Part of the run, like the optimiser: every peer of a run sends and expects the same format, and
+    the simulator applies the same round trip, so a swarm still ends with the simulator's weights.
+    Outer-step tensors always cross in full precision, whatever this says.
+    """
+
+    activations: WireFormat = "fp32"
+    """fp32 (exact), bf16 (half the bytes) or int8 (a quarter, plus a float32 scale per sample and
+    position); gradients travel back in the same format. `noloco join` defaults to bf16, the rest
+    to fp32; what each costs in perplexity: docs/benchmarks.md, "Activation wire formats"."""
+
+    def __post_init__(self) -> None:
+        if self.activations not in FORMATS:
+            raise ValueError(
+                f"wire.activations must be one of {', '.join(FORMATS)}, got {self.activations!r}"
+            )

@@ -23,7 +23,7 @@ from typing import Any, ClassVar, TypeVar, Union
 import msgpack
 import torch
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: forward and backward rows in a wire format (fp32, bf16, int8 + scale)
 MAX_MESSAGE_BYTES = 1 << 20  # headers only; tensor payloads are streamed separately
 MAX_SEQUENCE = 1 << 16
 MAX_STRING = 4096
@@ -165,6 +165,7 @@ _DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "int64": torch.int64,
     "int32": torch.int32,
+    "int8": torch.int8,
 }
 
 
@@ -195,6 +196,26 @@ class TensorMeta:
     def of(cls, tensor: torch.Tensor) -> TensorMeta:
         name = str(tensor.dtype).removeprefix("torch.")
         return cls(shape=tuple(tensor.shape), dtype=name)
+
+
+# Activations and their gradients cross in one of three formats (protocol/wire.py, `wire.activations`):
+# the payload's dtype names it, and int8 rows carry a float32 scale per row of the last dimension.
+WIRE_DTYPES: dict[str, str] = {"fp32": "float32", "bf16": "bfloat16", "int8": "int8"}
+
+
+def wire_format(payload: TensorMeta, scale: TensorMeta | None) -> str:
+    """The wire format that a header's payload and scale metas describe; ValueError if none."""
+    fmt = next((f for f, dtype in WIRE_DTYPES.items() if dtype == payload.dtype), None)
+    if fmt is None:
+        raise ValueError(f"rows travel as {sorted(WIRE_DTYPES.values())}, not {payload.dtype}")
+    if fmt != "int8":
+        if scale is not None:
+            raise ValueError(f"{fmt} rows carry no scale")
+    elif scale is None or scale.dtype != "float32" or not payload.shape or scale.shape != payload.shape[:-1]:
+        raise ValueError(
+            f"int8 rows of shape {payload.shape} need a float32 scale of shape {payload.shape[:-1]}"
+        )
+    return fmt
 
 
 def decode_tensor(
@@ -330,11 +351,18 @@ class ForwardHeader(Message):
     activations: TensorMeta
     tokens: TensorMeta
     view: str = ""  # digest of the sender's membership view of `round`; a mismatch is refused
+    scale: TensorMeta | None = None  # int8 activations' per-row scales (wire_format)
 
     def __post_init__(self) -> None:
         _check_run_id(self.run_id)
         _check_counters(self.round, self.step, self.hop, self.sender_rank)
         _check_samples(self.samples, self.activations, self.tokens)
+        wire_format(self.activations, self.scale)
+
+    @property
+    def tensors(self) -> tuple[TensorMeta, ...]:
+        """The tensors that follow, in order: the activations' wire tensors, then the token ids."""
+        return (self.activations, *([self.scale] if self.scale else []), self.tokens)
 
 
 @dataclass(frozen=True)
@@ -350,13 +378,20 @@ class BackwardHeader(Message):
     samples: tuple[int, ...]
     grad: TensorMeta
     losses: tuple[float, ...] = ()
+    scale: TensorMeta | None = None  # int8 gradients' per-row scales (wire_format)
 
     def __post_init__(self) -> None:
         _check_run_id(self.run_id)
         _check_counters(self.round, self.step, self.hop, self.sender_rank)
         _check_samples(self.samples, self.grad, None)
+        wire_format(self.grad, self.scale)
         if self.losses and len(self.losses) != len(self.samples):
             raise ValueError("losses must have one entry per sample")
+
+    @property
+    def tensors(self) -> tuple[TensorMeta, ...]:
+        """The tensors that follow, in order: the gradients' wire tensors."""
+        return (self.grad, *([self.scale] if self.scale else []))
 
 
 @dataclass(frozen=True)

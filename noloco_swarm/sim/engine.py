@@ -9,7 +9,9 @@ reproduce bit for bit. Stages may hold different numbers of replicas
 Every replica computes the way a peer does: stage by stage, each replica runs the rows the plan
 routes to it as one batch in (position, origin) order; the last stage turns per-sample losses
 into the backward pass (StageReplica.backward_losses); gradients flow back stage by stage along
-the same rows, each replica backpropagating its whole batch once.
+the same rows, each replica backpropagating its whole batch once. Activations going forward and
+gradients coming back make the round trip of the run's wire format (protocol.wire) where a peer
+would send and receive them.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from noloco_swarm.model import Stage, build_stage, flat_params, load_flat_params_
-from noloco_swarm.protocol import outer
+from noloco_swarm.protocol import outer, wire
 from noloco_swarm.protocol.clock import StepClock
 from noloco_swarm.protocol.plan import StepPlan, eval_paths, outer_plan
 from noloco_swarm.train.config import RunConfig
@@ -73,7 +75,7 @@ class Simulator:
     def forward_backward(self) -> float:
         """Run every replica's rows through the pipeline and back; leave gradients in place."""
         cfg, plan, t = self.cfg, self.plan, self.step
-        P, B = cfg.num_stages, cfg.inner.batch_size
+        P, B, fmt = cfg.num_stages, cfg.inner.batch_size, cfg.wire.activations
         windows = [self.batches(d, t) for d in range(plan.counts[0])]
         for d, w in enumerate(windows):
             if w.shape != (B, cfg.model.seq_len + 1):
@@ -92,8 +94,12 @@ class Simulator:
                     for d in range(plan.counts[s - 1])
                 ]
                 rows = [plan.rows(t, s, r) for r in range(plan.counts[s])]
+                # Rows cross the wire: the receiver computes with what the wire format delivers.
                 inputs = [
-                    torch.stack([outputs[-1][x.sender][index[x.sender][x.row]].detach() for x in rs])
+                    wire.round_trip(
+                        torch.stack([outputs[-1][x.sender][index[x.sender][x.row]].detach() for x in rs]),
+                        fmt,
+                    )
                     for rs in rows
                 ]
                 inputs = [x.requires_grad_(True) for x in inputs]
@@ -114,7 +120,7 @@ class Simulator:
                 grad = torch.zeros_like(out)
                 for r, sent in plan.sends(t, s, d).items():
                     mine = [j for j, x in enumerate(plan.rows(t, s + 1, r)) if x.sender == d]
-                    grad[sent] = leaves[s + 1][r].grad[mine]
+                    grad[sent] = wire.round_trip(leaves[s + 1][r].grad[mine], fmt)  # back over the wire
                 out.backward(grad)
         return float(torch.cat([x.detach() for x in losses]).mean())
 

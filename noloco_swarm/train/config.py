@@ -1,4 +1,5 @@
-"""The one typed config tree: model, data, inner optimiser, outer step, topology, peer, network.
+"""The one typed config tree: model, data, inner optimiser, outer step, wire format, topology,
+peer, network.
 
 Every front end fills this same tree: `noloco sim`, `noloco local` and `noloco join` flags, config
 files and `NOLOCO_*` environment variables (see `noloco_swarm.cli.options`). The run's part of it
@@ -16,7 +17,7 @@ from typing import Any, Literal
 
 from noloco_swarm.data.config import DataConfig
 from noloco_swarm.model.presets import ModelConfig, get_preset
-from noloco_swarm.protocol.config import InnerConfig, OuterConfig
+from noloco_swarm.protocol.config import InnerConfig, OuterConfig, WireConfig
 
 EVENT_LOOPS = ("uvloop", "asyncio")
 
@@ -127,6 +128,8 @@ class RunConfig:
     """Inner optimiser and schedule."""
     outer: OuterConfig = field(default_factory=OuterConfig)
     """Outer step: method, H, group size, alpha, beta, gamma."""
+    wire: WireConfig = field(default_factory=WireConfig)
+    """How activations and gradients cross between stages (fp32, bf16, int8)."""
     num_stages: int = 2
     """P: pipeline stages the model is split into."""
     num_replicas: int = 2
@@ -188,6 +191,7 @@ class RunConfig:
         data: dict[str, Any] | None = None,
         inner: dict[str, Any] | None = None,
         outer: dict[str, Any] | None = None,
+        wire: dict[str, Any] | None = None,
         peer: dict[str, Any] | None = None,
         network: dict[str, Any] | None = None,
         **top: Any,
@@ -212,6 +216,7 @@ class RunConfig:
             data=data_cfg,
             inner=InnerConfig(**{**inner_defaults, **(inner or {})}),
             outer=OuterConfig.for_method(method, **(outer or {})),
+            wire=WireConfig(**(wire or {})),
             peer=PeerConfig(**(peer or {})),
             network=NetworkConfig(**(network or {})),
             **top,

@@ -31,10 +31,12 @@ from noloco_swarm.peer.events import (
     PeerGone,
     Refused,
     Resumed,
+    Retried,
     Step,
     ViewMismatch,
     of_kind,
 )
+from noloco_swarm.protocol import wire
 from noloco_swarm.sim.engine import Simulator
 from noloco_swarm.sim.run import data_batches
 from noloco_swarm.train.config import RunConfig
@@ -106,6 +108,31 @@ def test_swarm_ends_with_the_simulators_weights(method: str, cache: Path, one_th
         assert theta_bytes[stage] <= e.received_bytes <= theta_bytes[stage] * 1.01 + 4096
         assert e.failed == [] and len(e.partners) == 1 and len(e.state_hash) == 64
     assert all(s.val_loss is not None for s in summaries if s.stage == 0)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8"])
+def test_a_swarm_sends_rows_in_its_wire_format_and_ends_with_the_simulators_weights(
+    fmt: str, cache: Path, one_thread: None
+) -> None:
+    """bf16 and int8 rows and gradients: the peers decode exactly what the simulator's round trip
+    gives, so every replica ends with its weights, and the gradients that came back over each hop
+    took the format's bytes (fp32's exact run is the test above)."""
+    cfg = small("noloco", **{"wire.activations": fmt})
+    with local_swarm(cfg, STEPS, step_timeout=60) as swarm:
+        wait(swarm, timeout=400)
+        summaries, retried = swarm.summaries(), [of_kind(p.events(), Retried) for p in swarm.peers]
+    expected, _ = simulate(cfg, STEPS)
+    got = {(s.stage, s.rank): s.state_hash for s in summaries}
+    assert got == {(s, r): expected[s][r] for s in range(2) for r in range(2)}
+    assert all(s.dropped_samples == 0 for s in summaries)
+    # Stage-0 replicas get B gradient rows per step back from stage 1, in the format's bytes.
+    rows = (cfg.inner.batch_size, cfg.model.seq_len, cfg.model.hidden_size)
+    stage1 = {s.peer_id for s in summaries if s.stage == 1}
+    for s in summaries:
+        if s.stage == 0:
+            back = sum(c["received_payload"] for p, c in s.bytes.items() if p in stage1)
+            assert back == STEPS * wire.nbytes(rows, fmt) or any(retried), f"{back} gradient bytes"
+    assert wire.nbytes(rows, fmt) <= wire.nbytes(rows, "fp32") // {"bf16": 2, "int8": 3}[fmt]
 
 
 def test_uneven_stages_end_with_the_simulators_weights(cache: Path, one_thread: None) -> None:

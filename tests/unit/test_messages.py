@@ -64,7 +64,7 @@ def forward_body(**changes: object) -> dict[str, object]:
         (b"", "not a msgpack"),
         (b"\xc1", "not a msgpack"),
         (msgpack.packb([1, 2, 3]), "exactly the keys"),
-        (raw("forward", forward_body(), version=2), "protocol version"),
+        (raw("forward", forward_body(), version=m.PROTOCOL_VERSION + 1), "protocol version"),
         (raw("nope", {}), "unknown message type"),
         (raw("forward", [1]), "body must be a map"),
         (raw("forward", {k: v for k, v in forward_body().items() if k != "hop"}), "missing fields"),

@@ -1,0 +1,212 @@
+"""What each activation wire format (`wire.activations`: fp32, bf16, int8) costs in perplexity.
+
+The simulator applies the same round trip as the swarm (protocol/wire.py) to every row going
+forward and every gradient coming back, so it measures the formats' effect on training without a
+network. Every format trains on the same tokens (same steps, batch, replicas, seed and data), and
+is evaluated in fp32 on the same held-out windows, so formats are compared per seed, paired over
+windows: the standard error of a perplexity ratio is that of the mean per-window loss difference.
+Also prints the bytes a replica sends per hop per inner step in each format, for the tiny run
+measured here and for the `small` preset's issue-11 shape (batch 8 x 1024 tokens x 768).
+
+Runs go to a pool of worker processes (one torch thread each) and each finished run is appended to
+a JSON-lines file; re-running the same command skips finished runs.
+
+    nice -n 10 python bench/wire_formats.py --out runs/wire --json docs/results/wire_formats.json
+    python bench/wire_formats.py --out runs/wire-smoke --steps 20 --seeds 1   # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing as mp
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+FORMATS = ("fp32", "bf16", "int8")
+KEY = ("fmt", "seed", "replicas", "stages", "steps", "seq_len", "batch_size", "h", "eval_windows")
+
+
+def run_one(job: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    torch.set_num_threads(1)
+    from noloco_swarm.cli.options import build_config
+    from noloco_swarm.sim.run import run_simulation
+
+    assignments = {
+        "num_replicas": job["replicas"],
+        "num_stages": job["stages"],
+        "seed": job["seed"],
+        "model.seq_len": job["seq_len"],
+        "inner.batch_size": job["batch_size"],
+        "inner.total_steps": job["steps"],
+        "inner.warmup_steps": job["warmup"],
+        "outer.inner_steps": job["h"],
+        "outer.seeded_groups": True,  # seeds vary the partners too, not only the data and init
+        "eval_every": job["eval_every"],
+        "eval_windows": job["eval_windows"],
+        "wire.activations": job["fmt"],
+    }
+    cfg = build_config("tiny", "noloco", assignments={k: str(v) for k, v in assignments.items()}, env={})
+    windows: list[float] = []
+    start = time.perf_counter()
+    result = run_simulation(
+        cfg,
+        job["steps"],
+        on_eval=lambda sim, _: windows.__setitem__(slice(None), sim.last_window_losses.tolist()),
+    )
+    return {
+        **job,
+        "evals": result.evals,
+        "window_losses": windows,  # per held-out window at the last evaluation (paired comparisons)
+        "state_hash": result.state_hash,
+        "seconds": time.perf_counter() - start,
+    }
+
+
+def wire_bytes(batch: int, seq_len: int, hidden: int) -> dict[str, dict[str, int]]:
+    """Bytes one replica sends per hop per inner step: activations + token ids forward, gradients back."""
+    from noloco_swarm.protocol import wire
+
+    shape, tokens = (batch, seq_len, hidden), batch * seq_len * 8
+    return {
+        f: {"forward": wire.nbytes(shape, f) + tokens, "backward": wire.nbytes(shape, f)} for f in FORMATS
+    }
+
+
+def paired(a: list[float], b: list[float]) -> tuple[float, float]:
+    """ppl(b) / ppl(a) from per-window losses, and the standard error of its log (paired over windows)."""
+    diffs = [y - x for x, y in zip(a, b, strict=True)]
+    se = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else float("nan")
+    return math.exp(statistics.fmean(diffs)), se
+
+
+def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per format: final perplexity per seed, and its ratio to fp32 (paired per seed)."""
+    by = {(r["fmt"], r["seed"]): r for r in rows}
+    seeds = sorted({r["seed"] for r in rows})
+    out: dict[str, Any] = {}
+    for f in FORMATS:
+        runs = [by[(f, s)] for s in seeds if (f, s) in by]
+        if not runs:
+            continue
+        ppl = [r["evals"][-1]["val_ppl"] for r in runs]
+        entry: dict[str, Any] = {
+            "val_ppl": ppl,
+            "val_ppl_mean": statistics.fmean(ppl),
+            "val_ppl_sd": statistics.stdev(ppl) if len(ppl) > 1 else 0.0,
+            "val_tokens": runs[0]["evals"][-1]["val_tokens"],
+            "seconds": [round(r["seconds"], 1) for r in runs],
+        }
+        steps = [e["step"] for e in runs[0]["evals"]]
+        entry["curve"] = {  # mean perplexity over seeds at every evaluation
+            str(t): statistics.fmean(r["evals"][i]["val_ppl"] for r in runs) for i, t in enumerate(steps)
+        }
+        pairs = [paired(by[("fp32", s)]["window_losses"], by[(f, s)]["window_losses"]) for s in seeds
+                 if ("fp32", s) in by and (f, s) in by]  # fmt: skip
+        if pairs:
+            entry["ratio_to_fp32"] = [p[0] for p in pairs]
+            entry["ratio_to_fp32_se_log"] = [p[1] for p in pairs]
+            entry["ratio_to_fp32_mean"] = statistics.fmean(p[0] for p in pairs)
+        out[f] = entry
+    return out
+
+
+def table(summary: dict[str, Any], sizes: dict[str, dict[str, dict[str, int]]]) -> str:
+    lines = [
+        "| format | val ppl per seed | mean ± sd | ppl / fp32 per seed (± paired SE) | mean ratio "
+        "| tiny run: bytes fwd / bwd per hop per step | small preset (8 x 1024 x 768): MiB fwd / bwd |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for f, e in summary.items():
+        ratios = ", ".join(
+            f"{r:.4f} ± {r * se:.4f}" for r, se in zip(e.get("ratio_to_fp32", []), e.get("ratio_to_fp32_se_log", []), strict=True)
+        )  # fmt: skip
+        tiny, small = sizes["run"][f], sizes["small"][f]
+        lines.append(
+            f"| {f} | {', '.join(f'{p:.2f}' for p in e['val_ppl'])} | {e['val_ppl_mean']:.2f} ± {e['val_ppl_sd']:.2f} "
+            f"| {ratios} | {e.get('ratio_to_fp32_mean', float('nan')):.4f} "
+            f"| {tiny['forward']:,} / {tiny['backward']:,} "
+            f"| {small['forward'] / 2**20:.2f} / {small['backward'] / 2**20:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=Path("runs/wire"))
+    ap.add_argument("--json", type=Path, default=None, help="also write the results here")
+    ap.add_argument("--formats", default=",".join(FORMATS))
+    ap.add_argument("--replicas", type=int, default=2)
+    ap.add_argument(
+        "--stages", type=int, default=4, help="4: every layer boundary of the tiny preset is a hop"
+    )
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--h", type=int, default=10, help="NoLoCo H (paper: 50 of 25,000 steps)")
+    ap.add_argument("--eval-every", type=int, default=50)
+    ap.add_argument("--eval-windows", type=int, default=128)
+    ap.add_argument("--workers", type=int, default=2)
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    log = args.out / "runs.jsonl"
+    done = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    finished = {tuple(r[k] for k in KEY) for r in done}
+    jobs = []
+    for seed in range(args.seeds):
+        for f in args.formats.split(","):
+            job = {
+                "fmt": f, "seed": seed, "replicas": args.replicas, "stages": args.stages, "steps": args.steps,
+                "warmup": args.warmup, "seq_len": args.seq_len, "batch_size": args.batch_size, "h": args.h,
+                "eval_every": args.eval_every, "eval_windows": args.eval_windows,
+            }  # fmt: skip
+            if tuple(job[k] for k in KEY) not in finished:
+                jobs.append(job)
+    print(f"{len(done)} runs already done, {len(jobs)} to go, {args.workers} workers", flush=True)
+    with mp.get_context("spawn").Pool(args.workers) as pool, log.open("a") as file:
+        for row in pool.imap_unordered(run_one, jobs):
+            file.write(json.dumps(row) + "\n")
+            file.flush()
+            done.append(row)
+            print(
+                f"{row['fmt']} seed {row['seed']}: ppl {row['evals'][-1]['val_ppl']:.3f} ({row['seconds']:.0f} s)",
+                flush=True,
+            )
+    setup = {
+        k: getattr(args, k)
+        for k in ("replicas", "stages", "steps", "seq_len", "batch_size", "h", "eval_windows")
+    }
+    rows = [r for r in done if all(r[k] == v for k, v in setup.items())]
+    from noloco_swarm.model.presets import get_preset
+
+    hidden = get_preset("tiny").hidden_size
+    sizes = {"run": wire_bytes(args.batch_size, args.seq_len, hidden), "small": wire_bytes(8, 1024, 768)}
+    summary = summarise(rows)
+    text = table(summary, sizes)
+    (args.out / "summary.md").write_text(text + "\n")
+    print(text)
+    if args.json:
+        command = "python bench/wire_formats.py " + " ".join(
+            f"--{k.replace('_', '-')} {v}" for k, v in {**setup, "seeds": args.seeds, "warmup": args.warmup,
+                                                         "eval_every": args.eval_every}.items()
+        )  # fmt: skip
+        record = {
+            "command": command,
+            "setup": {**setup, "preset": "tiny", "method": "noloco", "warmup": args.warmup, "seeds": args.seeds,
+                      "outer.seeded_groups": True},
+            "results": summary,
+            "bytes_per_hop_per_step": sizes,
+        }  # fmt: skip
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(record, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
