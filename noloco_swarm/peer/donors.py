@@ -64,10 +64,12 @@ class Snapshot:
         state_hash: str,
         view: MembershipView,
         step: int,
-        chunk_bytes: int = chunking.CHUNK_BYTES,
+        chunk_bytes: int | None = None,
     ) -> Snapshot:
-        """From `StageReplica.state_parts()` and its `state_hash()`; hashes every chunk (CPU-bound)."""
-        elements = chunking.chunk_elements_for(chunk_bytes)
+        """From `StageReplica.state_parts()` and its `state_hash()`; hashes every chunk (CPU-bound).
+        `chunk_bytes` overrides the size chunks.chunk_elements_for picks."""
+        numel = parts[STATE_PARTS[0]].numel()
+        elements = chunking.chunk_elements_for(numel) if chunk_bytes is None else max(1, chunk_bytes // 4)
         return cls(view, step, adam_step, state_hash, parts, elements, chunking.chunk_hashes(parts, elements))
 
     def manifest(self, run_id: str, stage: int) -> StateManifest:
@@ -180,6 +182,7 @@ async def download_state(
         raise MessageError(f"no donor sent a usable manifest of round {round_}: {lost}")
     room = _Room(transport, ChunkPlan(manifests, list(donors)), run_id, stage, round_, timeout, emit)
     room.plan.lost.update(lost)
+    room.announce()
     async with asyncio.timeout(timeout):
         return await room.run()
 
@@ -256,6 +259,15 @@ class _Room:
                 plan.release(donor, index)
             await self._notify()
 
+    def announce(self) -> None:
+        """Tell whose snapshot is being assembled now, and who may send chunks of it."""
+        plan = self.plan
+        if plan.target is None:
+            return
+        donors = [d for d in plan.order if d in plan.live]
+        snapshot = plan.manifest.snapshot
+        self.emit(events.StateFetch(round=self.round, target=plan.target, donors=donors, snapshot=snapshot))
+
     def _lose(self, donor: str, reason: str) -> None:
         if donor not in self.plan.live:  # its other request failed first
             return
@@ -269,6 +281,7 @@ class _Room:
                 self.plan.target,
                 len(self.plan.done),
             )
+            self.announce()
 
     async def _fetch(self, donor: str, index: int) -> None:
         mine = self.plan.manifests[donor]

@@ -121,6 +121,18 @@ class ServedState(Event):
 
 
 @dataclass(frozen=True)
+class StateFetch(Event):
+    """A joiner assembles `target`'s snapshot of `round` from chunks sent by `donors` (again,
+    with another target, if the first one fails)."""
+
+    KIND: ClassVar[str] = "state_fetch"
+    round: int
+    target: str
+    donors: list[str]
+    snapshot: str
+
+
+@dataclass(frozen=True)
 class ChunkFetched(Event):
     """A joiner received and checked chunk `index` (of state part `part`) from `donor`."""
 

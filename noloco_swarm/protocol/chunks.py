@@ -27,9 +27,12 @@ import torch
 
 from noloco_swarm.protocol.messages import STATE_PARTS, StateManifest
 
-CHUNK_BYTES = 4 << 20
-"""Bytes of fp32 state per chunk: small enough to spread over donors and to re-fetch cheaply,
-large enough that a request's round trip is small against its transfer."""
+MAX_CHUNK_BYTES = 4 << 20
+MIN_CHUNK_BYTES = 256 << 10
+CHUNKS = 64
+"""A state is cut into about this many chunks (within MIN..MAX_CHUNK_BYTES each): enough to spread
+over many donors and to re-fetch little when one fails, few enough that a request's round trip
+stays small against its transfer."""
 
 
 @dataclass(frozen=True)
@@ -56,8 +59,10 @@ def layout(numel: int, chunk_elements: int) -> tuple[Chunk, ...]:
     return tuple(Chunk(i, part, start, stop) for i, (part, start, stop) in enumerate(spans))
 
 
-def chunk_elements_for(chunk_bytes: int = CHUNK_BYTES) -> int:
-    return max(1, chunk_bytes // 4)  # fp32
+def chunk_elements_for(numel: int) -> int:
+    """Values per chunk for a state whose parts hold `numel` fp32 values each."""
+    total = numel * 4 * len(STATE_PARTS)
+    return min(MAX_CHUNK_BYTES, max(MIN_CHUNK_BYTES, total // CHUNKS)) // 4
 
 
 def digest(tensor: torch.Tensor) -> str:

@@ -146,3 +146,10 @@ def test_a_donor_with_another_layout_sends_nothing() -> None:
     a = state(1)
     plan = ChunkPlan({"a": manifest(a), "b": manifest(a, chunk=5)}, ["a", "b"])
     assert plan.take("b") is None and plan.holders(0) == ["a"]
+
+
+def test_chunk_size_aims_at_64_chunks_within_bounds() -> None:
+    assert c.chunk_elements_for(1 << 20) * 4 == 256 << 10  # a 16 MiB state: 64 chunks
+    assert c.chunk_elements_for(16 << 20) * 4 == 4 << 20  # 256 MiB: 64 chunks
+    assert c.chunk_elements_for(1 << 28) * 4 == 4 << 20  # 4 GiB: 1024 chunks of the largest size
+    assert c.chunk_elements_for(1000) * 4 == 256 << 10  # tiny: one chunk per part

@@ -38,6 +38,7 @@ from noloco_swarm.peer.events import (
     Retried,
     ServedState,
     SlowPeer,
+    StateFetch,
     Step,
     ViewMismatch,
     from_dict,
@@ -96,6 +97,9 @@ def one_of_each() -> list[Event]:
         ),
         Joiners(round=3, peers=["12D3KooWa2"], snapshot="ab" * 32, time=7.0),
         ServedState(round=3, peer="12D3KooWa2", chunk=5, time=8.0),
+        StateFetch(
+            round=3, target="12D3KooWa1", donors=["12D3KooWa1", "12D3KooWa0"], snapshot="ab" * 32, time=8.1
+        ),
         ChunkFetched(round=3, donor="12D3KooWa1", index=5, part="delta", time=8.2),
         DonorLost(round=3, donor="12D3KooWa0", reason="peer is unreachable", time=8.4),
         Excluded(step=9, reason="the view of round 3 leaves this peer out", time=9.0),
