@@ -18,13 +18,20 @@ with its own p2pd; the joiner is this process. Donors hash their snapshot before
 starts, as a replica does when it takes the snapshot at the boundary. Times are wall clock
 from the request to the assembled, checked state; MiB/s is state MiB over that time.
 
+With `--shaped-mbit N` (root, Linux) every donor runs in its own network namespace of a
+testbed (noloco_swarm/testbed) whose link is shaped to N Mbit/s each way with `tbf`, as a
+volunteer's uplink would be; the joiner stays in the root namespace, on the bridge. There the
+donors' links, not the CPU, are the bottleneck, and what several donors are for shows.
+
     python bench/state_transfer.py --mib 256 --reps 3
+    python bench/state_transfer.py --mib 256 --reps 3 --shaped-mbit 200 --out docs/results/state_transfer_shaped.json
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -35,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -43,11 +51,13 @@ from noloco_swarm.peer.donors import Snapshot, download_state
 from noloco_swarm.peer.transport import Transport, TransportConfig
 from noloco_swarm.protocol import messages as m
 from noloco_swarm.protocol.membership import MembershipView
+from noloco_swarm.testbed.bed import Testbed, namespaces_permitted
 
 MIB = 1 << 20
 RUN = "bench"
 VIEW = MembershipView(1, (("donor", "joiner"),))
 CONFIG = TransportConfig(serve_timeout=600)
+HIVEMIND_OPTIONS = dict(prefix="bench_state", target_group_size=2, min_matchmaking_time=1.0, start=True)
 
 
 def state(numel: int, seed: int, shared_moments: bool = True) -> dict[str, torch.Tensor]:
@@ -65,7 +75,7 @@ def state(numel: int, seed: int, shared_moments: bool = True) -> dict[str, torch
 # -- donor processes ------------------------------------------------------------------------
 
 
-async def serve(numel: int, seed: int, shared_moments: bool) -> None:
+async def serve(numel: int, seed: int, shared_moments: bool, listen: str) -> None:
     """A donor: serve one snapshot until stdin closes. Prints its address once ready."""
     snapshot = Snapshot.take(state(numel, seed, shared_moments), 6, "e" * 64, VIEW, 6)
 
@@ -77,7 +87,7 @@ async def serve(numel: int, seed: int, shared_moments: bool) -> None:
         reply, tensor = snapshot.chunk(RUN, 0, header)
         return reply, [tensor]
 
-    transport = await Transport.create(config=CONFIG)
+    transport = await Transport.create(host_maddrs=[listen], config=CONFIG)
     try:
         transport.register("rpc_fetch_state", manifest)
         transport.register("rpc_fetch_chunk", chunk)
@@ -87,16 +97,44 @@ async def serve(numel: int, seed: int, shared_moments: bool) -> None:
         await transport.shutdown()
 
 
-def start_donor(numel: int, seed: int, shared_moments: bool) -> tuple[subprocess.Popen[str], list[str]]:
-    argv = [sys.executable, __file__, "--serve", "--numel", str(numel), "--seed", str(seed)]
-    argv += [] if shared_moments else ["--own-moments"]
-    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if not line:
-        proc.kill()
-        raise RuntimeError("a donor failed to start")
-    return proc, json.loads(line)["addresses"]
+def serve_hivemind(numel: int, listen: str) -> None:
+    """hivemind's donor: a DHT node and an averager that shares its state, until stdin closes."""
+    import hivemind
+    from hivemind.averaging import DecentralizedAverager
+
+    dht = hivemind.DHT(host_maddrs=[listen], start=True)
+    tensors = [state(numel, 0)[k] for k in m.STATE_PARTS]
+    averager = DecentralizedAverager(tensors, dht, allow_state_sharing=True, **HIVEMIND_OPTIONS)
+    try:
+        print(json.dumps({"addresses": [str(a) for a in dht.get_visible_maddrs()]}), flush=True)
+        sys.stdin.read()
+    finally:
+        averager.shutdown()
+        dht.shutdown()
+
+
+@dataclass
+class Place:
+    """Where the processes run: on loopback, or each donor in its own shaped testbed host."""
+
+    bed: Testbed | None = None
+
+    def listen(self, host: str | None) -> str:
+        if self.bed is None:
+            return "/ip4/127.0.0.1/tcp/0"
+        return f"/ip4/{self.bed.gateway}/tcp/0" if host is None else self.bed.hosts[host].maddr()
+
+    def start(self, host: str, *args: str) -> tuple[subprocess.Popen[str], list[str]]:
+        """A donor process (`--serve` or `--serve-hivemind` ...) on `host`; its addresses."""
+        argv = [sys.executable, __file__, *args, "--listen", self.listen(host)]
+        options = dict(stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        proc = self.bed.popen(host, argv, **options) if self.bed else subprocess.Popen(argv, **options)
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        if not line:
+            proc.kill()
+            raise RuntimeError(f"the donor on {host} failed to start")
+        return proc, json.loads(line)["addresses"]
 
 
 # -- the joiner, ours -------------------------------------------------------------------------
@@ -114,9 +152,9 @@ async def ours(joiner: Transport, donors: list[str], numel: int, expect: dict[st
 
 
 class Hivemind:
-    """A donor averager holding the state and a joiner averager, each on its own DHT node."""
+    """hivemind's joiner: a DHT node and an averager, which loads the donor's state."""
 
-    def __init__(self, numel: int) -> None:
+    def __init__(self, numel: int, donor: list[str], listen: str) -> None:
         import hivemind
         from hivemind.averaging import DecentralizedAverager
 
@@ -127,15 +165,11 @@ class Hivemind:
         os.close(fd)
         self.handler = logging.FileHandler(self.log)
         logging.getLogger("hivemind.averaging.averager").addHandler(self.handler)
-        tensors = [self.state[k] for k in m.STATE_PARTS]
-        self.dhts = [hivemind.DHT(start=True)]
-        self.dhts.append(hivemind.DHT(initial_peers=self.dhts[0].get_visible_maddrs(), start=True))
-        common = dict(prefix="bench_state", target_group_size=2, min_matchmaking_time=1.0, start=True)
-        self.donor = DecentralizedAverager(tensors, self.dhts[0], allow_state_sharing=True, **common)
-        zeros = [torch.zeros_like(t) for t in tensors]
-        self.joiner = DecentralizedAverager(zeros, self.dhts[1], allow_state_sharing=False, **common)
-        deadline = time.monotonic() + 60
-        while self.joiner.load_state_from_peers(timeout=30) is None:  # the donor is announced
+        self.dht = hivemind.DHT(host_maddrs=[listen], initial_peers=donor, start=True)
+        zeros = [torch.zeros_like(self.state[k]) for k in m.STATE_PARTS]
+        self.joiner = DecentralizedAverager(zeros, self.dht, allow_state_sharing=False, **HIVEMIND_OPTIONS)
+        deadline = time.monotonic() + 120
+        while self.joiner.load_state_from_peers(timeout=60) is None:  # until the donor is announced
             assert time.monotonic() < deadline, "hivemind's joiner never found the donor"
             time.sleep(1.0)
 
@@ -154,10 +188,8 @@ class Hivemind:
         return seconds
 
     def close(self) -> None:
-        for process in (self.joiner, self.donor):
-            process.shutdown()
-        for dht in self.dhts:
-            dht.shutdown()
+        self.joiner.shutdown()
+        self.dht.shutdown()
         logging.getLogger("hivemind.averaging.averager").removeHandler(self.handler)
         self.handler.close()
         os.unlink(self.log)
@@ -166,21 +198,26 @@ class Hivemind:
 # -- the run ----------------------------------------------------------------------------------
 
 
-async def bench(mib: int, reps: int, modes: list[str]) -> tuple[dict[str, list[float]], list[float]]:
+async def bench(
+    mib: int, reps: int, modes: list[str], place: Place
+) -> tuple[dict[str, list[float]], list[float]]:
     numel = mib * MIB // 16
     same = state(numel, 0)
-    hive = Hivemind(numel) if "hivemind" in modes else None
     donors: list[tuple[subprocess.Popen[str], list[str]]] = []
-    joiner = None
+    joiner, hive = None, None
     try:
-        for seed in range(3):
-            donors.append(start_donor(numel, seed, shared_moments=True))
-        donors.append(start_donor(numel, 7, shared_moments=False))  # ours-2-own's second donor
-        entry = [a for _, addrs in donors for a in addrs[:1]]
-        joiner = await Transport.create(initial_peers=entry, config=CONFIG)
+        for host, seed in (("d0", 0), ("d1", 1), ("d2", 2)):
+            donors.append(place.start(host, "--serve", "--numel", str(numel), "--seed", str(seed)))
+        # ours-2-own's second donor: phi and delta as the others, its own moments
+        donors.append(place.start("d3", "--serve", "--numel", str(numel), "--seed", "7", "--own-moments"))
+        entry = [addrs[0] for _, addrs in donors]
+        joiner = await Transport.create(host_maddrs=[place.listen(None)], initial_peers=entry, config=CONFIG)
         ids = [addrs[0].rsplit("/p2p/", 1)[1] for _, addrs in donors]
         plan = {"ours-1": ids[:1], "ours-2": ids[:2], "ours-3": ids[:3], "ours-2-own": [ids[0], ids[3]]}
         await ours(joiner, ids[:3], numel, same)  # warm the connections
+        if "hivemind" in modes:
+            donors.append(place.start("hm", "--serve-hivemind", "--numel", str(numel)))
+            hive = await asyncio.to_thread(Hivemind, numel, donors[-1][1], place.listen(None))
         seconds: dict[str, list[float]] = {mode: [] for mode in modes}
         for rep in range(reps):
             for mode in modes:
@@ -193,14 +230,14 @@ async def bench(mib: int, reps: int, modes: list[str]) -> tuple[dict[str, list[f
                 print(f"rep {rep} {mode:>10}: {t:6.2f} s  {mib / t:7.1f} MiB/s", flush=True)
         return seconds, hive.network_seconds() if hive is not None else []
     finally:
+        if hive is not None:
+            hive.close()
         if joiner is not None:
             await joiner.shutdown()
         for proc, _ in donors:
             assert proc.stdin is not None
             proc.stdin.close()
-            proc.wait(timeout=30)
-        if hive is not None:
-            hive.close()
+            proc.wait(timeout=60)
 
 
 def main() -> None:
@@ -217,12 +254,27 @@ def main() -> None:
     parser.add_argument("--numel", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--own-moments", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--serve-hivemind", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--listen", default="/ip4/127.0.0.1/tcp/0", help=argparse.SUPPRESS)
+    parser.add_argument("--shaped-mbit", type=float, default=0, help="each donor behind a tbf-shaped link")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.serve:
-        asyncio.run(serve(args.numel, args.seed, not args.own_moments))
+        asyncio.run(serve(args.numel, args.seed, not args.own_moments, args.listen))
         return
-    seconds, hive_network = asyncio.run(bench(args.mib, args.reps, args.modes))
+    if args.serve_hivemind:
+        serve_hivemind(args.numel, args.listen)
+        return
+    with contextlib.ExitStack() as stack:
+        place = Place()
+        if args.shaped_mbit:
+            ok, why = namespaces_permitted()
+            if not ok:
+                raise SystemExit(f"--shaped-mbit: {why}")
+            place = Place(stack.enter_context(Testbed(["d0", "d1", "d2", "d3", "hm"])))
+            for host in place.bed.hosts:
+                place.bed.shape(host, args.shaped_mbit)
+        seconds, hive_network = asyncio.run(bench(args.mib, args.reps, args.modes, place))
     median = {mode: statistics.median(ts) for mode, ts in seconds.items()}
     base = median.get("hivemind")
     rows = {}
@@ -244,6 +296,7 @@ def main() -> None:
         )
         rows["hivemind-network-only"] = {"seconds": hive_network, "median_s": t, "mib_per_s": args.mib / t}
     out = {
+        "link": f"each donor behind {args.shaped_mbit:g} Mbit/s (tbf)" if args.shaped_mbit else "loopback",
         "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
         "mib": args.mib,
         "reps": args.reps,

@@ -55,6 +55,10 @@ class Snapshot:
     parts: dict[str, torch.Tensor]
     chunk_elements: int
     hashes: tuple[str, ...] = ()
+    digest: str = ""  # StateManifest.snapshot, the name chunk requests must give
+
+    def __post_init__(self) -> None:
+        self.digest = self.manifest("run", 0).snapshot  # independent of the run and stage named
 
     @classmethod
     def take(
@@ -88,13 +92,12 @@ class Snapshot:
 
     def chunk(self, run_id: str, stage: int, request: ChunkRequest) -> tuple[StateChunk, torch.Tensor]:
         """The reply to `request`; MessageError if it names another snapshot or no chunk of ours."""
-        manifest = self.manifest(run_id, stage)
-        if request.snapshot != manifest.snapshot:
+        if request.snapshot != self.digest:
             raise MessageError(
-                f"this peer's snapshot of round {request.round} is {manifest.snapshot[:12]}, "
+                f"this peer's snapshot of round {request.round} is {self.digest[:12]}, "
                 f"not {request.snapshot[:12]}: ask for its manifest again"
             )
-        spans = chunking.layout(manifest.numel, self.chunk_elements)
+        spans = chunking.layout(self.parts[STATE_PARTS[0]].numel(), self.chunk_elements)
         if not request.index < len(spans):
             raise MessageError(f"chunk {request.index} of {len(spans)} does not exist")
         span = spans[request.index]
@@ -168,27 +171,46 @@ async def download_state(
             *(ask_manifest(transport, d, run_id, stage, round_, timeout) for d in donors),
             return_exceptions=True,
         )
-    manifests, lost = {}, {}
-    for donor, answer in zip(donors, answers, strict=True):
-        if isinstance(answer, StateManifest) and answer.numel == numel and admits(answer):
-            manifests[donor] = answer
-        elif isinstance(answer, StateManifest):
-            lost[donor] = f"its manifest of round {round_} does not fit this peer ({answer.numel} values)"
-        elif isinstance(answer, DONOR_ERRORS):
-            lost[donor] = str(answer)
-        elif isinstance(answer, BaseException):
-            raise answer  # a bug of ours
-    if not manifests:
-        raise MessageError(f"no donor sent a usable manifest of round {round_}: {lost}")
-    room = _Room(transport, ChunkPlan(manifests, list(donors)), run_id, stage, round_, timeout, emit)
-    room.plan.lost.update(lost)
-    room.announce()
-    async with asyncio.timeout(timeout):
+        room = _Room.from_answers(
+            transport, donors, answers, run_id, stage, round_, numel, admits, timeout, emit
+        )
         return await room.run()
 
 
 class _Room:
     """One download: its plan, its buffers, and one worker per open request to a donor."""
+
+    @classmethod
+    def from_answers(
+        cls,
+        transport: Transport,
+        donors: Sequence[str],
+        answers: list[StateManifest | BaseException],
+        run_id: str,
+        stage: int,
+        round_: int,
+        numel: int,
+        admits: Callable[[StateManifest], bool],
+        timeout: float,
+        emit: Callable[[events.Event], None] | None,
+    ) -> _Room:
+        """The room for the donors whose manifest answers fit; MessageError if none does."""
+        manifests, lost = {}, {}
+        for donor, answer in zip(donors, answers, strict=True):
+            if isinstance(answer, StateManifest) and answer.numel == numel and admits(answer):
+                manifests[donor] = answer
+            elif isinstance(answer, StateManifest):
+                lost[donor] = f"its manifest of round {round_} does not fit this peer ({answer.numel} values)"
+            elif isinstance(answer, DONOR_ERRORS):
+                lost[donor] = str(answer)
+            else:
+                raise answer  # a bug of ours
+        if not manifests:
+            raise MessageError(f"no donor sent a usable manifest of round {round_}: {lost}")
+        room = cls(transport, ChunkPlan(manifests, list(donors)), run_id, stage, round_, timeout, emit)
+        room.plan.lost.update(lost)
+        room.announce()
+        return room
 
     def __init__(
         self,

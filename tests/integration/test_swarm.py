@@ -485,12 +485,12 @@ def test_a_joiner_whose_donor_dies_mid_download_enters_with_the_other_donors_sta
     assert [f.target for f in fetches] == [fetch.target, survivor_id], fetches
     assert [e.donor for e in of_kind(mine, DonorLost)] == [fetch.target]
     # The joiner entered with exactly the survivor's snapshot of round J, not the victim's.
-    kept = {
-        p: next(e.snapshot for e in of_kind(events[id(p)], Joiners) if e.round == J)
-        for p in (victim, survivor)
+    kept = {  # the snapshot each stage-0 replica kept for round J's joiner
+        name: next(e.snapshot for e in of_kind(events[id(p)], Joiners) if e.round == J)
+        for name, p in (("victim", victim), ("survivor", survivor))
     }
-    assert me.server == survivor_id and me.snapshot == kept[survivor] == fetches[1].snapshot
-    assert kept[victim] != kept[survivor], "replicas' AdamW moments differ: the snapshots should too"
+    assert me.server == survivor_id and me.snapshot == kept["survivor"] == fetches[1].snapshot
+    assert kept["victim"] != kept["survivor"], "replicas' AdamW moments differ: the snapshots should too"
     survivor_outer = [e.state_hash for e in of_kind(events[id(survivor)], Outer) if e.step == J * H]
     assert me.state_hash in survivor_outer and me.step == J * H
     assert set(me.sent) <= {survivor_id, fetch.target} and sum(me.sent.values()) == 64
