@@ -217,7 +217,7 @@ async def bench(
         await ours(joiner, ids[:3], numel, same)  # warm the connections
         if "hivemind" in modes:
             donors.append(place.start("hm", "--serve-hivemind", "--numel", str(numel)))
-            hive = await asyncio.to_thread(Hivemind, numel, donors[-1][1], place.listen(None))
+            hive = Hivemind(numel, donors[-1][1], place.listen(None))  # forks: main thread only
         seconds: dict[str, list[float]] = {mode: [] for mode in modes}
         for rep in range(reps):
             for mode in modes:
@@ -236,8 +236,13 @@ async def bench(
             await joiner.shutdown()
         for proc, _ in donors:
             assert proc.stdin is not None
-            proc.stdin.close()
-            proc.wait(timeout=60)
+            proc.stdin.close()  # a donor's cue to shut down
+        for proc, _ in donors:
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 def main() -> None:

@@ -274,9 +274,13 @@ class _Room:
             try:
                 await self._fetch(donor, index)
             except DONOR_ERRORS as e:
+                # A broken stream or a busy donor may be transient; garbage and refusals are not.
+                transient = isinstance(e, PeerUnavailable) or (
+                    isinstance(e, RemoteRefused) and e.code in ("busy", "timeout")
+                )
                 if donor in plan.live:
                     logger.warning("donor %s failed chunk %d of round %d: %s", donor, index, self.round, e)
-                self._lose(donor, str(e))
+                self._fail(donor, index, str(e), fatal=not transient)
             finally:
                 plan.release(donor, index)
             await self._notify()
@@ -290,11 +294,10 @@ class _Room:
         snapshot = plan.manifest.snapshot
         self.emit(events.StateFetch(round=self.round, target=plan.target, donors=donors, snapshot=snapshot))
 
-    def _lose(self, donor: str, reason: str) -> None:
-        if donor not in self.plan.live:  # its other request failed first
-            return
+    def _fail(self, donor: str, index: int, reason: str, *, fatal: bool) -> None:
         target = self.plan.target
-        self.plan.lose(donor, reason)
+        if not self.plan.fail(donor, index, reason, fatal=fatal):
+            return
         self.emit(events.DonorLost(round=self.round, donor=donor, reason=reason[:200]))
         if self.plan.target != target and self.plan.target is not None:
             logger.warning(

@@ -2,7 +2,8 @@
 
 A donor's snapshot (messages.STATE_PARTS: phi, delta and the AdamW moments, each a flat fp32 vector
 of `numel` values) is cut into chunks of at most `chunk_elements` values that never straddle two
-parts; its manifest (messages.StateManifest) lists every chunk's sha256.
+parts; its manifest (messages.StateManifest) lists every chunk's BLAKE3 hash (cryptographic, like
+sha256, and about three times as fast on one core here: the joiner hashes every byte it receives).
 
 Replicas of a stage do not hold the same state: NoLoCo's groups are smaller than the stage, and
 even where one group spans the stage (so phi and delta agree after the outer step) the AdamW
@@ -19,10 +20,10 @@ order becomes the target, and chunks already received that match its manifest ar
 from __future__ import annotations
 
 import functools
-import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import blake3
 import torch
 
 from noloco_swarm.protocol.messages import STATE_PARTS, StateManifest
@@ -59,6 +60,11 @@ def layout(numel: int, chunk_elements: int) -> tuple[Chunk, ...]:
     return tuple(Chunk(i, part, start, stop) for i, (part, start, stop) in enumerate(spans))
 
 
+STRIKES = 3
+"""Failed requests in a row after which a donor that broke a stream or timed out is dropped
+(one that sent garbage or refused is dropped at once): a stream can break on a live link."""
+
+
 def chunk_elements_for(numel: int) -> int:
     """Values per chunk for a state whose parts hold `numel` fp32 values each."""
     total = numel * 4 * len(STATE_PARTS)
@@ -66,11 +72,11 @@ def chunk_elements_for(numel: int) -> int:
 
 
 def digest(tensor: torch.Tensor) -> str:
-    """sha256 of a contiguous CPU tensor's raw (little-endian) bytes."""
+    """BLAKE3 of a contiguous CPU tensor's raw (little-endian) bytes, as 64 hex digits."""
     flat = tensor.reshape(-1)
     if not flat.is_contiguous():
         raise ValueError("hash a contiguous tensor")
-    return hashlib.sha256(memoryview(flat.view(torch.uint8).numpy())).hexdigest()
+    return blake3.blake3(memoryview(flat.view(torch.uint8).numpy())).hexdigest()
 
 
 def chunk_hashes(parts: Mapping[str, torch.Tensor], chunk_elements: int) -> tuple[str, ...]:
@@ -102,6 +108,7 @@ class ChunkPlan:
         self.target: str | None = self.order[0]
         self.done: dict[int, str] = {}  # index -> hash of the bytes held for it
         self.fetching: dict[int, set[str]] = {}  # index -> donors asked for it, not yet answered
+        self.strikes: dict[str, int] = {}  # donor -> requests failed in a row
         self.retargets = 0
 
     @property
@@ -159,10 +166,23 @@ class ChunkPlan:
         if not 0 <= index < len(mine.chunks) or received != mine.chunks[index]:
             self.lose(donor, f"chunk {index} does not hash to its manifest's entry")
             return False
+        self.strikes[donor] = 0
         if index in self.done or not self.holds(donor, index):
             return False
         self.done[index] = received
         return True
+
+    def fail(self, donor: str, index: int, reason: str, *, fatal: bool) -> bool:
+        """A request of `donor` for `index` failed. True if that drops the donor: at once if
+        `fatal` (it sent garbage or refused), else after STRIKES failures in a row."""
+        self.release(donor, index)
+        if donor not in self.live:
+            return False
+        self.strikes[donor] = self.strikes.get(donor, 0) + 1
+        if fatal or self.strikes[donor] >= STRIKES:
+            self.lose(donor, reason)
+            return True
+        return False
 
     def release(self, donor: str, index: int) -> None:
         """`donor` was asked for `index` but will not send it (e.g. the download was cancelled)."""

@@ -425,7 +425,7 @@ class StateManifest(Message):
 
     The state is STATE_PARTS, each a flat fp32 vector of `numel` values (phi: the weights, = theta
     at a boundary; delta: outer momentum; the AdamW moments), cut into chunks of `chunk_elements`
-    values that never straddle two parts (protocol/chunks.py). `chunks` is each chunk's sha256, in
+    values that never straddle two parts (protocol/chunks.py). `chunks` is each chunk's BLAKE3, in
     order. `view` is the server's membership of `round` (sorted peer ids per stage), `state_hash`
     the hash of the weights phi loads into. `snapshot` names the state's content, so two replicas
     that hold the same bytes (and counters) announce the same snapshot.
@@ -454,7 +454,7 @@ class StateManifest(Message):
         if len(self.chunks) != len(STATE_PARTS) * per_part:
             raise ValueError(f"{len(self.chunks)} chunk hashes, the layout has {len(STATE_PARTS) * per_part}")
         if not all(_is_digest(h) for h in (self.state_hash, *self.chunks)):
-            raise ValueError("hashes must be 64 lowercase hex digits (sha256)")
+            raise ValueError("hashes must be 64 lowercase hex digits (BLAKE3, sha256)")
 
     @property
     def snapshot(self) -> str:

@@ -153,3 +153,20 @@ def test_chunk_size_aims_at_64_chunks_within_bounds() -> None:
     assert c.chunk_elements_for(16 << 20) * 4 == 4 << 20  # 256 MiB: 64 chunks
     assert c.chunk_elements_for(1 << 28) * 4 == 4 << 20  # 4 GiB: 1024 chunks of the largest size
     assert c.chunk_elements_for(1000) * 4 == 256 << 10  # tiny: one chunk per part
+
+
+def test_a_broken_stream_is_retried_before_its_donor_is_dropped() -> None:
+    a = state(1)
+    plan = ChunkPlan({"a": manifest(a), "b": manifest(a)}, ["a", "b"])
+    for attempt in range(c.STRIKES - 1):
+        index = plan.take("a")
+        assert index is not None and not plan.fail("a", index, "stream broke", fatal=False)
+        assert "a" in plan.live and index not in plan.fetching.get(index, set())
+        if attempt == 0:  # a success in between starts the count again
+            ok = plan.take("a")
+            span = c.layout(NUMEL, CHUNK)[ok]
+            assert plan.accept("a", ok, c.digest(a[span.part][span.start : span.stop]))
+    index = plan.take("a")
+    assert not plan.fail("a", index, "stream broke", fatal=False) and "a" in plan.live
+    assert plan.fail("a", plan.take("a"), "stream broke", fatal=False) and plan.target == "b"
+    assert plan.fail("b", plan.take("b"), "refused", fatal=True) and plan.failed
