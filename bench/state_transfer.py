@@ -270,6 +270,7 @@ def main() -> None:
     if args.serve_hivemind:
         serve_hivemind(args.numel, args.listen)
         return
+    load_before = os.getloadavg()[0]  # the machine is shared: say how busy it was
     with contextlib.ExitStack() as stack:
         place = Place()
         if args.shaped_mbit:
@@ -306,6 +307,7 @@ def main() -> None:
         "mib": args.mib,
         "reps": args.reps,
         "cpus": os.cpu_count(),
+        "load_average_1min": [round(load_before, 1), round(os.getloadavg()[0], 1)],  # before, after
         "machine": platform.platform(),
         "time": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         "modes": rows,
