@@ -10,7 +10,9 @@ import signal
 from rich.console import Console
 
 from noloco_swarm.peer.events import Final, to_dict
+from noloco_swarm.peer.joining import RunEnding
 from noloco_swarm.peer.launch import run_on_loop, run_peer
+from noloco_swarm.peer.lifetime import orphaned
 from noloco_swarm.train.config import RunConfig
 
 # Once the peer has shut down, its event loop must close (joining its worker threads) within this
@@ -41,6 +43,10 @@ def run_join(cfg: RunConfig, steps: int, *, new_run: bool, resume: bool = False,
             if leave.is_set():  # the second signal: stop now, unwinding every finally (no daemon left)
                 task.cancel()
                 return
+            if orphaned():  # the launcher that started us died: nobody waits for a graceful leave
+                console.print("the process that started this peer is gone: stopping now")
+                task.cancel()
+                return
             console.print("leaving the swarm at the next boundary; a second signal stops at once")
             leave.set()
 
@@ -56,6 +62,9 @@ def run_join(cfg: RunConfig, steps: int, *, new_run: bool, resume: bool = False,
     except asyncio.CancelledError:
         console.print("stopped by a signal; shut down cleanly")
         return 130
+    except RunEnding as e:  # not a failure of this peer: the swarm is about to finish without it
+        console.print(f"nothing left to train: {e}; this peer stops (start it again for the next run)")
+        return 0
     finally:
         faulthandler.cancel_dump_traceback_later()  # the loop and its worker threads have ended
     console.print(

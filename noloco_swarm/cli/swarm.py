@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,20 +77,26 @@ class LocalSwarm:
     def config_path(self) -> Path:
         return self.workdir / "run-config.json"
 
-    def start_peer(self, stage: int | None) -> PeerProcess:
+    def start_peer(self, stage: int | None, *, again: PeerProcess | None = None) -> PeerProcess:
         """Start one `noloco join` peer of `stage` (None: `--stage auto`); once round 0 is full it
-        joins the running swarm two rounds ahead, so this also adds a peer to a swarm that trains."""
-        d = sum(1 for p in self.peers if p.stage == stage)
+        joins the running swarm two rounds ahead, so this also adds a peer to a swarm that trains.
+        `again` (a durable swarm's peer that has stopped) restarts that peer with `--resume`: the
+        same identity and checkpoint folder."""
+        resume = self.resume or again is not None
+        if again is not None and (not self.durable or again.proc.poll() is None):
+            raise ValueError("only a durable swarm's stopped peer can be restarted")
+        d = again.replica if again is not None else sum(1 for p in self.peers if p.stage == stage)
         name = "auto" if stage is None else stage
-        run = f"peer-{name}-{d}" + ("-resumed" if self.resume else "")
+        restarts = sum(1 for p in self.peers if p.stage == stage and p.replica == d) - 1
+        run = f"peer-{name}-{d}" + ("-resumed" if resume else "") + (f"-{restarts}" if restarts > 0 else "")
         metrics, log = self.workdir / f"{run}.jsonl", self.workdir / f"{run}.log"
         where = self.place(stage, d) if self.place is not None else Placement()
         argv = [*where.prefix, sys.executable, "-m", "noloco_swarm.cli.main"]
         argv += self.join_argv(stage, metrics, where)
         if self.durable:  # the same files at every start, so a restart is the same peer
             argv += ["--identity", str(self.workdir / f"peer-{name}-{d}.key")]
-            argv += ["--checkpoint-dir", str(self.workdir / f"checkpoints-{name}-{d}")]
-            argv += ["--resume"] if self.resume else []
+            argv += ["--checkpoint-dir", str(self.checkpoints(stage, d))]
+            argv += ["--resume"] if resume else []
         # The run config already holds what NOLOCO_SET said; inherited, it would also override the
         # run config in every peer (a mismatched manifest) and hand them one shared identity file.
         env = {k: v for k, v in os.environ.items() if k != "NOLOCO_SET"}
@@ -101,6 +107,10 @@ class LocalSwarm:
         peer = PeerProcess(stage, d, proc, metrics, log)
         self.peers.append(peer)
         return peer
+
+    def checkpoints(self, stage: int | None, replica: int) -> Path:
+        """The checkpoint folder of a durable swarm's peer."""
+        return self.workdir / f"checkpoints-{'auto' if stage is None else stage}-{replica}"
 
     def join_argv(self, stage: int | None, metrics: Path, where: Placement = Placement()) -> list[str]:
         """`noloco join` arguments of one peer: the run config file (the run's keys), the peer
@@ -184,13 +194,18 @@ def local_swarm(
             tmp.cleanup()
 
 
-def wait(swarm: LocalSwarm, timeout: float, poll: float = 0.5, on_poll=None) -> None:
-    """Until every peer exited 0; raise with the failing peer's log if one fails or time runs out."""
+def wait(
+    swarm: LocalSwarm, timeout: float, poll: float = 0.5, on_poll=None, ignore: Sequence[PeerProcess] = ()
+) -> None:
+    """Until every peer (but those in `ignore`, e.g. killed on purpose) exited 0; raise with the
+    failing peer's log if one fails or time runs out."""
     deadline = time.monotonic() + timeout
-    while not swarm.finished():
+    watched = [p for p in swarm.peers if p not in ignore]
+    while not all(p.proc.poll() == 0 for p in watched):
         if on_poll is not None:
             on_poll(swarm)
-        bad = swarm.failed()
+        watched = [p for p in swarm.peers if p not in ignore]  # on_poll may start peers
+        bad = [p for p in watched if p.proc.poll() not in (None, 0)]
         if bad:
             p = bad[0]
             raise RuntimeError(

@@ -200,6 +200,9 @@ class RunDirectory:
 
 
 async def _ping_entry_points(peer_ids: tuple[str, ...], _: DHT, node: DHTNode) -> int:
+    # Every peer that failed us while we were cut off is banned from lookups, for a time that
+    # doubles with each failure: the bans, not the peers, would keep us blind once the link is back.
+    node.blacklist.clear()
     answers = await asyncio.gather(*(node.protocol.call_ping(PeerID.from_base58(p)) for p in peer_ids))
     await node.find_nearest_nodes([node.node_id])
     return sum(a is not None for a in answers)

@@ -74,9 +74,13 @@ class Evaluation:
         self, view: MembershipView, rank: int, b: int, x: torch.Tensor, y: torch.Tensor
     ) -> list[float]:
         ctx = self.ctx
-        x = x.to(ctx.device)
-        with torch.no_grad():
-            out = await asyncio.to_thread(ctx.replica.module, x, y.to(ctx.device) if ctx.is_last else None)
+        x, targets = x.to(ctx.device), (y.to(ctx.device) if ctx.is_last else None)
+
+        def forward() -> torch.Tensor:
+            with torch.no_grad():  # grad mode is per thread: it must be set in the worker
+                return ctx.replica.module(x, targets)
+
+        out = await asyncio.to_thread(forward)
         if ctx.is_last:
             return [float(v) for v in out]
         header = EvalHeader(ctx.run_id, ctx.step, ctx.stage, rank, b, TensorMeta.of(out), TensorMeta.of(y))

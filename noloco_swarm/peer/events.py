@@ -166,8 +166,9 @@ class Excluded(Event):
 class Dropped(Event):
     """Samples of step `step` lost on hop `hop` (their gradient is zero this step).
 
-    side "sender": rows this replica sent whose gradient never came back; side "receiver": rows
-    this replica expected from `senders`, who sent nothing in time.
+    side "sender": rows this replica sent whose gradient never came back (`reasons`: why, per
+    receiver that failed); side "receiver": rows this replica expected from `senders`, who sent
+    nothing in time.
     """
 
     KIND: ClassVar[str] = "dropped"
@@ -176,6 +177,7 @@ class Dropped(Event):
     samples: int
     side: str
     senders: list[int] = field(default_factory=list)
+    reasons: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

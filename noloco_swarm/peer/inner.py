@@ -26,7 +26,7 @@ from noloco_swarm.data.stream import train_batches
 from noloco_swarm.peer import events
 from noloco_swarm.peer.context import PeerContext
 from noloco_swarm.peer.rounds import PROBE_PERIOD
-from noloco_swarm.peer.streams import PeerUnavailable, RemoteRefused, StreamTruncated
+from noloco_swarm.peer.streams import PeerUnavailable, Refused, RemoteRefused, StreamClosed, StreamTruncated
 from noloco_swarm.protocol import messages, routing
 from noloco_swarm.protocol.membership import MembershipView
 from noloco_swarm.protocol.messages import BackwardHeader, ForwardHeader, MessageError, PeerStatus, TensorMeta
@@ -64,17 +64,28 @@ class StepCollector:
     def rows_from(self, sender: int) -> list[Row]:
         return [x.row for x in self.expected if x.sender == sender]
 
-    def add(self, arrival: Arrival) -> None:
-        """Accept one sender's rows; a sender that sends twice, or other rows than the plan's, is refused."""
-        if arrival.sender in self.arrivals:
-            raise MessageError(f"sender {arrival.sender} already sent step {self.step}")
+    def add(self, arrival: Arrival) -> Arrival:
+        """Accept one sender's rows and return the arrival whose result answers them.
+
+        A sender whose stream broke before our answer sends the same rows again: it then waits
+        for the first arrival's result. Other rows than the plan's, or different rows for the
+        same step, are refused."""
         mine = [row.position for row in self.rows_from(arrival.sender)]
         if arrival.positions != mine or not mine:
             raise MessageError(
                 f"sender {arrival.sender} sent positions {arrival.positions}, the plan gives {mine}"
             )
+        first = self.arrivals.get(arrival.sender)
+        if first is not None:
+            if not (
+                torch.equal(first.activations, arrival.activations)
+                and torch.equal(first.tokens, arrival.tokens)
+            ):
+                raise MessageError(f"sender {arrival.sender} sent other rows for step {self.step}")
+            return first
         self.arrivals[arrival.sender] = arrival
         self._check_complete()
+        return arrival
 
     def drop_sender(self, sender: int) -> None:
         """Stop expecting rows from a sender that is gone; the step runs with the rest."""
@@ -99,11 +110,12 @@ class StepCollector:
         placement = [(self.arrivals[s], r) for s, r in sorted(rows.items())]
         return torch.stack(acts), torch.stack(toks), placement
 
-    def abandon(self, error: BaseException) -> None:
-        """This step will not run here: fail every sender still waiting for its gradients, now."""
+    def abandon(self, reason: str) -> None:
+        """This step will not run here: refuse every sender still waiting for its gradients, now
+        (they get an answer that says why, not a stream closed in their face)."""
         for arrival in self.arrivals.values():
             if not arrival.result.done():
-                arrival.result.set_exception(error)
+                arrival.result.set_exception(Refused("abandoned", reason))
                 arrival.result.exception()  # retrieved: the caller may have given up already
 
     def _check_complete(self) -> None:
@@ -135,7 +147,7 @@ class InnerSteps:
     def abandon(self, reason: str) -> None:
         """Forget every step collected so far (a join or the end of training), failing its senders."""
         for collector in self.collectors.values():
-            collector.abandon(PeerUnavailable(reason))
+            collector.abandon(reason)
         self.collectors.clear()
 
     # ------------------------------------------------------------------ stage 0
@@ -180,7 +192,7 @@ class InnerSteps:
         view, plan = ctx.view_at(t), ctx.plan_at(t)
         rank = view.rank_of(ctx.me)[1]
         held = plan.rows(t, ctx.stage, rank)
-        results: dict[int, asyncio.Task[GradRows | None]] = {}
+        results: dict[int, asyncio.Task[GradRows | str]] = {}
         async with asyncio.TaskGroup() as group:
             for receiver, sent in plan.sends(t, ctx.stage, rank).items():
                 samples = tuple(routing.sample_index(t, held[j].row.position, ctx.B) for j in sent)
@@ -189,16 +201,21 @@ class InnerSteps:
         # Rows whose gradient never came back are dropped from this step: their gradient stays 0.
         grad = torch.zeros_like(out)
         losses: list[float] = []
+        lost: list[str] = []
         for task in results.values():
             result = task.result()
-            if result is not None:
-                sent, rows, sample_losses = result
-                grad[sent] = rows.to(grad.device)
-                losses.extend(sample_losses)
+            if isinstance(result, str):
+                lost.append(result)
+                continue
+            sent, rows, sample_losses = result
+            grad[sent] = rows.to(grad.device)
+            losses.extend(sample_losses)
         dropped = out.shape[0] - len(losses)
         if dropped:
             self.dropped_samples += dropped
-            ctx.events.emit(events.Dropped(step=t, hop=ctx.stage, samples=dropped, side="sender"))
+            ctx.events.emit(
+                events.Dropped(step=t, hop=ctx.stage, samples=dropped, side="sender", reasons=lost)
+            )
         return grad, losses
 
     async def _call_or_drop(
@@ -210,8 +227,8 @@ class InnerSteps:
         out: torch.Tensor,
         tokens: torch.Tensor,
         t: int,
-    ) -> GradRows | None:
-        """Forward `sent` rows to one receiver; None if they are lost (the reason is recorded)."""
+    ) -> GradRows | str:
+        """Forward `sent` rows to one receiver; if they are lost, why (for the Dropped event)."""
         ctx, hop = self.ctx, self.ctx.stage
         receiver = view.peer_at(hop + 1, receiver_rank)
         acts, toks = out[sent].contiguous(), tokens[sent].contiguous()
@@ -228,7 +245,7 @@ class InnerSteps:
         )
         for attempt in range(2):  # a live receiver whose stream broke gets the rows once more
             if receiver in ctx.rounds.dead:
-                return None
+                return f"{receiver} is gone"
             try:
                 reply, tensors = await ctx.rounds.watched(
                     receiver,
@@ -241,24 +258,28 @@ class InnerSteps:
                     not isinstance(reply, BackwardHeader)
                     or len(tensors) != 1
                     or tensors[0].shape != acts.shape
+                    or len(reply.losses) != len(sent)
                 ):
                     raise MessageError(f"{receiver} answered step {t} with a malformed reply")
                 return sent, tensors[0], reply.losses
             except RemoteRefused as e:  # alive but disagrees (e.g. another view): drop these rows
                 logger.warning("stage %d peer %s refused step %d: %s", hop + 1, receiver, t, e)
                 ctx.events.emit(events.Refused(step=t, peer=receiver, reason=str(e)))
-                return None
-            except StreamTruncated as e:  # the connection broke mid-transfer
+                return str(e)
+            except (StreamTruncated, StreamClosed) as e:  # the stream broke, maybe not the receiver
                 if attempt or await ctx.rounds.suspect(receiver, f"forward of step {t} broke: {e}"):
-                    return None
+                    return f"{receiver}: {e}"
+                logger.warning(
+                    "the forward of step %d to %s broke (%s); sending it once more", t, receiver, e
+                )
                 ctx.events.emit(events.Retried(step=t, peer=receiver, reason=str(e)))
             except PeerUnavailable as e:
                 await ctx.rounds.suspect(receiver, f"forward of step {t} failed: {e}")
-                return None
+                return f"{receiver}: {e}"
             except MessageError as e:  # it answered with garbage: do not trust it again
                 ctx.rounds.mark_dead(receiver, f"malformed answer to the forward of step {t}: {e}")
-                return None
-        return None
+                return f"{receiver}: {e}"
+        raise AssertionError("the second attempt always returns")
 
     # ------------------------------------------------------------------ stages after the first
 
@@ -277,7 +298,7 @@ class InnerSteps:
         try:
             await self._collect(t, collector)
         except BaseException:
-            collector.abandon(PeerUnavailable(f"step {t} was abandoned by the receiving replica"))
+            collector.abandon(f"step {t} was abandoned by the receiving replica")
             raise
         finally:
             del self.collectors[t]
@@ -303,7 +324,7 @@ class InnerSteps:
                 grad, sample_losses = await self._send_on(t, out.detach(), toks)
                 await asyncio.to_thread(out.backward, grad)
         except BaseException:
-            collector.abandon(PeerUnavailable(f"step {t} failed on the receiving replica"))
+            collector.abandon(f"step {t} failed on the receiving replica")
             raise
         assert x.grad is not None
         x_grad = x.grad.cpu()  # replies leave from the CPU
@@ -388,9 +409,10 @@ class InnerSteps:
             raise MessageError(f"rows for step {header.step} came after this replica had collected that step")
         positions = [k - header.step * ctx.B for k in header.samples]
         acts, toks = checked_rows(ctx, tensors)
-        arrival = Arrival(header.sender_rank, positions, acts, toks)
-        self._collector(header.step).add(arrival)
-        grad, losses = await asyncio.wait_for(arrival.result, ctx.cfg.peer.step_timeout * 2)
+        arrival = self._collector(header.step).add(Arrival(header.sender_rank, positions, acts, toks))
+        # Shielded: a sender's retry may wait on the same arrival, and one waiter's deadline must
+        # not cancel the other's answer.
+        grad, losses = await asyncio.wait_for(asyncio.shield(arrival.result), ctx.cfg.peer.step_timeout * 2)
         reply = BackwardHeader(
             run_id=header.run_id,
             round=header.round,

@@ -39,6 +39,10 @@ STATUS_TIMEOUT = 10.0
 R = TypeVar("R", messages.StateRequest, messages.ChunkRequest)
 
 
+class RunEnding(RuntimeError):
+    """The run ends before the first round this peer could join at: there is nothing left to train."""
+
+
 async def pick_join_round(
     transport: Transport,
     run_id: str,
@@ -55,7 +59,7 @@ async def pick_join_round(
     steps = [a.step for a in others] + [x.step for x in answers if isinstance(x, messages.PeerStatus)]
     target = join_round(max(steps, default=0), clock.inner_steps)
     if clock.round_start(target) >= end_step:
-        raise RuntimeError(
+        raise RunEnding(
             f"the run ends at step {end_step}, before round {target} (step {clock.round_start(target)}) "
             "where this peer could join"
         )

@@ -35,10 +35,22 @@ def _prctl_die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
 
 
+_PARENT: list[int] = []  # the parent whose death ends us, once die_with_parent() was called
+
+
 def die_with_parent() -> None:
-    """Ask the kernel to SIGTERM this process when its parent dies (Linux; a no-op elsewhere)."""
+    """Ask the kernel to SIGTERM this process when its parent dies (Linux; a no-op elsewhere).
+
+    The SIGTERM then means "stop now", not "leave at the next boundary": see `orphaned()`."""
     if sys.platform.startswith("linux"):
+        _PARENT[:] = [os.getppid()]
         _prctl_die_with_parent()
+
+
+def orphaned() -> bool:
+    """True if this process asked to die with its parent and that parent is gone: whoever
+    started it (`noloco local`) will not collect its results, so it stops at once."""
+    return bool(_PARENT) and os.getppid() != _PARENT[0]
 
 
 @contextlib.contextmanager

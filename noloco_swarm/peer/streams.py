@@ -55,6 +55,11 @@ class RemoteRefused(RuntimeError):
         self.peer_id, self.code, self.reason = peer_id, code, reason
 
 
+class StreamClosed(PeerUnavailable):
+    """The remote closed the stream before the first byte of its answer: it may have died, or
+    only this stream may have broken while the remote lives on (a caller may try once more)."""
+
+
 class StreamTruncated(MessageError, PeerUnavailable):
     """The stream ended inside a frame, after the envelope promised more bytes.
 
@@ -351,5 +356,5 @@ async def _read_exactly(reader: asyncio.StreamReader, n: int, *, at_start: bool 
         return await reader.readexactly(n)
     except asyncio.IncompleteReadError as e:
         if at_start and not e.partial:
-            raise PeerUnavailable("the remote closed the stream without sending a frame") from e
+            raise StreamClosed("the remote closed the stream without sending a frame") from e
         raise StreamTruncated(f"stream ended after {len(e.partial)} of {n} bytes of a frame") from e

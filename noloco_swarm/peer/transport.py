@@ -34,6 +34,7 @@ from noloco_swarm.peer.streams import (
     PeerUnavailable,
     Refused,
     RemoteRefused,
+    StreamClosed,
     StreamTruncated,
     TransportConfig,
 )
@@ -47,6 +48,7 @@ __all__ = [
     "PeerUnavailable",
     "Refused",
     "RemoteRefused",
+    "StreamClosed",
     "StreamTruncated",
     "Transport",
     "TransportConfig",

@@ -1,5 +1,6 @@
 """Faults a real swarm must ride out: a peer frozen (SIGSTOP) for longer than the step deadline,
-alone or together with its libp2p daemon, comes back by itself and the swarm keeps its pace."""
+alone or together with its libp2p daemon, comes back by itself and the swarm keeps its pace; a
+peer SIGKILLed in the middle of writing a checkpoint comes back from its last whole one."""
 
 from __future__ import annotations
 
@@ -11,7 +12,19 @@ from pathlib import Path
 import pytest
 
 from noloco_swarm.cli.swarm import local_swarm, wait
-from noloco_swarm.peer.events import Dropped, Joined, Membership, Refused, Step, ViewMismatch, of_kind
+from noloco_swarm.peer import checkpoint
+from noloco_swarm.peer.events import (
+    Checkpointed,
+    Dropped,
+    Joined,
+    Membership,
+    Refused,
+    Resumed,
+    Step,
+    ViewMismatch,
+    of_kind,
+)
+from tests.integration.helpers import alive, descendants
 from tests.integration.test_swarm import SLOWER, small, views_by_round
 
 pytestmark = pytest.mark.integration
@@ -19,20 +32,20 @@ pytestmark = pytest.mark.integration
 
 @pytest.mark.parametrize(("stage", "frozen"), [(1, "peer"), (0, "peer-and-daemon")])
 def test_a_peer_frozen_past_the_deadline_is_dropped_and_rejoins_by_itself(
-    cache: Path, stage: int, frozen: str
+    cache: Path, tmp_path: Path, stage: int, frozen: str
 ) -> None:
     """A peer stopped for 15 s (step deadline 8 s) is dropped by the others, who train on
     without it. Once it runs again it finds itself outside the swarm's view, joins again at a
     later round with a live replica's state, and trains to the end. Every peer holds one view per
-    round, and once the peer is back nothing is refused and, from the round after its rejoin on,
-    nothing is dropped: the swarm does not stay behind a stage that fell behind. (Between its thaw and the boundary where it finds itself out of the
+    round, and once the peer is back nothing is refused or dropped: the swarm does not stay
+    behind a stage that fell behind. (Between its thaw and the boundary where it finds itself out of the
     view, a thawed stage-0 peer still sends rows for the steps it missed; they are refused at once
     as late, and cost the others nothing.)"""
     # Long enough that, on a loaded machine too, the others are still training when the thawed
     # peer looks for a round to join (they run on at a few steps a second meanwhile).
     steps, H = 300, 3
     cfg = small("noloco", **{**SLOWER, "outer.inner_steps": str(H), "inner.total_steps": str(steps)})
-    with local_swarm(cfg, steps, step_timeout=8) as swarm:
+    with local_swarm(cfg, steps, step_timeout=8, workdir=tmp_path) as swarm:  # logs kept by pytest
         victim = next(p for p in swarm.peers if p.stage == stage and p.replica == 1)
         deadline = time.monotonic() + 120
         while not any(e.step >= 8 for e in of_kind(victim.events(), Step)):
@@ -63,8 +76,69 @@ def test_a_peer_frozen_past_the_deadline_is_dropped_and_rejoins_by_itself(
     # the frozen peer and given up on by their receiver. Once the peer is back, nobody is refused.
     refused = [e for ev in events for e in ev if isinstance(e, Refused | ViewMismatch) and e.step >= back]
     assert refused == [], refused
-    # Known and open (issue 9): under load, a sample of the first round after a join is sometimes
-    # lost on its way to or from the joined peer ("remote closed the stream"); from the round
-    # after that on, nothing may be dropped.
-    late_drops = [e for ev in events for e in of_kind(ev, Dropped) if e.step >= back + H]
+    # A stream that breaks under load (p2pd closes one now and then, the remote alive) costs a
+    # retry, not a sample: from its rejoin on, nothing may be dropped.
+    late_drops = [e for ev in events for e in of_kind(ev, Dropped) if e.step >= back]
     assert late_drops == [], late_drops
+
+
+def test_a_peer_killed_while_writing_a_checkpoint_comes_back_from_its_last_whole_one(
+    cache: Path, tmp_path: Path
+) -> None:
+    """A durable stage-1 peer is SIGKILLed in the middle of writing its checkpoint of step 9: the
+    file it was writing is left torn on disk. Restarted with `--resume`, it skips the torn file,
+    starts from its last whole checkpoint (step 6) and, the swarm having moved on meanwhile,
+    comes back as a late joiner; it trains to the end, every peer holds one view per round, and
+    nothing of the killed process is left running.
+
+    To kill it mid-write without timing luck, the file it is about to write is a named pipe: its
+    write blocks until we read, we read part of the checkpoint, kill it, and leave on disk
+    exactly the bytes it had written."""
+    steps, H, torn_step = 150, 3, 9  # long enough that the others still train when it is back
+    cfg = small("noloco", **{**SLOWER, "outer.inner_steps": str(H), "inner.total_steps": str(steps)})
+    with local_swarm(cfg, steps, step_timeout=8, workdir=tmp_path, durable=True) as swarm:
+        victim = next(p for p in swarm.peers if p.stage == 1 and p.replica == 1)
+        folder = swarm.checkpoints(1, 1)
+        folder.mkdir(parents=True, exist_ok=True)
+        torn = checkpoint.path_for(folder, torn_step)
+        pending = torn.with_name(torn.name + ".tmp")  # where save() writes before its rename
+        os.mkfifo(pending)
+        fd = os.open(pending, os.O_RDONLY | os.O_NONBLOCK)  # returns at once; data comes when it writes
+        written = b""
+        deadline = time.monotonic() + 180
+        try:
+            while len(written) < 64 << 10:  # a part of the checkpoint, not all of it
+                assert time.monotonic() < deadline and victim.proc.poll() is None, victim.log_tail()
+                try:
+                    chunk = os.read(fd, 16 << 10)
+                except BlockingIOError:
+                    chunk = b""
+                written += chunk
+                if not chunk:
+                    time.sleep(0.02)
+            family = descendants(victim.proc.pid)
+            os.kill(victim.proc.pid, signal.SIGKILL)
+            victim.proc.wait()
+        finally:
+            os.close(fd)
+        pending.unlink()
+        pending.write_bytes(written)  # what the disk holds after the crash: a torn file
+        deadline = time.monotonic() + 15
+        while alive(family):
+            assert time.monotonic() < deadline, f"processes {alive(family)} outlived their SIGKILLed peer"
+            time.sleep(0.2)
+        again = swarm.start_peer(1, again=victim)
+        wait(swarm, timeout=500, ignore=[victim])
+        before = victim.events()
+        after = again.events()
+        events = [p.events() for p in swarm.peers if p is not victim]
+        summaries = swarm.summaries()
+    assert [e.step for e in of_kind(before, Checkpointed)] == [3, 6], "it was not killed writing step 9"
+    resumed, joined = of_kind(after, Resumed), of_kind(after, Joined)
+    assert [e.step for e in resumed] in ([], [6]), resumed  # never from the torn file
+    assert resumed or joined, again.log_tail()
+    mine = next(e.peer_id for e in of_kind(before, Membership))
+    assert any(s.peer_id == mine for s in summaries), "it came back as another peer"
+    assert len(summaries) == 4 and all(s.steps == steps for s in summaries)
+    views = views_by_round([*events, before])
+    assert all(len(v) == 1 for v in views.values()), views

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import glob
+import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from noloco_swarm.peer.events import Final, of_kind, read
-from tests.integration.helpers import descendants, p2pd_descendants
+from tests.integration.helpers import alive, descendants, p2pd_descendants
 from tests.small import SMALL_RUN
 
 pytestmark = pytest.mark.integration
@@ -45,6 +47,41 @@ def test_ctrl_c_stops_the_swarm_cleanly(cache: Path) -> None:
     assert not descendants(proc.pid)
     assert p2pd_descendants() <= before_daemons
     assert local_dirs() <= before_dirs, "noloco local left its temporary folder behind"
+
+
+def test_a_killed_launcher_takes_its_peers_and_their_daemons_with_it(cache: Path) -> None:
+    """`noloco local` SIGKILLed (an OOM kill, a CI runner's timeout) cannot end its peers itself:
+    each peer learns from the kernel that its parent died and stops at once, with its p2pd and
+    DHT process, instead of leaving gracefully for minutes with nobody to report to."""
+    before_dirs = local_dirs()
+    # Outer steps 2000 inner steps apart: a graceful leave (at the boundary after next) would take
+    # minutes, so only peers that stop at once are gone by the deadline below.
+    argv = [sys.executable, "-m", "noloco_swarm.cli.main", "local", "--plain", "--steps", "5000", *SMALL_RUN]
+    argv += ["--set", "outer.inner_steps=2000"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    family: set[int] = set()
+    try:
+        deadline = time.monotonic() + 180
+        seen = []
+        while not any(line.startswith("step") for line in seen):
+            assert time.monotonic() < deadline and proc.poll() is None, "".join(seen)
+            seen.append(proc.stdout.readline())  # type: ignore[union-attr]
+        family = descendants(proc.pid)
+        assert len(p2pd_descendants(proc.pid)) >= 4, "the peers should be running their daemons"
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 45
+        while alive(family) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not alive(family), f"processes outlived the launcher: {sorted(alive(family))}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pid in alive(family):  # never leave them running, whatever failed above
+            os.kill(pid, signal.SIGKILL)
+        for folder in local_dirs() - before_dirs:  # a killed launcher cannot remove its own
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def test_local_swarm_run_to_the_end(cache: Path, tmp_path: Path) -> None:

@@ -109,6 +109,8 @@ async def fetch_state(peer: str, header: m.Message, tensors: list[torch.Tensor])
         raise m.MessageError("stage 1 is not served here")
     if header.stage == 2:
         return m.Ack(), [torch.tensor([1.0, float("nan")])]
+    if header.stage == 4:  # as when the server's side of the stream broke: it closes, unanswered
+        raise PeerUnavailable("the stream broke under the server")
     return m.Ack(), [torch.zeros(LIMIT // 4 + 1)]
 
 
@@ -233,6 +235,17 @@ def test_handler_errors_are_remote_refused_and_the_server_keeps_serving(
             run(loop, a.call(b.peer_id, verb, m.StateRequest("run", stage), timeout=10))
         assert refused.value.code == code and refused.value.peer_id == b.peer_id
         healthy(loop, a, b)
+
+
+def test_a_stream_closed_unanswered_is_stream_closed_and_the_server_keeps_serving(
+    loop: asyncio.AbstractEventLoop, pair: tuple[Transport, Transport]
+) -> None:
+    """A caller can tell "the stream closed before any answer" (worth one more try if the peer
+    still answers) from a refusal and from a reply cut short."""
+    a, b = pair
+    with pytest.raises(streams.StreamClosed):
+        run(loop, a.call(b.peer_id, "rpc_fetch_state", m.StateRequest("run", 4), timeout=10))
+    healthy(loop, a, b)
 
 
 def test_nan_and_oversize_are_message_errors_on_the_receiving_side(

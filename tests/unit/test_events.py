@@ -103,7 +103,7 @@ def one_of_each() -> list[Event]:
         ChunkFetched(round=3, donor="12D3KooWa1", index=5, part="delta", time=8.2),
         DonorLost(round=3, donor="12D3KooWa0", reason="peer is unreachable", time=8.4),
         Excluded(step=9, reason="the view of round 3 leaves this peer out", time=9.0),
-        Dropped(step=5, hop=0, samples=2, side="sender", time=10.0),
+        Dropped(step=5, hop=0, samples=2, side="sender", reasons=["peer B: the stream broke"], time=10.0),
         Dropped(step=5, hop=0, samples=2, side="receiver", senders=[1], time=10.5),
         Refused(step=5, peer="12D3KooWb1", reason="views of round 1 differ", time=11.0),
         Retried(step=5, peer="12D3KooWb1", reason="stream reset", time=12.0),

@@ -1,0 +1,158 @@
+"""A small discrete-event engine: tasks with dependencies on serial processors and shared links.
+
+Pure: times are floats of the model, nothing reads a clock. Used by the wall-clock model
+(`sim/wallclock.py`), which builds the task graph of a swarm's schedule. Each peer has one
+processor (one task at a time, the lowest `priority` of the ready ones first) and two links, an
+uplink and a downlink. A flow from a to b takes a's uplink and b's downlink; flows share links
+max-min fairly (progressive filling), the flows of one (a, b) pair go out one after another in
+the order they became ready, and a flow ends `latency` seconds after its last byte left.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass
+class Task:
+    """A compute task (seconds on one processor), a flow (bytes from one peer to another) or a
+    gate (no cost: it ends when its dependencies have)."""
+
+    kind: Literal["compute", "flow", "gate"]
+    peer: int = -1  # compute: who runs it; flow: sender
+    dst: int = -1  # flow: receiver
+    amount: float = 0.0  # compute: seconds; flow: bytes
+    latency: float = 0.0
+    priority: tuple[int, int, int] = (0, 0, 0)
+    waiting: int = 0
+    dependents: list[int] = field(default_factory=list)
+    end: float = math.nan
+
+
+class Graph:
+    """Tasks with dependencies; `run` plays them out on peers' GPUs and max-min fair links."""
+
+    def __init__(self, up: list[float], down: list[float]) -> None:
+        self.tasks: list[Task] = []
+        self.capacity = up + down  # bytes/s: every peer's uplink, then every peer's downlink
+
+    def add(self, task: Task, deps: list[int]) -> int:
+        tid = len(self.tasks)
+        self.tasks.append(task)
+        for dep in deps:
+            self.tasks[dep].dependents.append(tid)
+        task.waiting = len(deps)
+        return tid
+
+    def run(self) -> None:
+        tasks, peers = self.tasks, len(self.capacity) // 2
+        now = 0.0
+        events: list[tuple[float, int]] = []  # (time, task) that ends then
+        ready: list[list[tuple[tuple[int, int, int], int]]] = [[] for _ in range(peers)]
+        busy = [False] * peers
+        flows: dict[int, float] = {}  # task -> bytes left to serialise
+        sending: set[tuple[int, int]] = set()  # (sender, receiver) pairs with a flow on the wire
+        queued: dict[tuple[int, int], list[int]] = {}  # flows waiting for their pair, in order
+        rates: dict[int, float] = {}
+        idle: set[int] = set()  # peers that may pick a task once everything due now is done
+        dirty = False
+
+        def start(tid: int) -> None:
+            nonlocal dirty
+            task = tasks[tid]
+            if task.kind == "gate":
+                heapq.heappush(events, (now, tid))
+            elif task.kind == "flow":
+                pair = (task.peer, task.dst)
+                if pair in sending:  # one connection per pair: its messages go out in order
+                    queued.setdefault(pair, []).append(tid)
+                else:
+                    sending.add(pair)
+                    flows[tid] = task.amount
+                    dirty = True
+            else:
+                heapq.heappush(ready[task.peer], (task.priority, tid))
+                idle.add(task.peer)
+
+        def run_next(peer: int) -> None:
+            if not busy[peer] and ready[peer]:
+                _, tid = heapq.heappop(ready[peer])
+                busy[peer] = True
+                heapq.heappush(events, (now + tasks[tid].amount, tid))
+
+        def finish(tid: int) -> None:
+            task = tasks[tid]
+            task.end = now
+            if task.kind == "compute":
+                busy[task.peer] = False
+                idle.add(task.peer)
+            for dep in task.dependents:
+                tasks[dep].waiting -= 1
+                if tasks[dep].waiting == 0:
+                    start(dep)
+
+        for tid, task in enumerate(tasks):
+            if task.waiting == 0:
+                start(tid)
+        for peer in sorted(idle):
+            run_next(peer)
+        idle.clear()
+        rated_at, next_flow = 0.0, (math.inf, -1)
+        while events or flows:
+            if dirty:  # flows changed: bring their bytes up to now, share the links anew
+                if now > rated_at:
+                    for tid in flows.keys() & rates.keys():
+                        flows[tid] = max(flows[tid] - rates[tid] * (now - rated_at), 0.0)
+                rates, rated_at, dirty = max_min_rates(flows, tasks, self.capacity), now, False
+                ends = ((now + left / rates[tid], tid) for tid, left in flows.items())
+                next_flow = min(ends, default=(math.inf, -1))
+            if events and events[0][0] <= next_flow[0]:
+                now, tid = heapq.heappop(events)
+                finish(tid)
+                if not (events and events[0][0] <= now):  # all of now is done: peers choose
+                    for peer in sorted(idle):
+                        run_next(peer)
+                    idle.clear()
+                continue
+            now, tid = next_flow
+            del flows[tid]
+            dirty = True
+            pair = (tasks[tid].peer, tasks[tid].dst)
+            if queued.get(pair):
+                waiting = queued[pair].pop(0)
+                flows[waiting] = tasks[waiting].amount
+            else:
+                sending.discard(pair)
+            heapq.heappush(events, (now + tasks[tid].latency, tid))
+
+
+def max_min_rates(flows: dict[int, float], tasks: list[Task], capacity: list[float]) -> dict[int, float]:
+    """Max-min fair rates (progressive filling) of the flows; links are uplinks, then downlinks."""
+    peers = len(capacity) // 2
+    users: dict[int, list[int]] = {}
+    for tid in flows:
+        users.setdefault(tasks[tid].peer, []).append(tid)
+        users.setdefault(peers + tasks[tid].dst, []).append(tid)
+    left = {link: capacity[link] for link in users}
+    count = {link: len(tids) for link, tids in users.items()}
+    rates: dict[int, float] = {}
+    while count:
+        link = min(count, key=lambda x: left[x] / count[x])
+        share = left[link] / count[link]
+        if share == math.inf:  # only unshaped links are left: their flows take no time
+            return rates | {tid: math.inf for tid in flows if tid not in rates}
+        del count[link]
+        for tid in users[link]:
+            if tid in rates:
+                continue
+            rates[tid] = share
+            for other in (tasks[tid].peer, peers + tasks[tid].dst):
+                if other in count:
+                    left[other] -= share
+                    count[other] -= 1
+                    if not count[other]:
+                        del count[other]
+    return rates
