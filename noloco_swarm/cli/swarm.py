@@ -124,7 +124,7 @@ class LocalSwarm:
             "--device", p.device, "--step-timeout", str(p.step_timeout),
             "--set", f"peer.exchange_timeout={p.exchange_timeout}", "--set", f"peer.start_timeout={p.start_timeout}",
             "--set", f"peer.join_timeout={p.join_timeout}", "--set", f"peer.heartbeat_ttl={p.heartbeat_ttl}",
-            "--set", f"peer.event_loop={p.event_loop}",
+            "--set", f"peer.event_loop={p.event_loop}", "--set", f"peer.state_serve_rate={p.state_serve_rate}",
             "--die-with-parent",
         ]  # fmt: skip
 

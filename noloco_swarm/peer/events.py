@@ -87,7 +87,8 @@ class Joining(Event):
 
 @dataclass(frozen=True)
 class Joined(Event):
-    """This peer loaded its stage's state for `round` from `server`."""
+    """This peer loaded its stage's state for `round`: `server`'s snapshot, whose chunks came
+    from the donors in `sent` (donor -> chunks)."""
 
     KIND: ClassVar[str] = "joined"
     round: int
@@ -95,6 +96,8 @@ class Joined(Event):
     server: str
     state_hash: str
     peer_id: str
+    snapshot: str = ""  # the manifest's digest of the whole state (weights, momenta, counters)
+    sent: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -104,16 +107,50 @@ class Joiners(Event):
     KIND: ClassVar[str] = "joiners"
     round: int
     peers: list[str]
+    snapshot: str = ""  # the digest of the state kept for them (StateManifest.snapshot)
 
 
 @dataclass(frozen=True)
 class ServedState(Event):
-    """One part of this replica's state sent to a joiner."""
+    """One chunk of this replica's state sent to a joiner."""
 
     KIND: ClassVar[str] = "served_state"
     round: int
     peer: str
+    chunk: int
+
+
+@dataclass(frozen=True)
+class StateFetch(Event):
+    """A joiner assembles `target`'s snapshot of `round` from chunks sent by `donors` (again,
+    with another target, if the first one fails)."""
+
+    KIND: ClassVar[str] = "state_fetch"
+    round: int
+    target: str
+    donors: list[str]
+    snapshot: str
+
+
+@dataclass(frozen=True)
+class ChunkFetched(Event):
+    """A joiner received and checked chunk `index` (of state part `part`) from `donor`."""
+
+    KIND: ClassVar[str] = "chunk_fetched"
+    round: int
+    donor: str
+    index: int
     part: str
+
+
+@dataclass(frozen=True)
+class DonorLost(Event):
+    """A joiner dropped a donor mid-download (dead, refused, or sent a chunk that did not match)."""
+
+    KIND: ClassVar[str] = "donor_lost"
+    round: int
+    donor: str
+    reason: str
 
 
 @dataclass(frozen=True)

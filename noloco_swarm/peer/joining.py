@@ -2,11 +2,12 @@
 
 A newcomer asks the live peers where they are (rpc_status), announces the round two after the
 furthest step it hears of (so every member reads the announcement before that boundary), and
-downloads its stage's state at that boundary from a live replica of the stage. The replica keeps
-a snapshot taken right after the outer step that closed the previous round (theta == phi then)
-and serves it one part per request (phi, delta, the AdamW moments), so no reply is bigger than
-one stage's weights. The newcomer checks the parts against the announced weights hash, and
-adopts the server's view of the round, which admits it.
+downloads its stage's state at that boundary from the live replicas of the stage. Each replica
+keeps a snapshot taken right after the outer step that closed the previous round (theta == phi
+then), with a manifest of chunk hashes (rpc_fetch_state), and serves it one chunk per request
+(rpc_fetch_chunk). The newcomer adopts one replica's snapshot, takes its chunks from every replica
+holding the same bytes in parallel (peer/donors.py, protocol/chunks.py), checks the whole against
+the announced weights hash, and adopts that replica's view of the round, which admits it.
 """
 
 from __future__ import annotations
@@ -16,57 +17,26 @@ import hashlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 from hivemind.utils.multiaddr import Multiaddr
 
 from noloco_swarm.peer import events
 from noloco_swarm.peer.context import PeerContext
+from noloco_swarm.peer.donors import DONOR_ERRORS, Pacer, Snapshot, download_state
 from noloco_swarm.peer.exchange import ByteLedger
 from noloco_swarm.peer.rounds import DHT_ERRORS, PROBE_TIMEOUT, ask_status
-from noloco_swarm.peer.streams import PeerUnavailable, RemoteRefused
 from noloco_swarm.peer.transport import Transport
 from noloco_swarm.protocol import messages
 from noloco_swarm.protocol.clock import StepClock
 from noloco_swarm.protocol.membership import MembershipView
-from noloco_swarm.protocol.messages import STATE_PARTS, MessageError, StateReply, TensorMeta
+from noloco_swarm.protocol.messages import MessageError, StateManifest
 from noloco_swarm.protocol.plan import JOIN_MARGIN_ROUNDS, join_round
-from noloco_swarm.train.replica import StageReplica
 
 logger = logging.getLogger(__name__)
 STATUS_TIMEOUT = 10.0
-
-
-@dataclass
-class Snapshot:
-    """A replica's state at the start of a round, kept for the peers that join at that round."""
-
-    view: MembershipView
-    step: int
-    adam_step: int
-    state_hash: str
-    parts: dict[str, torch.Tensor]
-
-    @classmethod
-    def take(cls, replica: StageReplica, view: MembershipView, step: int) -> Snapshot:
-        parts, adam_step = replica.state_parts()
-        return cls(view, step, adam_step, replica.state_hash(), parts)
-
-    def reply(self, run_id: str, stage: int, part: str) -> tuple[StateReply, torch.Tensor]:
-        tensor = self.parts[part]
-        header = StateReply(
-            run_id=run_id,
-            stage=stage,
-            round=self.view.round,
-            step=self.step,
-            view=self.view.stages,
-            adam_step=self.adam_step,
-            state_hash=self.state_hash,
-            part=part,
-            meta=TensorMeta.of(tensor),
-        )
-        return header, tensor
+R = TypeVar("R", messages.StateRequest, messages.ChunkRequest)
 
 
 class RunEnding(RuntimeError):
@@ -96,62 +66,16 @@ async def pick_join_round(
     return target
 
 
-async def fetch_state(
-    transport: Transport,
-    server: str,
-    run_id: str,
-    round_: int,
-    replica: StageReplica,
-    *,
-    me: str,
-    timeout: float,
-) -> tuple[MembershipView, int]:
-    """Download `replica`'s stage state at the start of `round_` from `server` and load it.
-
-    Returns the server's view of the round (it admits us) and the step the round starts at.
-    Raises MessageError (nothing is loaded) if the server sends anything inconsistent.
-    """
-    stage, n = replica.stage, replica.phi.numel()
-    parts: dict[str, torch.Tensor] = {}
-    first: StateReply | None = None
-    for part in STATE_PARTS:
-        request = messages.StateRequest(run_id, stage, round_, part)
-        reply, tensors = await transport.call(server, "rpc_fetch_state", request, timeout=timeout)
-        if not isinstance(reply, StateReply) or reply.part != part or len(tensors) != 1:
-            raise MessageError(f"{server} answered the state request for {part} with something else")
-        if reply.stage != stage or reply.round != round_ or reply.meta.shape != (n,):
-            raise MessageError(
-                f"{server} sent state for stage {reply.stage} round {reply.round}, {reply.meta}"
-            )
-        if first is not None and (reply.view, reply.state_hash, reply.adam_step, reply.step) != (
-            first.view,
-            first.state_hash,
-            first.adam_step,
-            first.step,
-        ):
-            raise MessageError(f"{server} changed its snapshot between parts")
-        first = first or reply
-        parts[part] = tensors[0]
-    assert first is not None
-    view = MembershipView(round=round_, stages=first.view)  # validates the ids' order
-    if len(view.stages) != replica.cfg.num_stages or me not in view.stages[stage]:
-        raise MessageError(f"{server}'s view of round {round_} does not admit this peer")
-    backup = replica.state_parts()
-    await asyncio.to_thread(replica.load_state_parts, parts, first.adam_step)
-    if replica.state_hash() != first.state_hash:
-        replica.load_state_parts(*backup)
-        raise MessageError(f"the state from {server} does not hash to what it announced")
-    return view, first.step
-
-
 def servers_for(others: list[messages.PeerAnnouncement], stage: int, round_: int) -> list[str]:
     """Peers of `stage` that were members before `round_` (they hold its state)."""
     return [a.peer_id for a in others if a.stage == stage and a.joined_round < round_]
 
 
-def check_request(header: messages.Message, run_id: str, stage: int) -> messages.StateRequest:
-    if not isinstance(header, messages.StateRequest):
-        raise MessageError("expected a state request")
+def check_request(
+    header: messages.Message, run_id: str, stage: int, kind: type[R] = messages.StateRequest
+) -> R:
+    if not isinstance(header, kind):
+        raise MessageError(f"expected a {kind.TAG} request")
     if header.run_id != run_id or header.stage != stage:
         raise MessageError(
             f"this is stage {stage} of {run_id!r}, not stage {header.stage} of {header.run_id!r}"
@@ -166,17 +90,26 @@ class Joining:
         self.ctx, self.ledger, self._announce = ctx, ledger, announce
         self.joined_round = 0
         self.snapshots: dict[int, Snapshot] = {}  # round -> state served to that round's joiners
+        self.pacer = Pacer(ctx.cfg.peer.state_serve_rate)
         ctx.transport.register("rpc_fetch_state", self.rpc_fetch_state)
+        ctx.transport.register("rpc_fetch_chunk", self.rpc_fetch_chunk)
 
     async def keep_for_joiners(self, previous: MembershipView, view: MembershipView) -> None:
         """At a boundary: snapshot our state (just after the outer step) if `view` admits joiners."""
         ctx = self.ctx
         joiners = [p for p in view.stages[ctx.stage] if p not in previous.members()]
         if joiners:
-            self.snapshots[view.round] = await asyncio.to_thread(Snapshot.take, ctx.replica, view, ctx.step)
-            ctx.events.emit(events.Joiners(round=view.round, peers=joiners))
+            snapshot = await asyncio.to_thread(self._snapshot, view)
+            self.snapshots[view.round] = snapshot
+            digest = snapshot.manifest(ctx.run_id, ctx.stage).snapshot
+            ctx.events.emit(events.Joiners(round=view.round, peers=joiners, snapshot=digest))
         for old in [r for r in self.snapshots if r < view.round]:
             del self.snapshots[old]
+
+    def _snapshot(self, view: MembershipView) -> Snapshot:
+        replica = self.ctx.replica
+        parts, adam_step = replica.state_parts()
+        return Snapshot.take(parts, adam_step, replica.state_hash(), view, self.ctx.step)
 
     async def join_late(self, end_step: int) -> None:
         """Enter a running swarm two rounds ahead with a live replica's state."""
@@ -202,32 +135,73 @@ class Joining:
             if not servers:  # e.g. our DHT node lost every neighbour during a cut: reconnect
                 logger.warning("no replica of stage %d in the directory yet; reconnecting", ctx.stage)
                 await self._reconnect()
-            # Spread joiners over the servers; each joiner tries them all, in its own order.
+            # Spread joiners over the servers: each adopts the snapshot of the first in its own order.
             servers.sort(key=lambda p: hashlib.sha256(f"{ctx.me}/{p}".encode()).digest())
-            for server in servers:
-                try:
-                    view, step = await fetch_state(
-                        ctx.transport, server, ctx.run_id, target, ctx.replica, me=ctx.me, timeout=timeout
-                    )
-                except (PeerUnavailable, RemoteRefused, MessageError) as e:
-                    logger.warning("state fetch from %s for round %d failed: %s", server, target, e)
-                    continue
+            try:
+                view, step = await self._fetch_state(servers, target, max(1.0, deadline - time.monotonic()))
+            except (*DONOR_ERRORS, TimeoutError) as e:
+                logger.warning("state fetch for round %d failed: %s", target, e)
+            else:
                 ctx.step = step
-                self.ledger.reset()  # the fetch is no outer exchange
-                ctx.events.emit(
-                    events.Joined(
-                        round=target,
-                        step=step,
-                        server=server,
-                        state_hash=ctx.replica.state_hash(),
-                        peer_id=ctx.me,
-                    )
-                )
                 ctx.rounds.set(view)
                 return
             if time.monotonic() > deadline:
                 raise TimeoutError(f"could not join the run within {timeout:.0f} s")
             await asyncio.sleep(1.0)
+
+    async def _fetch_state(
+        self, servers: list[str], round_: int, timeout: float
+    ) -> tuple[MembershipView, int]:
+        """Download and load our stage's state at the start of `round_` from `servers` (in order of
+        preference); the first's view of the round (it admits us) and the step the round starts at.
+        Raises what `download_state` raises, or MessageError; the replica is untouched then."""
+        ctx, replica = self.ctx, self.ctx.replica
+
+        def admits(manifest: StateManifest) -> bool:
+            stages = manifest.view
+            return len(stages) == ctx.cfg.num_stages and ctx.me in stages[ctx.stage]
+
+        got = await download_state(
+            ctx.transport,
+            servers,
+            run_id=ctx.run_id,
+            stage=ctx.stage,
+            round_=round_,
+            numel=replica.phi.numel(),
+            timeout=timeout,
+            admits=admits,
+            emit=ctx.events.emit,
+        )
+        manifest = got.manifest
+        try:
+            view = MembershipView(round=round_, stages=manifest.view)  # validates the ids' order
+        except ValueError as e:
+            raise MessageError(f"{got.target}'s view of round {round_} is malformed: {e}") from e
+        backup = replica.state_parts()
+        await asyncio.to_thread(replica.load_state_parts, got.parts, manifest.adam_step)
+        if replica.state_hash() != manifest.state_hash:
+            replica.load_state_parts(*backup)
+            raise MessageError(f"the state of {got.target} does not hash to what it announced")
+        self.ledger.reset()  # the fetch is no outer exchange
+        ctx.events.emit(
+            events.Joined(
+                round=round_,
+                step=manifest.step,
+                server=got.target,
+                state_hash=manifest.state_hash,
+                peer_id=ctx.me,
+                snapshot=manifest.snapshot,
+                sent=got.sent,
+            )
+        )
+        logger.warning(
+            "loaded the state of %s for round %d; chunks per donor: %s%s",
+            got.target,
+            round_,
+            got.sent,
+            f"; lost {sorted(got.lost)}" if got.lost else "",
+        )
+        return view, manifest.step
 
     async def _reconnect(self) -> None:
         """Dial the run's entry points again and refill our DHT node's routing table from them."""
@@ -246,18 +220,34 @@ class Joining:
     async def rpc_fetch_state(
         self, peer_id: str, header: messages.Message, tensors: list[torch.Tensor]
     ) -> tuple[messages.Message, list[torch.Tensor]]:
-        """A peer joining our stage at a round boundary downloads our state at that boundary."""
+        """A peer joining our stage at a round boundary asks for the manifest of our state there."""
         ctx = self.ctx
         request = check_request(header, ctx.run_id, ctx.stage)
         if request.round > ctx.clock.round_of(ctx.step) + JOIN_MARGIN_ROUNDS + 1:
             raise MessageError(f"round {request.round} is too far ahead (this peer is at step {ctx.step})")
         wait = min(ctx.cfg.peer.join_timeout, ctx.transport.config.serve_timeout - 5.0)
         view = await ctx.rounds.wait(request.round, timeout=wait)
-        snapshot = self.snapshots.get(request.round)
-        if snapshot is None or peer_id not in snapshot.view.stages[ctx.stage] or snapshot.view != view:
+        snapshot = self._admitted(peer_id, request.round)
+        if snapshot.view != view:
             raise MessageError(f"peer {peer_id} is not admitted at round {request.round} by this peer's view")
-        reply, tensor = snapshot.reply(ctx.run_id, ctx.stage, request.part)
-        ctx.events.emit(events.ServedState(round=request.round, peer=peer_id, part=request.part))
+        return snapshot.manifest(ctx.run_id, ctx.stage), []
+
+    async def rpc_fetch_chunk(
+        self, peer_id: str, header: messages.Message, tensors: list[torch.Tensor]
+    ) -> tuple[messages.Message, list[torch.Tensor]]:
+        """A joiner that holds our manifest downloads one chunk of that snapshot."""
+        ctx = self.ctx
+        request = check_request(header, ctx.run_id, ctx.stage, messages.ChunkRequest)
+        reply, tensor = self._admitted(peer_id, request.round).chunk(ctx.run_id, ctx.stage, request)
+        nbytes = tensor.numel() * tensor.element_size()
+        await self.pacer.wait(nbytes)
+        ctx.events.emit(events.ServedState(round=request.round, peer=peer_id, chunk=request.index))
         # Keep the state we serve out of the next outer step's byte count with this peer.
-        self.ledger.exclude(peer_id, tensor.numel() * tensor.element_size())
+        self.ledger.exclude(peer_id, nbytes)
         return reply, [tensor]
+
+    def _admitted(self, peer_id: str, round_: int) -> Snapshot:
+        snapshot = self.snapshots.get(round_)
+        if snapshot is None or peer_id not in snapshot.view.stages[self.ctx.stage]:
+            raise MessageError(f"peer {peer_id} is not admitted at round {round_} by this peer's view")
+        return snapshot

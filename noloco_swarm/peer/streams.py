@@ -243,7 +243,7 @@ def declared_tensors(header: Message) -> tuple[TensorMeta, ...] | None:
         return header.tensors
     if isinstance(header, messages.ExchangeHeader):
         return (header.meta,) * len(header.parts)
-    if isinstance(header, messages.StateReply):
+    if isinstance(header, messages.StateChunk):
         return (header.meta,)
     return None
 

@@ -334,7 +334,7 @@ class GoneReport(Message):
 
 
 # ---------------------------------------------------------------------------------------------
-# RPC headers (named after the protocol verbs: forward, backward, exchange, fetch_state)
+# RPC headers (named after the protocol verbs: forward, backward, exchange, fetch_state, fetch_chunk)
 
 
 @dataclass(frozen=True)
@@ -434,34 +434,39 @@ class ExchangeHeader(Message):
 
 @dataclass(frozen=True)
 class StateRequest(Message):
-    """A joining peer asks a live replica of `stage` for its state at the start of `round`."""
+    """A joining peer asks a live replica of `stage` for the manifest of its state at `round`."""
 
     TAG: ClassVar[str] = "fetch_state"
     run_id: str
     stage: int
     round: int = 0
-    part: str = "phi"  # one of STATE_PARTS per request, so no reply is bigger than one stage
 
     def __post_init__(self) -> None:
         _check_run_id(self.run_id)
         _check_counters(self.stage, self.round)
-        if self.part not in STATE_PARTS:
-            raise ValueError(f"part {self.part!r} is not one of {STATE_PARTS}")
 
 
 STATE_PARTS = ("phi", "delta", "exp_avg", "exp_avg_sq")
+MAX_CHUNK_ELEMENTS = 16 << 20  # 64 MiB of fp32: no state chunk (one reply) is bigger
+
+
+def _is_digest(text: str) -> bool:
+    return len(text) == 64 and all(c in "0123456789abcdef" for c in text)
 
 
 @dataclass(frozen=True)
-class StateReply(Message):
-    """One part of a replica's state at the start of `round` (after the outer step), for a joiner.
+class StateManifest(Message):
+    """What a replica holds at the start of `round` (after the outer step), for a joiner.
 
-    One flat fp32 tensor of `meta`'s shape follows: `part` is phi (the weights, = theta at a
-    boundary), delta (outer momentum) or an AdamW moment. `view` is the server's membership of
-    `round` (sorted peer ids per stage), `state_hash` the hash of the weights phi loads into.
+    The state is STATE_PARTS, each a flat fp32 vector of `numel` values (phi: the weights, = theta
+    at a boundary; delta: outer momentum; the AdamW moments), cut into chunks of `chunk_elements`
+    values that never straddle two parts (protocol/chunks.py). `chunks` is each chunk's BLAKE3, in
+    order. `view` is the server's membership of `round` (sorted peer ids per stage), `state_hash`
+    the hash of the weights phi loads into. `snapshot` names the state's content, so two replicas
+    that hold the same bytes (and counters) announce the same snapshot.
     """
 
-    TAG: ClassVar[str] = "state"
+    TAG: ClassVar[str] = "state_manifest"
     run_id: str
     stage: int
     round: int
@@ -469,18 +474,69 @@ class StateReply(Message):
     view: tuple[tuple[str, ...], ...]
     adam_step: int
     state_hash: str
-    part: str
-    meta: TensorMeta
+    numel: int
+    chunk_elements: int
+    chunks: tuple[str, ...]
 
     def __post_init__(self) -> None:
         _check_run_id(self.run_id)
         _check_counters(self.stage, self.round, self.step, self.adam_step)
-        if len(self.meta.shape) != 1 or self.meta.dtype != "float32":
-            raise ValueError(f"state tensors must be flat float32, got {self.meta}")
-        if self.part not in STATE_PARTS:
-            raise ValueError(f"part {self.part!r} is not one of {STATE_PARTS}")
         if not 0 <= self.stage < len(self.view):
             raise ValueError(f"stage {self.stage} is outside the view's {len(self.view)} stages")
+        if self.numel < 1 or not 1 <= self.chunk_elements <= MAX_CHUNK_ELEMENTS:
+            raise ValueError(f"bad layout: {self.numel} values per part in chunks of {self.chunk_elements}")
+        per_part = -(-self.numel // self.chunk_elements)
+        if len(self.chunks) != len(STATE_PARTS) * per_part:
+            raise ValueError(f"{len(self.chunks)} chunk hashes, the layout has {len(STATE_PARTS) * per_part}")
+        if not all(_is_digest(h) for h in (self.state_hash, *self.chunks)):
+            raise ValueError("hashes must be 64 lowercase hex digits (BLAKE3, sha256)")
+
+    @property
+    def snapshot(self) -> str:
+        """sha256 of the state's content: layout, counters and chunk hashes (not who serves it)."""
+        head = f"{self.numel}/{self.chunk_elements}/{self.step}/{self.adam_step}/{self.state_hash}/"
+        return hashlib.sha256(head.encode() + "".join(self.chunks).encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class ChunkRequest(Message):
+    """A joiner asks for chunk `index` of the snapshot named `snapshot` (from the server's manifest)."""
+
+    TAG: ClassVar[str] = "fetch_chunk"
+    run_id: str
+    stage: int
+    round: int
+    snapshot: str
+    index: int
+
+    def __post_init__(self) -> None:
+        _check_run_id(self.run_id)
+        _check_counters(self.stage, self.round, self.index)
+        if not _is_digest(self.snapshot):
+            raise ValueError("snapshot must be a manifest's sha256 digest")
+
+
+@dataclass(frozen=True)
+class StateChunk(Message):
+    """Chunk `index` of snapshot `snapshot`: one flat fp32 tensor of `meta`'s shape follows."""
+
+    TAG: ClassVar[str] = "state_chunk"
+    run_id: str
+    stage: int
+    round: int
+    snapshot: str
+    index: int
+    meta: TensorMeta
+
+    def __post_init__(self) -> None:
+        _check_run_id(self.run_id)
+        _check_counters(self.stage, self.round, self.index)
+        if not _is_digest(self.snapshot):
+            raise ValueError("snapshot must be a manifest's sha256 digest")
+        if len(self.meta.shape) != 1 or self.meta.dtype != "float32" or self.meta.numel > MAX_CHUNK_ELEMENTS:
+            raise ValueError(
+                f"a state chunk is flat float32 of at most {MAX_CHUNK_ELEMENTS}, got {self.meta}"
+            )
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,9 @@ class PeerConfig:
     """Seconds: deadline for the manifest and a complete round-0 membership to appear."""
     join_timeout: float = 280.0
     """Seconds: deadline for joining a running swarm (waiting for our round, fetching state)."""
+    state_serve_rate: float = 0.0
+    """MiB/s at most that this peer sends its state to joiners at (0: no cap); caps a volunteer's
+    upload while it serves a joiner, which also downloads from the stage's other replicas."""
     heartbeat_ttl: float = 30.0
     """Seconds an announcement lives in the DHT; re-stored every third of it."""
     checkpoint_dir: str | None = None
@@ -62,6 +65,10 @@ class PeerConfig:
             raise ValueError("peer.checkpoint_every and peer.checkpoint_keep must be >= 1")
         if self.event_loop not in EVENT_LOOPS:
             raise ValueError(f"peer.event_loop must be uvloop or asyncio, got {self.event_loop!r}")
+        if not 0 <= self.state_serve_rate < float("inf"):
+            raise ValueError(
+                f"peer.state_serve_rate must be >= 0 MiB/s (0: no cap), got {self.state_serve_rate}"
+            )
         for name in ("step_timeout", "exchange_timeout", "start_timeout", "join_timeout", "heartbeat_ttl"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"peer.{name} must be > 0 seconds, got {getattr(self, name)}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import os
@@ -22,9 +23,12 @@ from noloco_swarm.cli.swarm import local_swarm, wait
 from noloco_swarm.model import num_flat
 from noloco_swarm.peer.events import (
     Checkpointed,
+    ChunkFetched,
+    DonorLost,
     Dropped,
     Event,
     Joined,
+    Joiners,
     Left,
     Membership,
     Outer,
@@ -32,6 +36,7 @@ from noloco_swarm.peer.events import (
     Refused,
     Resumed,
     Retried,
+    StateFetch,
     Step,
     ViewMismatch,
     of_kind,
@@ -459,6 +464,68 @@ def test_a_peer_joins_a_running_swarm_at_a_round_boundary(cache: Path) -> None:
     assert sum(s.tokens for s in summaries if s.stage == 0) == (2 * steps + steps - J * H) * 4 * 128
     losses = [e.loss for e in of_kind(events[id(joiner)], Step)]  # None: no loss came back
     assert len(losses) == steps - J * H and all(x is not None and math.isfinite(x) for x in losses)
+
+
+def test_a_joiner_whose_donor_dies_mid_download_enters_with_the_other_donors_state(cache: Path) -> None:
+    """A fifth peer joins stage 0 of a 2x2 swarm and downloads its state in chunks from both
+    stage-0 replicas at once, adopting the snapshot of the first in its own order (the target).
+    The target is SIGKILLed after the joiner checked a chunk from it; the joiner adopts the other
+    replica's snapshot, keeps the chunks both hold, fetches the rest from the survivor, and enters
+    with exactly the survivor's state. Donors serve at a capped rate (peer.state_serve_rate), so
+    the download outlasts the kill: the 16 MiB state travels in 64 chunks at 1 MiB/s per donor."""
+    steps, H = 96, 4
+    cfg = small("noloco", **{**SLOWER, "outer.inner_steps": str(H), "inner.total_steps": str(steps)})
+    cfg = cfg.replace(peer=dataclasses.replace(cfg.peer, state_serve_rate=1.0))
+    with local_swarm(cfg, steps, step_timeout=30) as swarm:
+        deadline = time.monotonic() + 120
+        while not all(any(isinstance(e, Membership) for e in p.events()) for p in swarm.peers):
+            assert time.monotonic() < deadline, "\n".join(p.log_tail() for p in swarm.peers)
+            time.sleep(0.2)
+        ids = {next(e.peer_id for e in of_kind(p.events(), Membership)): p for p in swarm.peers}
+        joiner = swarm.start_peer(0)
+        deadline = time.monotonic() + 300
+        while True:  # until the joiner holds a checked chunk from its target
+            seen = joiner.events()
+            fetch = next(iter(of_kind(seen, StateFetch)), None)
+            if fetch is not None and any(e.donor == fetch.target for e in of_kind(seen, ChunkFetched)):
+                break
+            assert joiner.proc.poll() is None and time.monotonic() < deadline, joiner.log_tail()
+            time.sleep(0.05)
+        victim = ids[fetch.target]
+        family = descendants(victim.proc.pid)
+        os.kill(victim.proc.pid, signal.SIGKILL)
+        survivors = [p for p in swarm.peers if p is not victim]
+        deadline = time.monotonic() + 600
+        while not all(p.proc.poll() is not None for p in survivors):
+            assert time.monotonic() < deadline, "\n".join(p.log_tail() for p in survivors)
+            time.sleep(0.5)
+        assert [p.proc.returncode for p in survivors] == [0] * 4, "\n".join(p.log_tail() for p in survivors)
+        events = {id(p): p.events() for p in swarm.peers}
+        summaries = swarm.summaries()
+        assert not alive(family), "the killed donor left processes behind"
+    mine = events[id(joiner)]
+    me = next(iter(of_kind(mine, Joined)))
+    J = me.round
+    survivor = next(p for p in ids.values() if p.stage == 0 and p is not victim)
+    survivor_id = next(i for i, p in ids.items() if p is survivor)
+    fetches = of_kind(mine, StateFetch)
+    assert [f.target for f in fetches] == [fetch.target, survivor_id], fetches
+    assert [e.donor for e in of_kind(mine, DonorLost)] == [fetch.target]
+    # The joiner entered with exactly the survivor's snapshot of round J, not the victim's.
+    kept = {  # the snapshot each stage-0 replica kept for round J's joiner
+        name: next(e.snapshot for e in of_kind(events[id(p)], Joiners) if e.round == J)
+        for name, p in (("victim", victim), ("survivor", survivor))
+    }
+    assert me.server == survivor_id and me.snapshot == kept["survivor"] == fetches[1].snapshot
+    assert kept["victim"] != kept["survivor"], "replicas' AdamW moments differ: the snapshots should too"
+    survivor_outer = [e.state_hash for e in of_kind(events[id(survivor)], Outer) if e.step == J * H]
+    assert me.state_hash in survivor_outer and me.step == J * H
+    assert set(me.sent) <= {survivor_id, fetch.target} and sum(me.sent.values()) == 64
+    final = next(s for s in summaries if s.peer_id == me.peer_id)
+    assert final.joined_round == J and final.steps == steps
+    # Everyone left agrees on every round's view.
+    views = views_by_round(events[id(p)] for p in survivors)
+    assert all(len(v) == 1 for v in views.values()), views
 
 
 def test_hivemind_dht_cli_is_a_working_entry_point(cache: Path) -> None:

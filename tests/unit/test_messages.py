@@ -24,11 +24,11 @@ EXAMPLES: list[m.Message] = [
     m.ExchangeHeader("run-1", 2, 150, 1, 0, ("theta",), m.TensorMeta((1000,), "float32"), 1 << 20),
     m.ExchangeHeader("run-1", 2, 150, 1, 0, ("theta_shard",), m.TensorMeta((250,), "float32"), 1 << 20, 1),
     m.StateRequest("run-1", 1),
-    m.StateRequest("run-1", 1, 7, "exp_avg_sq"),
+    m.StateRequest("run-1", 1, 7),
     m.GoneReport("run-1", "12D3KooWabc", "12D3KooWdef", 3),
-    m.StateReply(
-        "run-1", 1, 7, 70, (("a", "b"), ("c",)), 70, "f" * 64, "delta", m.TensorMeta((9,), "float32")
-    ),
+    m.StateManifest("run-1", 1, 7, 70, (("a", "b"), ("c",)), 70, "f" * 64, 9, 4, ("0" * 64,) * 12),
+    m.ChunkRequest("run-1", 1, 7, "a" * 64, 11),
+    m.StateChunk("run-1", 1, 7, "a" * 64, 11, m.TensorMeta((1,), "float32")),
     m.StatusRequest("run-1"),
     m.PeerStatus("run-1", "12D3KooWabc", 0, 71, 7, 1, 7, 9088, 4.5),
     m.PeerStatus("run-1", "12D3KooWabc", 0, 0, 0, 0, 0, 0, None),
