@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,3 +28,12 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def loop() -> Iterator[asyncio.AbstractEventLoop]:
+    """One event loop for a module, so that daemons its fixtures start once (about a second each
+    on 2 cores) serve all of its tests."""
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()

@@ -71,13 +71,6 @@ class Donor:
 
 
 @pytest.fixture(scope="module")
-def loop() -> Iterator[asyncio.AbstractEventLoop]:
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
-
-
-@pytest.fixture(scope="module")
 def swarm(loop: asyncio.AbstractEventLoop) -> Iterator[tuple[Transport, Donor, Donor]]:
     """A joiner and two donors, connected; always shut down, and no p2pd of ours may remain."""
     before = p2pd_descendants()

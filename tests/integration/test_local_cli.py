@@ -25,16 +25,26 @@ def local_dirs() -> set[str]:
     return set(glob.glob(str(Path(tempfile.gettempdir()) / "noloco-local-*")))
 
 
+def start_local(*flags: str) -> subprocess.Popen[str]:
+    """`noloco local` on the small test run, its output readable line by line."""
+    argv = [sys.executable, "-m", "noloco_swarm.cli.main", "local", "--plain", *flags, *SMALL_RUN]
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for_a_step(proc: subprocess.Popen[str], timeout: float = 180) -> None:
+    """Until `noloco local` prints its first step line: the swarm trains."""
+    deadline = time.monotonic() + timeout
+    seen: list[str] = []
+    while not any(line.startswith("step") for line in seen):
+        assert time.monotonic() < deadline and proc.poll() is None, "".join(seen)
+        seen.append(proc.stdout.readline())  # type: ignore[union-attr]
+
+
 def test_ctrl_c_stops_the_swarm_cleanly(cache: Path) -> None:
     before_dirs, before_daemons = local_dirs(), p2pd_descendants()
-    argv = [sys.executable, "-m", "noloco_swarm.cli.main", "local", "--plain", "--steps", "1000", *SMALL_RUN]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = start_local("--steps", "1000")
     try:
-        deadline = time.monotonic() + 180
-        seen = []
-        while not any(line.startswith("step") for line in seen):
-            assert time.monotonic() < deadline and proc.poll() is None, "".join(seen)
-            seen.append(proc.stdout.readline())  # type: ignore[union-attr]
+        wait_for_a_step(proc)
         assert p2pd_descendants(proc.pid), "the peers should be running their daemons"
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=120)
@@ -56,16 +66,10 @@ def test_a_killed_launcher_takes_its_peers_and_their_daemons_with_it(cache: Path
     before_dirs = local_dirs()
     # Outer steps 2000 inner steps apart: a graceful leave (at the boundary after next) would take
     # minutes, so only peers that stop at once are gone by the deadline below.
-    argv = [sys.executable, "-m", "noloco_swarm.cli.main", "local", "--plain", "--steps", "5000", *SMALL_RUN]
-    argv += ["--set", "outer.inner_steps=2000"]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = start_local("--steps", "5000", "--set", "outer.inner_steps=2000")
     family: set[int] = set()
     try:
-        deadline = time.monotonic() + 180
-        seen = []
-        while not any(line.startswith("step") for line in seen):
-            assert time.monotonic() < deadline and proc.poll() is None, "".join(seen)
-            seen.append(proc.stdout.readline())  # type: ignore[union-attr]
+        wait_for_a_step(proc)
         family = descendants(proc.pid)
         assert len(p2pd_descendants(proc.pid)) >= 4, "the peers should be running their daemons"
         proc.kill()

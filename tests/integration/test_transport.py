@@ -41,14 +41,6 @@ def board(transport: Transport) -> ExchangeBoard:
 
 
 @pytest.fixture(scope="module")
-def loop() -> Iterator[asyncio.AbstractEventLoop]:
-    """One loop for the module, so the two daemons start once (about a second each on 2 cores)."""
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
-
-
-@pytest.fixture(scope="module")
 def pair(loop: asyncio.AbstractEventLoop) -> Iterator[tuple[Transport, Transport]]:
     """Caller `a` and server `b`, connected; always shut down, and no p2pd of ours may remain."""
     before = p2pd_descendants()
