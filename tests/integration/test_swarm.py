@@ -324,10 +324,7 @@ def test_a_killed_peer_takes_its_processes_and_a_replacement_takes_its_stage(cac
         time.sleep(max(0.0, killed_at + 3 - time.monotonic()))
         replacement = swarm.start_peer(None)
         survivors = [p for p in swarm.peers if p is not victim]
-        deadline = time.monotonic() + 400
-        while not all(p.proc.poll() is not None for p in survivors):
-            assert time.monotonic() < deadline, "\n".join(p.log_tail() for p in survivors)
-            time.sleep(0.5)
+        wait(swarm, timeout=400, ignore=[victim])
         assert [p.proc.returncode for p in survivors] == [0] * 4, "\n".join(p.log_tail() for p in survivors)
         summaries = {s.peer_id: s for s in swarm.summaries()}
         victim_id = next(e.peer_id for e in of_kind(victim.events(), Membership))
@@ -495,10 +492,7 @@ def test_a_joiner_whose_donor_dies_mid_download_enters_with_the_other_donors_sta
         family = descendants(victim.proc.pid)
         os.kill(victim.proc.pid, signal.SIGKILL)
         survivors = [p for p in swarm.peers if p is not victim]
-        deadline = time.monotonic() + 600
-        while not all(p.proc.poll() is not None for p in survivors):
-            assert time.monotonic() < deadline, "\n".join(p.log_tail() for p in survivors)
-            time.sleep(0.5)
+        wait(swarm, timeout=600, ignore=[victim])
         assert [p.proc.returncode for p in survivors] == [0] * 4, "\n".join(p.log_tail() for p in survivors)
         events = {id(p): p.events() for p in swarm.peers}
         summaries = swarm.summaries()
