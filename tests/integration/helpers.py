@@ -83,3 +83,23 @@ def process_group(
         yield proc, match.group(1)
     finally:
         end_group(proc)
+
+
+WARNED = re.compile(r"\b(WARN|WARNING|ERROR|Traceback)\b")
+TROUBLE = ("dropped", "refused", "retried", "view_mismatch", "slow_peer", "peer_gone", "excluded")
+
+
+def troubles(swarm) -> str:
+    """Everything in a swarm's events and logs that can explain a replica that differs from the
+    simulator (lost rows, refusals, retries, failed exchanges, warnings), one line each."""
+    lines = []
+    for p in swarm.peers:
+        who = f"stage {p.stage} replica {p.replica}"
+        for e in p.events():
+            if e.KIND in TROUBLE or (e.KIND == "outer" and e.failed):
+                lines.append(f"{who}: {e}")
+        if p.log.exists():
+            for line in p.log.read_text(errors="replace").splitlines():
+                if WARNED.search(line):
+                    lines.append(f"{who} log: {line}")
+    return "\n".join(lines) or "no dropped, refused or retried rows, no failed exchange, no warning"

@@ -45,7 +45,7 @@ from noloco_swarm.protocol import wire
 from noloco_swarm.sim.engine import Simulator
 from noloco_swarm.sim.run import data_batches
 from noloco_swarm.train.config import RunConfig
-from tests.integration.helpers import MADDR, alive, descendants, p2pd_descendants, process_group
+from tests.integration.helpers import MADDR, alive, descendants, p2pd_descendants, process_group, troubles
 
 pytestmark = pytest.mark.integration
 STEPS = 7  # H = 3: two outer steps, then one inner step so that replicas differ at the end
@@ -95,14 +95,14 @@ def test_swarm_ends_with_the_simulators_weights(method: str, cache: Path, one_th
     before = p2pd_descendants()
     with local_swarm(cfg, STEPS, step_timeout=60) as swarm:
         wait(swarm, timeout=400)
-        summaries, outers = swarm.summaries(), outer_steps(swarm)
+        summaries, outers, trouble = swarm.summaries(), outer_steps(swarm), troubles(swarm)
     assert p2pd_descendants() <= before, "the swarm left p2pd daemons behind"
     expected, after_outer = simulate(cfg, STEPS)
     got = {(s.stage, s.rank): s.state_hash for s in summaries}
     assert len(got) == 4
     assert all(s.steps == STEPS and s.outer_steps == 2 for s in summaries)
     for (stage, rank), digest in got.items():
-        assert digest == expected[stage][rank], f"stage {stage} replica {rank} differs from the simulator"
+        assert digest == expected[stage][rank], f"stage {stage} replica {rank} differs:\n{trouble}"
     assert expected[0][0] != expected[0][1], "replicas should differ after the last inner step"
     # Bytes: with gamma == beta a pair exchanges theta only, 1.0x the stage's fp32 bytes each way.
     theta_bytes = {s: num_flat_stage(cfg, s) * 4 for s in range(2)}
@@ -126,9 +126,10 @@ def test_a_swarm_sends_rows_in_its_wire_format_and_ends_with_the_simulators_weig
     with local_swarm(cfg, STEPS, step_timeout=60) as swarm:
         wait(swarm, timeout=400)
         summaries, retried = swarm.summaries(), [of_kind(p.events(), Retried) for p in swarm.peers]
+        trouble = troubles(swarm)
     expected, _ = simulate(cfg, STEPS)
     got = {(s.stage, s.rank): s.state_hash for s in summaries}
-    assert got == {(s, r): expected[s][r] for s in range(2) for r in range(2)}
+    assert got == {(s, r): expected[s][r] for s in range(2) for r in range(2)}, trouble
     assert all(s.dropped_samples == 0 for s in summaries)
     # Stage-0 replicas get B gradient rows per step back from stage 1, in the format's bytes.
     rows = (cfg.inner.batch_size, cfg.model.seq_len, cfg.model.hidden_size)
@@ -147,11 +148,11 @@ def test_uneven_stages_end_with_the_simulators_weights(cache: Path, one_thread: 
     cfg = small("noloco", num_replicas="3", stage_replicas="3,2")
     with local_swarm(cfg, STEPS, step_timeout=60) as swarm:
         wait(swarm, timeout=400)
-        summaries, outers = swarm.summaries(), outer_steps(swarm)
+        summaries, outers, trouble = swarm.summaries(), outer_steps(swarm), troubles(swarm)
     expected, after_outer = simulate(cfg, STEPS)
     assert [len(row) for row in expected] == [3, 2]
     got = {(s.stage, s.rank): s.state_hash for s in summaries}
-    assert got == {(s, r): expected[s][r] for s in range(2) for r in range(len(expected[s]))}
+    assert got == {(s, r): expected[s][r] for s in range(2) for r in range(len(expected[s]))}, trouble
     assert len(outers) == 10 and all(e.failed == [] for _, _, e in outers)
     for stage, rank, e in outers:
         assert e.state_hash == after_outer[e.step][stage][rank], f"outer step {e.step} differs"
@@ -183,12 +184,12 @@ def test_swarm_trains_on_a_streaming_dataset_like_the_simulator(
     cfg = small("noloco", num_replicas="1", **hub)
     with local_swarm(cfg, STEPS, step_timeout=60) as swarm:
         wait(swarm, timeout=400)
-        summaries = swarm.summaries()
+        summaries, trouble = swarm.summaries(), troubles(swarm)
     expected, _ = simulate(cfg, STEPS)
     assert sorted((s.stage, s.state_hash) for s in summaries) == [
         (0, expected[0][0]),
         (1, expected[1][0]),
-    ]
+    ], trouble
     assert next(s.val_loss for s in summaries if s.stage == 0) > 0
 
 
@@ -201,11 +202,11 @@ def test_diloco_with_three_replicas_all_reduces_to_the_simulators_weights(
     cfg = small("diloco", num_stages="1", num_replicas="3")
     with local_swarm(cfg, STEPS, step_timeout=60) as swarm:
         wait(swarm, timeout=400)
-        summaries = swarm.summaries()
+        summaries, trouble = swarm.summaries(), troubles(swarm)
         outers = [e for p in swarm.peers for e in of_kind(p.events(), Outer)]
     expected, after_outer = simulate(cfg, STEPS)
-    assert len(outers) == 6 and all(e.failed == [] for e in outers), outers
-    assert sorted((s.rank, s.state_hash) for s in summaries) == list(enumerate(expected[0])), outers
+    assert len(outers) == 6 and all(e.failed == [] for e in outers), trouble
+    assert sorted((s.rank, s.state_hash) for s in summaries) == list(enumerate(expected[0])), trouble
     assert all(e.state_hash == after_outer[e.step][0][0] for e in outers)  # DiLoCo: all equal
     stage_bytes = num_flat_stage(cfg, 0) * 4
     for e in outers:
@@ -404,7 +405,7 @@ def test_a_stopped_swarm_resumes_from_its_checkpoints_bit_for_bit(
         cfg, steps, workdir=tmp_path, run_id=run_id, durable=True, resume=True, step_timeout=60
     ) as swarm:
         wait(swarm, timeout=400)
-        summaries = swarm.summaries()
+        summaries, trouble = swarm.summaries(), troubles(swarm)
         resumed = [e for p in swarm.peers for e in of_kind(p.events(), Resumed)]
         joined = [e for p in swarm.peers for e in of_kind(p.events(), Joined)]
     expected, _ = simulate(cfg, steps)
@@ -412,7 +413,7 @@ def test_a_stopped_swarm_resumes_from_its_checkpoints_bit_for_bit(
     assert [e.step for e in resumed] == [first] * 4 and joined == []
     assert {(s.stage, s.rank): s.state_hash for s in summaries} == {
         (stage, rank): expected[stage][rank] for stage in range(2) for rank in range(2)
-    }
+    }, trouble
     assert all(s.steps == steps and s.outer_steps == steps // 3 for s in summaries)
 
 
