@@ -192,12 +192,13 @@ class Refused(Event):
 
 @dataclass(frozen=True)
 class Retried(Event):
-    """A forward whose stream broke was sent once more to a receiver that still answers."""
+    """A forward or outer exchange call whose stream broke was made again (the peer still answers)."""
 
     KIND: ClassVar[str] = "retried"
     step: int
     peer: str
     reason: str
+    call: str = "forward"  # or "exchange" (the outer step after inner step `step`)
 
 
 @dataclass(frozen=True)

@@ -9,29 +9,48 @@ DiLoCo with more than two replicas, owns the failures and the bytes, and is fina
 
 Errors a swap reports per member: PeerUnavailable (gone or too slow: the member is probed, and
 reported if it does not answer), RemoteRefused, MessageError (it sent garbage: not trusted again).
-A member that fails is left out of this step's mean; the replica steps with the rest.
+A member that fails is left out of this step's mean; the replica steps with the rest. A call whose
+stream broke while the partner still answers probes is made again (CALL_ATTEMPTS): a partner that
+had already completed the exchange answers it with what it sent the first time, so both sides
+average the same tensors.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import torch
 
-from noloco_swarm.peer import events, streams
+from noloco_swarm.peer import events, failpoints, streams
 from noloco_swarm.peer.context import PeerContext
 from noloco_swarm.peer.rounds import PROBE_PERIOD
-from noloco_swarm.peer.streams import InboundStream, PeerUnavailable, Refused, RemoteRefused
+from noloco_swarm.peer.streams import (
+    InboundStream,
+    PeerUnavailable,
+    Refused,
+    RemoteRefused,
+    StreamClosed,
+    StreamTruncated,
+)
 from noloco_swarm.peer.transport import Transport
 from noloco_swarm.protocol import outer
-from noloco_swarm.protocol.messages import Ack, Envelope, ExchangeHeader, Message, MessageError, TensorMeta
+from noloco_swarm.protocol.messages import (
+    Ack,
+    Envelope,
+    ExchangeHeader,
+    Message,
+    MessageError,
+    PeerStatus,
+    TensorMeta,
+)
 from noloco_swarm.protocol.plan import OuterPlan, ShardLayout, exchange_key, outer_plan
 
 VERB = "rpc_exchange"
 Key = tuple[int, ...]  # protocol.plan.exchange_key: (outer round, inner step[, phase])
 Tensors = tuple[torch.Tensor, ...]
+CALL_ATTEMPTS = 3  # calls of one exchange whose stream broke, while the partner answers probes
 
 
 class ExchangeBoard:
@@ -48,7 +67,12 @@ class ExchangeBoard:
         self._changed = asyncio.Event()
         # What each caller sent per (key, peer); None marks a slot already delivered (replays refused).
         self._received: dict[tuple[Key, str], asyncio.Future[Tensors] | None] = {}
+        # What we sent each caller in a completed exchange, for a caller whose stream broke before
+        # our answer reached it and that calls again: it gets the same answer (copied once the
+        # exchange is finished here, since our weights then change). Kept until a newer exchange.
+        self._served: dict[tuple[Key, str], Tensors] = {}
         self._tasks: dict[Key, set[asyncio.Task[object]]] = {}
+        self._serving: set[tuple[Key, str]] = set()  # (key, caller) of calls being served now
         self._retired: Key | None = None  # newest finished key; older ones are refused
         transport.register_stream(VERB, self._serve, on_close=self.close)
 
@@ -63,6 +87,7 @@ class ExchangeBoard:
         for old in self._keys():
             if old < key:
                 self.forget(old)
+        self._served = {slot: kept for slot, kept in self._served.items() if slot[0] >= key}
         ours = tuple(streams.prepare((tensors,) if isinstance(tensors, torch.Tensor) else tensors))
         if to is None:
             self._provided[key] = ours
@@ -90,9 +115,15 @@ class ExchangeBoard:
         _, theirs = await self.transport.call(peer, VERB, header, tensors, timeout=timeout, expect=expect)
         return tuple(theirs)
 
+    def serving(self, key: Key, peer: str) -> bool:
+        """Is a call of `peer`'s for exchange `key` being served right now?"""
+        return (key, peer) in self._serving
+
     def forget(self, key: Key) -> None:
         """Finish exchange `key`: drop our tensors and partners', abort its streams, fail its waiters."""
         self._retired = max(key, self._retired or key)
+        for slot in [s for s in self._served if s[0] == key]:
+            self._served[slot] = tuple(t.clone() for t in self._served[slot])  # ours may change now
         self._provided.pop(key, None)
         for slot in [s for s in self._provided_to if s[0] == key]:
             del self._provided_to[slot]
@@ -131,6 +162,9 @@ class ExchangeBoard:
         if not isinstance(header, ExchangeHeader):
             raise MessageError(f"{VERB} needs an exchange header, got {header.TAG!r}")
         key, slot = header.key, (header.key, stream.peer)
+        if (kept := self._served.get(slot)) is not None:  # it lost our answer: the same again
+            await self._duplex(stream, envelope, lambda: _given(kept))
+            return
         if self._retired is not None and key <= self._retired:
             raise Refused("stale", f"exchange {key} is over here (last finished: {self._retired})")
         if slot in self._received and (self._received[slot] is None or self._received[slot].done()):
@@ -138,25 +172,34 @@ class ExchangeBoard:
         task = asyncio.current_task()
         assert task is not None
         self._tasks.setdefault(key, set()).add(task)
+        self._serving.add(slot)
         try:
-            theirs = await self._duplex(stream, key, envelope)
+            theirs, ours = await self._duplex(stream, envelope, lambda: self._ours(key, stream.peer))
         except BaseException as e:
             future = self._received.get(slot)
-            if future is not None and not future.done():  # the local peer waits: tell it now
+            # A broken stream may be only this stream: the caller probes us and calls again, and
+            # the local peer's wait ends at its deadline, or when its probe finds the caller gone.
+            broken = isinstance(e, PeerUnavailable | OSError)
+            if future is not None and not future.done() and not broken:  # tell the local peer now
                 future.set_exception(_partner_error(e, stream.peer, key))
                 future.exception()  # retrieved: that waiter may have given up already
             raise
         finally:
+            self._serving.discard(slot)
             tasks = self._tasks.get(key, set())
             tasks.discard(task)
             if not tasks:
                 self._tasks.pop(key, None)
         # Only now, with both directions complete, does the local peer see the partner's weights.
+        self._served[slot] = ours
         future = self._received.setdefault(slot, asyncio.get_running_loop().create_future())
         if future is not None and not future.done():
             future.set_result(theirs)
 
-    async def _duplex(self, stream: InboundStream, key: Key, envelope: Envelope) -> Tensors:
+    async def _duplex(
+        self, stream: InboundStream, envelope: Envelope, ours_when_ready: Callable[[], Awaitable[Tensors]]
+    ) -> tuple[Tensors, Tensors]:
+        """(theirs, ours): read the caller's tensors while ours become ready, then send ours."""
         part = self.transport.config.part_bytes
         with self.transport.reserve(envelope.nbytes):
             receiving = asyncio.create_task(
@@ -165,7 +208,7 @@ class ExchangeBoard:
                 )
             )
             try:
-                waiting = asyncio.create_task(self._ours(key, stream.peer))
+                waiting = asyncio.ensure_future(ours_when_ready())
                 try:
                     await asyncio.wait({receiving, waiting}, return_when=asyncio.FIRST_COMPLETED)
                     if receiving.done():
@@ -176,11 +219,17 @@ class ExchangeBoard:
                 mine = tuple(TensorMeta.of(t) for t in ours)
                 if mine != envelope.tensors:
                     raise Refused("mismatch", f"we hold {mine}, you sent {envelope.tensors}: check the run")
+                if failpoints.fire("close_unanswered", VERB):
+                    raise StreamClosed("failpoint: closed the exchange stream without our answer")
                 await streams.reply(stream, Ack(), ours)
-                return tuple(await receiving)
+                return tuple(await receiving), ours
             finally:
                 receiving.cancel()
                 await asyncio.gather(receiving, return_exceptions=True)
+
+
+async def _given(tensors: Tensors) -> Tensors:
+    return tensors
 
 
 def _partner_error(error: BaseException, peer: str, key: Key) -> Exception:
@@ -197,7 +246,10 @@ class ByteLedger:
 
     Only outer exchanges (and a joiner's one state fetch, which `exclude` keeps out) flow between
     replicas of one stage, so the growth of those peers' counters is this exchange's traffic,
-    including what an early partner streamed to us before we reached the step.
+    including what an early partner streamed to us before we reached the step, and calls made
+    again after a broken stream. Where replicas do not wait for each other between outer steps
+    (one stage), a partner may start streaming the next exchange before we settle this one: its
+    bytes then count here instead of there, and only the sum over exchanges is exact.
     """
 
     def __init__(self, transport: Transport) -> None:
@@ -319,15 +371,27 @@ class OuterExchange:
             chunk_bytes=ctx.transport.config.part_bytes,
             phase=phase,
         )
-        try:
-            if self.plan.calls(m):
+        if not self.plan.calls(m):
+            try:
+                return await self._await_caller(key, peer)
+            except (PeerUnavailable, RemoteRefused, MessageError) as e:
+                return e
+        for attempt in range(CALL_ATTEMPTS):  # a live partner whose stream broke is called again
+            try:
                 return await self.board.swap(peer, header, ours, timeout=ctx.cfg.peer.exchange_timeout)
-            return await self._await_caller(key, peer)
-        except (PeerUnavailable, RemoteRefused, MessageError) as e:
-            return e
+            except (StreamClosed, StreamTruncated) as e:
+                if attempt == CALL_ATTEMPTS - 1 or not await ctx.rounds.alive(peer):
+                    return e
+                ctx.events.emit(
+                    events.Retried(step=self.plan.step, peer=peer, reason=str(e), call="exchange")
+                )
+            except (PeerUnavailable, RemoteRefused, MessageError) as e:
+                return e
+        raise AssertionError("the last attempt always returns")
 
     async def _await_caller(self, key: Key, peer: str) -> Tensors:
-        """Await a lower-ranked partner's call, probing it so that a crash ends the wait."""
+        """Await a lower-ranked partner's call, probing it so that a crash ends the wait, and so
+        does a partner that gave up on this exchange and trains on (its call broke for good)."""
         waiting = asyncio.ensure_future(
             self.board.received(key, peer, timeout=self.ctx.cfg.peer.exchange_timeout)
         )
@@ -336,8 +400,12 @@ class OuterExchange:
                 done, _ = await asyncio.wait({waiting}, timeout=PROBE_PERIOD)
                 if done:
                     return waiting.result()
-                if not await self.ctx.rounds.alive(peer):
+                status = await self.ctx.rounds.probe(peer)
+                if status is None:
                     raise PeerUnavailable(f"{peer} stopped answering before its outer exchange")
+                passed = isinstance(status, PeerStatus) and status.step > self.plan.step
+                if passed and not self.board.serving(key, peer):  # not its call still landing
+                    raise PeerUnavailable(f"{peer} trains on past step {self.plan.step} without our exchange")
         finally:
             if not waiting.done():
                 waiting.cancel()
@@ -363,11 +431,11 @@ async def take_outer_step(ctx: PeerContext, board: ExchangeBoard, ledger: ByteLe
     theta = await asyncio.to_thread(ctx.replica.theta)
     start = time.perf_counter()
     thetas, phis = await exchange.mean_inputs(theta)
+    sent, received = ledger.settle(list(exchange.members.values()))  # before a partner runs ahead
     if o.method == "noloco":
         await asyncio.to_thread(ctx.replica.apply_noloco, thetas, phis)
     else:
         await asyncio.to_thread(ctx.replica.apply_diloco, thetas)
-    sent, received = ledger.settle(list(exchange.members.values()))
     return events.Outer(
         step=t,
         group=list(plan.group),

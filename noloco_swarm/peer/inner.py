@@ -40,6 +40,11 @@ GradRows = tuple[list[int], torch.Tensor, tuple[float, ...]]  # batch rows, thei
 # ahead of one receiver by several steps when its other rows went elsewhere (or were dropped),
 # and a receiver that fell behind catches up from the rows it holds. This bounds their memory.
 STEPS_AHEAD = 8
+# A receiver keeps the rows (and answers) of this many steps before its last collected one, for
+# senders whose stream broke before our answer reached them and that send the same rows again.
+RESENDS_KEPT = 2
+# A forward whose stream broke is sent at most this many times in all, while the receiver answers.
+SEND_ATTEMPTS = 3
 
 
 @dataclass
@@ -61,6 +66,7 @@ class StepCollector:
         self.expected = list(expected)  # in the order the batch runs them
         self.arrivals: dict[int, Arrival] = {}
         self.complete = asyncio.Event()
+        self.closed = False  # collected: only resends of rows already in are accepted
         self._check_complete()
 
     def rows_from(self, sender: int) -> list[Row]:
@@ -69,9 +75,9 @@ class StepCollector:
     def add(self, arrival: Arrival) -> Arrival:
         """Accept one sender's rows and return the arrival whose result answers them.
 
-        A sender whose stream broke before our answer sends the same rows again: it then waits
-        for the first arrival's result. Other rows than the plan's, or different rows for the
-        same step, are refused."""
+        A sender whose stream broke before our answer sends the same rows again, before or after
+        the step was collected: it then waits for the first arrival's result. Other rows than the
+        plan's, different rows for the same step, or new rows once collected are refused."""
         mine = [row.position for row in self.rows_from(arrival.sender)]
         if arrival.positions != mine or not mine:
             raise MessageError(
@@ -85,6 +91,8 @@ class StepCollector:
             ):
                 raise MessageError(f"sender {arrival.sender} sent other rows for step {self.step}")
             return first
+        if self.closed:
+            raise MessageError(f"rows for step {self.step} came after this replica had collected that step")
         self.arrivals[arrival.sender] = arrival
         self._check_complete()
         return arrival
@@ -130,9 +138,11 @@ class InnerSteps:
 
     def __init__(self, ctx: PeerContext) -> None:
         self.ctx = ctx
-        self.collectors: dict[int, StepCollector] = {}
+        self.collectors: dict[int, StepCollector] = {}  # steps still collecting
+        # Steps collected lately, kept with their arrivals (and so their answers) for a sender
+        # whose stream broke and that sends the same rows again, however late.
+        self.collected: dict[int, StepCollector] = {}
         self.consumed = -1  # the last step whose rows were taken out of its collector
-        self.answered: dict[tuple, tuple] = {}  # (step, sender, samples) -> reply, for a sender's retry
         self.dropped_samples = 0
         self._data: Iterator[torch.Tensor] | None = None  # stage 0's batches
         self._data_at: tuple[tuple[int, int], int] = ((0, 0), 0)  # (shard layout, next step) of _data
@@ -151,6 +161,7 @@ class InnerSteps:
         for collector in self.collectors.values():
             collector.abandon(reason)
         self.collectors.clear()
+        self.collected.clear()
 
     # ------------------------------------------------------------------ stage 0
 
@@ -247,7 +258,7 @@ class InnerSteps:
             view=view.digest(),
             scale=TensorMeta.of(acts[1]) if len(acts) > 1 else None,
         )
-        for attempt in range(2):  # a live receiver whose stream broke gets the rows once more
+        for attempt in range(SEND_ATTEMPTS):  # a live receiver whose stream broke gets them again
             if receiver in ctx.rounds.dead:
                 return f"{receiver} is gone"
             try:
@@ -268,7 +279,8 @@ class InnerSteps:
                 ctx.events.emit(events.Refused(step=t, peer=receiver, reason=str(e)))
                 return str(e)
             except (StreamTruncated, StreamClosed) as e:  # the stream broke, maybe not the receiver
-                if attempt or await ctx.rounds.suspect(receiver, f"forward of step {t} broke: {e}"):
+                last = attempt == SEND_ATTEMPTS - 1
+                if last or await ctx.rounds.suspect(receiver, f"forward of step {t} broke: {e}"):
                     return f"{receiver}: {e}"
                 logger.warning(
                     "the forward of step %d to %s broke (%s); sending it once more", t, receiver, e
@@ -280,7 +292,7 @@ class InnerSteps:
             except MessageError as e:  # it answered with garbage: do not trust it again
                 ctx.rounds.mark_dead(receiver, f"malformed answer to the forward of step {t}: {e}")
                 return f"{receiver}: {e}"
-        raise AssertionError("the second attempt always returns")
+        raise AssertionError("the last attempt always returns")
 
     # ------------------------------------------------------------------ stages after the first
 
@@ -303,7 +315,11 @@ class InnerSteps:
             raise
         finally:
             del self.collectors[t]
-            self.consumed = t  # rows for this step that arrive from now on are too late
+            collector.closed = True  # new rows for this step that arrive from now on are too late
+            self.consumed = t
+            self.collected = {k: c for k, c in self.collected.items() if k >= t - RESENDS_KEPT} | {
+                t: collector
+            }
         if not collector.arrivals:  # nobody alive routes to us this step: nothing to compute
             ctx.events.emit(
                 events.Dropped(step=t, hop=ctx.stage - 1, samples=len(collector.expected), side="receiver")
@@ -399,27 +415,26 @@ class InnerSteps:
         check_sender(ctx, peer_id, view, header.run_id, header.hop, header.sender_rank)
         # Decoded before the step checks, so that no await falls between them and the collector.
         decoded = await asyncio.to_thread(decode_rows, ctx, tensors[:-1], header.activations)
-        if (again := self.answered.get((header.step, header.sender_rank, header.samples))) is not None:
-            return again  # the sender lost our reply and sent the same rows again
-        if header.step < ctx.step:
-            raise MessageError(f"rows for step {header.step} came late: this replica is at step {ctx.step}")
-        if header.step >= ctx.step + STEPS_AHEAD:
-            raise MessageError(
-                f"rows for step {header.step} came too early: this replica is at step {ctx.step} "
-                f"and holds rows at most {STEPS_AHEAD - 1} steps ahead"
-            )
-        if header.step <= self.consumed:
-            raise MessageError(f"rows for step {header.step} came after this replica had collected that step")
         positions = [k - header.step * ctx.B for k in header.samples]
         acts, toks = checked_rows(ctx, [decoded, tensors[-1]])
-        arrival = self._collector(header.step).add(Arrival(header.sender_rank, positions, acts, toks))
-        # Shielded: a sender's retry may wait on the same arrival, and one waiter's deadline must
-        # not cancel the other's answer.
+        rows = Arrival(header.sender_rank, positions, acts, toks)
+        # A step already collected takes only a resend of rows it holds (after a broken stream).
+        if (collector := self.collected.get(header.step)) is None:
+            if header.step < ctx.step or header.step <= self.consumed:
+                raise MessageError(
+                    f"rows for step {header.step} came late: this replica is at step {ctx.step}"
+                )
+            if header.step >= ctx.step + STEPS_AHEAD:
+                raise MessageError(
+                    f"rows for step {header.step} came too early: this replica is at step {ctx.step} "
+                    f"and holds rows at most {STEPS_AHEAD - 1} steps ahead"
+                )
+            collector = self._collector(header.step)
+        arrival = collector.add(rows)
+        # Shielded: a sender's resend waits on the same arrival, and one waiter's deadline must
+        # not cancel the other's answer. A resend after the answer gets it at once.
         grad, losses = await asyncio.wait_for(asyncio.shield(arrival.result), ctx.cfg.peer.step_timeout * 2)
-        answer = backward_reply(ctx, header, view.rank_of(ctx.me)[1], grad, losses)  # no await: on record
-        self.answered = {k: v for k, v in self.answered.items() if k[0] >= header.step - 2}
-        self.answered[(header.step, header.sender_rank, header.samples)] = answer
-        return answer
+        return backward_reply(ctx, header, view.rank_of(ctx.me)[1], grad, losses)
 
 
 def backward_reply(

@@ -56,8 +56,8 @@ class RemoteRefused(RuntimeError):
 
 
 class StreamClosed(PeerUnavailable):
-    """The remote closed the stream before the first byte of its answer: it may have died, or
-    only this stream may have broken while the remote lives on (a caller may try once more)."""
+    """The stream closed (or was reset) before the first byte of the remote's answer: it may have
+    died, or only this stream may have broken while the remote lives on (a caller may try again)."""
 
 
 class StreamTruncated(MessageError, PeerUnavailable):

@@ -26,7 +26,7 @@ from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure, P2PDaemonError
 from hivemind.utils.multiaddr import Multiaddr
 
-from noloco_swarm.peer import streams
+from noloco_swarm.peer import failpoints, streams
 from noloco_swarm.peer.lifetime import children_die_with_us
 from noloco_swarm.peer.streams import (
     ByteCounts,
@@ -239,9 +239,17 @@ class Transport:
                     PeerID.from_base58(peer), PROTOCOL
                 )
                 try:
-                    return await streams.call_frames(
+                    answer = await streams.call_frames(
                         peer, reader, writer, envelope, wire, counts, self.config, expect
                     )
+                except TimeoutError:
+                    raise
+                except (OSError, EOFError) as e:  # the stream broke (reset) after it opened
+                    raise StreamClosed(f"the stream to {peer} for {verb} broke: {e}") from e
+                else:
+                    if failpoints.fire("lose_reply", verb):
+                        raise StreamClosed(f"failpoint: {peer}'s reply to {verb} was discarded")
+                    return answer
                 finally:
                     writer.close()
         except PeerUnavailable:
@@ -296,6 +304,8 @@ class Transport:
                 stream.reader, envelope.tensors, stream.counts, stream.part_bytes, stream.writer.transport
             )
             reply_header, reply_tensors = await handler(stream.peer, header, tensors)
+        if failpoints.fire("close_unanswered", envelope.verb):
+            return  # closed without a reply, as p2pd now and then does under load
         await streams.reply(stream, reply_header, reply_tensors)
 
     @contextlib.contextmanager

@@ -96,6 +96,12 @@ def test_swarm_ends_with_the_simulators_weights(method: str, cache: Path, one_th
     with local_swarm(cfg, STEPS, step_timeout=60) as swarm:
         wait(swarm, timeout=400)
         summaries, outers, trouble = swarm.summaries(), outer_steps(swarm), troubles(swarm)
+        exchanges_retried = {
+            (p.stage, e.step)
+            for p in swarm.peers
+            for e in of_kind(p.events(), Retried)
+            if e.call == "exchange"
+        }
     assert p2pd_descendants() <= before, "the swarm left p2pd daemons behind"
     expected, after_outer = simulate(cfg, STEPS)
     got = {(s.stage, s.rank): s.state_hash for s in summaries}
@@ -109,10 +115,45 @@ def test_swarm_ends_with_the_simulators_weights(method: str, cache: Path, one_th
     assert len(outers) == 8
     for stage, rank, e in outers:
         assert e.state_hash == after_outer[e.step][stage][rank], f"outer step {e.step} differs"
+        if (stage, e.step) in exchanges_retried:  # a call made again after a broken stream resends
+            continue
         assert theta_bytes[stage] <= e.sent_bytes <= theta_bytes[stage] * 1.01 + 4096
         assert theta_bytes[stage] <= e.received_bytes <= theta_bytes[stage] * 1.01 + 4096
         assert e.failed == [] and len(e.partners) == 1 and len(e.state_hash) == 64
     assert all(s.val_loss is not None for s in summaries if s.stage == 0)
+
+
+def test_replies_lost_to_broken_streams_are_recovered_exactly(
+    cache: Path, one_thread: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """p2pd now and then closes a stream between two live peers under load. Failpoints make that
+    happen on purpose in every peer: each stage-1 replica closes its first forward stream after
+    computing the rows' gradients, each stage-0 replica discards its first gradient reply, and
+    in the first outer exchange the callee closes the stream unanswered and then the caller
+    discards the answer. Every call is made again and answered with what was computed the first
+    time, so nothing is dropped and every replica still ends with the simulator's weights."""
+    points = "close_unanswered:rpc_forward=1,lose_reply:rpc_forward=1"
+    monkeypatch.setenv(
+        "NOLOCO_FAILPOINTS", f"{points},close_unanswered:rpc_exchange=1,lose_reply:rpc_exchange=1"
+    )
+    cfg = small("noloco")
+    with local_swarm(cfg, STEPS, step_timeout=60) as swarm:
+        wait(swarm, timeout=400)
+        summaries, outers, trouble = swarm.summaries(), outer_steps(swarm), troubles(swarm)
+        retried = {(p.stage, p.replica): of_kind(p.events(), Retried) for p in swarm.peers}
+    expected, after_outer = simulate(cfg, STEPS)
+    got = {(s.stage, s.rank): s.state_hash for s in summaries}
+    assert got == {(s, r): expected[s][r] for s in range(2) for r in range(2)}, trouble
+    assert all(s.dropped_samples == 0 for s in summaries), trouble
+    assert all(e.failed == [] and e.state_hash == after_outer[e.step][st][r] for st, r, e in outers), trouble
+    # Stage 0 called again after each failpoint of both kinds; in each stage the lower rank (the
+    # exchange's caller) called again twice: after the unanswered stream and the discarded answer.
+    forwards = [
+        e for (stage, _), events in retried.items() if stage == 0 for e in events if e.call == "forward"
+    ]
+    assert any("failpoint" in e.reason for e in forwards), trouble
+    exchange_retries = sorted(len([e for e in ev if e.call == "exchange"]) for ev in retried.values())
+    assert exchange_retries == [0, 0, 2, 2], trouble
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "int8"])
@@ -203,15 +244,18 @@ def test_diloco_with_three_replicas_all_reduces_to_the_simulators_weights(
     with local_swarm(cfg, STEPS, step_timeout=60) as swarm:
         wait(swarm, timeout=400)
         summaries, trouble = swarm.summaries(), troubles(swarm)
-        outers = [e for p in swarm.peers for e in of_kind(p.events(), Outer)]
+        per_peer = [of_kind(p.events(), Outer) for p in swarm.peers]
+    outers = [e for events in per_peer for e in events]
     expected, after_outer = simulate(cfg, STEPS)
     assert len(outers) == 6 and all(e.failed == [] for e in outers), trouble
     assert sorted((s.rank, s.state_hash) for s in summaries) == list(enumerate(expected[0])), trouble
     assert all(e.state_hash == after_outer[e.step][0][0] for e in outers)  # DiLoCo: all equal
+    # Bytes over both outer steps (one-stage replicas do not wait for each other, so a partner may
+    # stream the next exchange's shard before a slow peer settled this one: see ByteLedger).
     stage_bytes = num_flat_stage(cfg, 0) * 4
-    for e in outers:
-        for moved in (e.sent_bytes, e.received_bytes):
-            assert 4 / 3 * stage_bytes <= moved <= 4 / 3 * stage_bytes * 1.01 + 8192, e
+    for events in per_peer:
+        for moved in (sum(e.sent_bytes for e in events), sum(e.received_bytes for e in events)):
+            assert 2 * 4 / 3 * stage_bytes <= moved <= 2 * (4 / 3 * stage_bytes * 1.01 + 8192), events
 
 
 async def poke_with_bad_requests(swarm) -> tuple[dict[str, str], tuple[int, int]]:

@@ -94,3 +94,19 @@ def test_a_sender_that_is_gone_is_no_longer_waited_for() -> None:
         assert collector.complete.is_set() and [x.sender for x in collector.expected] == [1]
 
     asyncio.run(main())
+
+
+def test_once_collected_only_rows_already_in_are_taken_again() -> None:
+    """After the step was collected (its batch may be running), a sender whose stream broke
+    still gets the answer of the rows it sent; rows that never came in are refused as late."""
+
+    async def main() -> None:
+        collector = StepCollector(0, expected())
+        first = arrival(0, [0, 1], seed=1)
+        collector.add(first)
+        collector.closed = True
+        assert collector.add(arrival(0, [0, 1], seed=1)) is first
+        with pytest.raises(MessageError, match="after this replica had collected"):
+            collector.add(arrival(1, [2]))
+
+    asyncio.run(main())

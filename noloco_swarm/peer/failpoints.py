@@ -1,0 +1,48 @@
+"""Failpoints: faults a test asks a real peer process to inject, named in an environment variable.
+
+Loss that the network causes only now and then (p2pd closing a stream between two live peers,
+seen under load) must be recovered from exactly, so tests make it happen on purpose, in real peer
+processes over real daemons. `NOLOCO_FAILPOINTS="point=count,..."` makes each named point fire
+the first `count` times it is reached in this process (unset: no point ever fires). Points:
+
+  lose_reply:VERB       the caller reads the whole reply to VERB, then discards it as if the
+                        stream had closed before it (the callee did its work and thinks it done)
+  close_unanswered:VERB the callee serves VERB to the end, then closes the stream without
+                        sending its reply
+
+A malformed value is refused when the peer starts, so a typo cannot silently test nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+ENV = "NOLOCO_FAILPOINTS"
+KINDS = ("lose_reply", "close_unanswered")
+_ENTRY = re.compile(r"^(?P<kind>[a-z_]+):(?P<verb>rpc_[a-z_]+)=(?P<count>\d+)$")
+
+
+def parse(text: str) -> dict[str, int]:
+    """{"kind:verb": count} from the variable's text; ValueError naming a malformed entry."""
+    points: dict[str, int] = {}
+    for entry in filter(None, (e.strip() for e in text.split(","))):
+        match = _ENTRY.match(entry)
+        if match is None or match["kind"] not in KINDS:
+            raise ValueError(f"{ENV}: {entry!r} is not KIND:VERB=COUNT with KIND one of {', '.join(KINDS)}")
+        points[f"{match['kind']}:{match['verb']}"] = int(match["count"])
+    return points
+
+
+_left = parse(os.environ.get(ENV, ""))
+
+
+def fire(kind: str, verb: str) -> bool:
+    """Whether the point fires now (and counts it); always False when none was asked for."""
+    if not _left:
+        return False
+    point = f"{kind}:{verb}"
+    if _left.get(point, 0) <= 0:
+        return False
+    _left[point] -= 1
+    return True
