@@ -71,4 +71,5 @@ class PeerContext:
 
     def plan_at(self, t: int) -> StepPlan:
         """The step plan of inner step t's round (its replica counts)."""
-        return StepPlan.of(self.view_at(t).replica_counts(), self.B, self.cfg.outer.random_routing)
+        counts, cfg = self.view_at(t).replica_counts(), self.cfg
+        return StepPlan.of(counts, self.B, cfg.outer.random_routing, cfg.inner.microbatches)

@@ -10,6 +10,12 @@ Which rows go where comes from the step plan (protocol.plan) of the step's round
                them as one batch in the plan's order, forwards them on (or computes the loss on
                the last stage), and answers each sender with the gradients of its rows.
 
+With M microbatches (`inner.microbatches`) all of this happens per microbatch: a stage sends
+microbatch m on as soon as it is computed and computes m+1 meanwhile; the last stage answers m
+as soon as it ran it; every replica backpropagates its microbatches in ascending m, whatever
+order their gradients come back in, so the accumulated gradient is the simulator's bit for bit.
+The optimizer steps once per inner step, after the last microbatch.
+
 A row whose gradient never comes back is dropped from the step (its gradient stays zero); a sender
 that stays silent is probed, and dropped from the step (and reported) if it does not answer.
 """
@@ -36,6 +42,7 @@ from noloco_swarm.protocol.plan import Incoming, Row
 
 logger = logging.getLogger(__name__)
 GradRows = tuple[list[int], torch.Tensor, tuple[float, ...]]  # batch rows, their gradients, losses
+Slot = tuple[int, int]  # (inner step, microbatch)
 # A receiver holds rows for at most this many steps, its current one included: a sender may run
 # ahead of one receiver by several steps when its other rows went elsewhere (or were dropped),
 # and a receiver that fell behind catches up from the rows it holds. This bounds their memory.
@@ -61,8 +68,8 @@ class Arrival:
 class StepCollector:
     """Rows for one inner step of one receiving replica; complete when every expected row is in."""
 
-    def __init__(self, step: int, expected: tuple[Incoming, ...]) -> None:
-        self.step = step
+    def __init__(self, step: int, expected: tuple[Incoming, ...], microbatch: int = 0) -> None:
+        self.step, self.microbatch = step, microbatch
         self.expected = list(expected)  # in the order the batch runs them
         self.arrivals: dict[int, Arrival] = {}
         self.complete = asyncio.Event()
@@ -92,7 +99,10 @@ class StepCollector:
                 raise MessageError(f"sender {arrival.sender} sent other rows for step {self.step}")
             return first
         if self.closed:
-            raise MessageError(f"rows for step {self.step} came after this replica had collected that step")
+            raise MessageError(
+                f"rows for step {self.step} (microbatch {self.microbatch}) came after this replica "
+                "had collected them"
+            )
         self.arrivals[arrival.sender] = arrival
         self._check_complete()
         return arrival
@@ -138,11 +148,12 @@ class InnerSteps:
 
     def __init__(self, ctx: PeerContext) -> None:
         self.ctx = ctx
-        self.collectors: dict[int, StepCollector] = {}  # steps still collecting
-        # Steps collected lately, kept with their arrivals (and so their answers) for a sender
-        # whose stream broke and that sends the same rows again, however late.
-        self.collected: dict[int, StepCollector] = {}
-        self.consumed = -1  # the last step whose rows were taken out of its collector
+        # Collectors by (step, microbatch): those still collecting, and those collected lately,
+        # kept with their arrivals (and so their answers) for a sender whose stream broke and
+        # that sends the same rows again, however late.
+        self.collectors: dict[Slot, StepCollector] = {}
+        self.collected: dict[Slot, StepCollector] = {}
+        self.consumed: Slot = (-1, -1)  # the last (step, microbatch) taken out of its collector
         self.dropped_samples = 0
         self._data: Iterator[torch.Tensor] | None = None  # stage 0's batches
         self._data_at: tuple[tuple[int, int], int] = ((0, 0), 0)  # (shard layout, next step) of _data
@@ -182,32 +193,45 @@ class InnerSteps:
         ctx = self.ctx
         window = await asyncio.to_thread(self._batch, t)  # a new shard layout loads the corpus
         x, y = window[:, :-1].to(ctx.device), window[:, 1:]
+        per = ctx.B // ctx.cfg.inner.microbatches
+        parts = [(x[lo : lo + per], y[lo : lo + per]) for lo in range(0, ctx.B, per)]
+        losses: list[float] = []
         if ctx.is_last:  # one stage: the whole model here
 
-            def whole() -> list[float]:
-                losses = ctx.replica.module(x, y.to(ctx.device))
-                ctx.replica.backward_losses(losses)
-                return [float(v) for v in losses.detach()]
+            def whole(xm: torch.Tensor, ym: torch.Tensor) -> list[float]:
+                sample_losses = ctx.replica.module(xm, ym.to(ctx.device))
+                ctx.replica.backward_losses(sample_losses)
+                return [float(v) for v in sample_losses.detach()]
 
-            return await asyncio.to_thread(whole)
-        out = await asyncio.to_thread(ctx.replica.module, x)
-        grad, losses = await self._send_on(t, out.detach(), y)
-        await asyncio.to_thread(out.backward, grad)
+            for xm, ym in parts:
+                losses += await asyncio.to_thread(whole, xm, ym)
+            return losses
+        # Microbatch m is sent on while m+1 is computed; backward in ascending m.
+        async with asyncio.TaskGroup() as group:
+            sending = []
+            for m, (xm, ym) in enumerate(parts):
+                out = await asyncio.to_thread(ctx.replica.module, xm)
+                sending.append((out, group.create_task(self._send_on(t, m, out.detach(), ym))))
+            for out, task in sending:
+                grad, got = await task
+                await asyncio.to_thread(out.backward, grad)
+                losses += got
         return losses
 
     # ------------------------------------------------------------------ sending rows on
 
     async def _send_on(
-        self, t: int, out: torch.Tensor, tokens: torch.Tensor
+        self, t: int, m: int, out: torch.Tensor, tokens: torch.Tensor
     ) -> tuple[torch.Tensor, list[float]]:
-        """Send each row to the replica the plan names; return the gradient rows and losses."""
+        """Send each row of microbatch m to the replica the plan names; return the gradient rows
+        and losses."""
         ctx = self.ctx
         view, plan = ctx.view_at(t), ctx.plan_at(t)
         rank = view.rank_of(ctx.me)[1]
-        held = plan.rows(t, ctx.stage, rank)
+        held = plan.rows(t, ctx.stage, rank, m)
         results: dict[int, asyncio.Task[GradRows | str]] = {}
         async with asyncio.TaskGroup() as group:
-            for receiver, sent in plan.sends(t, ctx.stage, rank).items():
+            for receiver, sent in plan.sends(t, ctx.stage, rank, m).items():
                 samples = tuple(routing.sample_index(t, held[j].row.position, ctx.B) for j in sent)
                 call = self._call_or_drop(view, receiver, sent, samples, out, tokens, t)
                 results[receiver] = group.create_task(call)
@@ -296,59 +320,79 @@ class InnerSteps:
 
     # ------------------------------------------------------------------ stages after the first
 
-    def _collector(self, t: int) -> StepCollector:
-        if t not in self.collectors:
+    def _collector(self, t: int, m: int) -> StepCollector:
+        if (t, m) not in self.collectors:
             ctx = self.ctx
             view = ctx.view_at(t)
-            expected = ctx.plan_at(t).expects(t, ctx.stage, view.rank_of(ctx.me)[1])
-            alive = tuple(x for x in expected if view.peer_at(ctx.stage - 1, x.sender) not in ctx.rounds.dead)
-            self.collectors[t] = StepCollector(t, alive)
-        return self.collectors[t]
+            expected = ctx.plan_at(t).expects(t, ctx.stage, view.rank_of(ctx.me)[1], m)
+            gone = {x.sender for x in expected if view.peer_at(ctx.stage - 1, x.sender) in ctx.rounds.dead}
+            collector = StepCollector(t, tuple(x for x in expected if x.sender not in gone), m)
+            self.collectors[(t, m)] = collector
+            if gone:  # their rows will not come: say so once, here
+                lost = sum(x.sender in gone for x in expected)
+                ctx.events.emit(
+                    events.Dropped(
+                        step=t, hop=ctx.stage - 1, samples=lost, side="receiver", senders=sorted(gone)
+                    )
+                )
+        return self.collectors[(t, m)]
 
     async def _receiving(self, t: int) -> list[float]:
+        """Inner step t on a stage after the first: microbatch by microbatch, each run as soon as
+        its rows are in (and, on the last stage, answered at once); backward in ascending m."""
         ctx = self.ctx
-        collector = self._collector(t)
+        losses: list[float] = []
+        running: list[tuple[StepCollector, torch.Tensor, torch.Tensor, asyncio.Task]] = []
+        touched: list[StepCollector] = []
+        try:
+            async with asyncio.TaskGroup() as group:
+                for m in range(ctx.cfg.inner.microbatches):
+                    collector = await self._collect_microbatch(t, m)
+                    touched.append(collector)
+                    if not collector.arrivals:  # no rows of m came to us: nothing to compute
+                        continue
+                    acts, toks, placement = collector.batch()
+                    x = acts.to(ctx.device).requires_grad_(True)
+                    if ctx.is_last:
+
+                        def last(x: torch.Tensor = x, toks: torch.Tensor = toks) -> torch.Tensor:
+                            sample_losses = ctx.replica.module(x, toks.to(ctx.device))
+                            ctx.replica.backward_losses(sample_losses)
+                            return sample_losses.detach()
+
+                        got = [float(v) for v in await asyncio.to_thread(last)]
+                        _answer(x, placement, got)
+                        losses += got
+                    else:
+                        out = await asyncio.to_thread(ctx.replica.module, x)
+                        sending = group.create_task(self._send_on(t, m, out.detach(), toks))
+                        running.append((collector, x, out, sending))
+                for collector, x, out, sending in running:
+                    grad, got = await sending
+                    await asyncio.to_thread(out.backward, grad)
+                    _answer(x, collector.batch()[2], got)
+                    losses += got
+        except BaseException:
+            for collector in [*touched, *(c for (step, _), c in self.collectors.items() if step == t)]:
+                collector.abandon(f"step {t} failed on the receiving replica")
+            raise
+        return losses
+
+    async def _collect_microbatch(self, t: int, m: int) -> StepCollector:
+        """Microbatch m of step t's rows, collected (or given up on); closed to new rows."""
+        collector = self._collector(t, m)
         try:
             await self._collect(t, collector)
         except BaseException:
             collector.abandon(f"step {t} was abandoned by the receiving replica")
             raise
         finally:
-            del self.collectors[t]
-            collector.closed = True  # new rows for this step that arrive from now on are too late
-            self.consumed = t
-            self.collected = {k: c for k, c in self.collected.items() if k >= t - RESENDS_KEPT} | {
-                t: collector
-            }
-        if not collector.arrivals:  # nobody alive routes to us this step: nothing to compute
-            ctx.events.emit(
-                events.Dropped(step=t, hop=ctx.stage - 1, samples=len(collector.expected), side="receiver")
-            )
-            return []
-        try:
-            acts, toks, placement = collector.batch()
-            x = acts.to(ctx.device).requires_grad_(True)
-            if ctx.is_last:
-
-                def last() -> torch.Tensor:
-                    losses = ctx.replica.module(x, toks.to(ctx.device))
-                    ctx.replica.backward_losses(losses)
-                    return losses.detach()
-
-                sample_losses = [float(v) for v in await asyncio.to_thread(last)]
-            else:
-                out = await asyncio.to_thread(ctx.replica.module, x)
-                grad, sample_losses = await self._send_on(t, out.detach(), toks)
-                await asyncio.to_thread(out.backward, grad)
-        except BaseException:
-            collector.abandon(f"step {t} failed on the receiving replica")
-            raise
-        assert x.grad is not None
-        x_grad = x.grad.cpu()  # replies leave from the CPU
-        for arrival, rows in placement:
-            if not arrival.result.done():  # the sender may have given up on us meanwhile
-                arrival.result.set_result((x_grad[rows].contiguous(), [sample_losses[r] for r in rows]))
-        return sample_losses
+            del self.collectors[(t, m)]
+            collector.closed = True  # new rows for it that arrive from now on are too late
+            self.consumed = (t, m)
+            kept = {k: c for k, c in self.collected.items() if k[0] >= t - RESENDS_KEPT}
+            self.collected = kept | {(t, m): collector}
+        return collector
 
     async def _collect(self, t: int, collector: StepCollector) -> None:
         """Wait for step t's rows; probe silent senders while waiting and stop expecting dead ones."""
@@ -416,11 +460,14 @@ class InnerSteps:
         # Decoded before the step checks, so that no await falls between them and the collector.
         decoded = await asyncio.to_thread(decode_rows, ctx, tensors[:-1], header.activations)
         positions = [k - header.step * ctx.B for k in header.samples]
+        if not positions or not all(0 <= i < ctx.B for i in positions):
+            raise MessageError(f"samples {list(header.samples)} are not rows of step {header.step}")
         acts, toks = checked_rows(ctx, [decoded, tensors[-1]])
         rows = Arrival(header.sender_rank, positions, acts, toks)
-        # A step already collected takes only a resend of rows it holds (after a broken stream).
-        if (collector := self.collected.get(header.step)) is None:
-            if header.step < ctx.step or header.step <= self.consumed:
+        # A microbatch already collected takes only a resend of rows it holds (a broken stream).
+        slot = (header.step, ctx.plan_at(header.step).microbatch_of(positions[0]))
+        if (collector := self.collected.get(slot)) is None:
+            if header.step < ctx.step or slot <= self.consumed:
                 raise MessageError(
                     f"rows for step {header.step} came late: this replica is at step {ctx.step}"
                 )
@@ -429,12 +476,21 @@ class InnerSteps:
                     f"rows for step {header.step} came too early: this replica is at step {ctx.step} "
                     f"and holds rows at most {STEPS_AHEAD - 1} steps ahead"
                 )
-            collector = self._collector(header.step)
+            collector = self._collector(*slot)
         arrival = collector.add(rows)
         # Shielded: a sender's resend waits on the same arrival, and one waiter's deadline must
         # not cancel the other's answer. A resend after the answer gets it at once.
         grad, losses = await asyncio.wait_for(asyncio.shield(arrival.result), ctx.cfg.peer.step_timeout * 2)
         return backward_reply(ctx, header, view.rank_of(ctx.me)[1], grad, losses)
+
+
+def _answer(x: torch.Tensor, placement: list[tuple[Arrival, list[int]]], losses: list[float]) -> None:
+    """Answer every arrival of a batch that ran with its rows' input gradients and losses."""
+    assert x.grad is not None
+    x_grad = x.grad.cpu()  # replies leave from the CPU
+    for arrival, rows in placement:
+        if not arrival.result.done():  # the sender may have given up on us meanwhile
+            arrival.result.set_result((x_grad[rows].contiguous(), [losses[r] for r in rows]))
 
 
 def backward_reply(

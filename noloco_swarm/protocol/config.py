@@ -122,6 +122,9 @@ class InnerConfig:
     """AdamW betas."""
     grad_clip: float = 1.0
     """Per-stage gradient-norm clip (official: 1.0); 0 disables clipping."""
+    microbatches: int = 1
+    """M: the batch crosses the pipeline as M microbatches of B/M samples, each sent on as soon as
+    it is computed; gradients accumulate and the optimizer steps once per inner step."""
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
@@ -134,6 +137,10 @@ class InnerConfig:
             )
         if self.weight_decay < 0 or self.grad_clip < 0:
             raise ValueError("weight_decay and grad_clip must be >= 0")
+        if self.microbatches < 1 or self.batch_size % self.microbatches:
+            raise ValueError(
+                f"inner.microbatches must divide inner.batch_size, got {self.microbatches} and {self.batch_size}"
+            )
         if not all(0.0 <= b < 1.0 for b in self.betas):
             raise ValueError(f"betas must be in [0, 1), got {self.betas}")
 

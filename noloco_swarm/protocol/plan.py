@@ -9,6 +9,10 @@ is checked against the simulator's weights:
                  (`StepPlan.sends`); a replica of stage s+1 expects the rows whose routes name it
                  (`StepPlan.expects`) and runs them as one batch in (position, origin) order, so
                  arrival order never changes the result. Gradients return on the same rows.
+                 With M microbatches (`StepPlan.microbatches`), microbatch m is batch positions
+                 [m B/M, (m+1) B/M) of every stage-0 replica: each replica runs, sends and
+                 receives microbatch by microbatch (the same rules, restricted to those rows),
+                 in ascending m, and backpropagates them in ascending m too.
                  Uneven replica counts use routing.route_uneven; with S > R senders a receiver
                  may hold two rows of one position (from different origins).
   outer step     after inner step t = H, 2H, ... the replica averages with its group
@@ -86,47 +90,69 @@ class StepPlan:
     """B: rows every stage-0 replica feeds into the pipeline per inner step."""
     random_routing: bool = True
     """Per-sample random routes (the paper); False: replica d of every stage feeds replica d."""
+    microbatches: int = 1
+    """M: microbatches per inner step (B/M consecutive batch positions each); M divides B."""
 
     def __post_init__(self) -> None:
         if not self.counts or min(self.counts) < 1:
             raise ValueError(f"every stage needs at least one replica, got counts {list(self.counts)}")
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.microbatches < 1 or self.batch_size % self.microbatches:
+            raise ValueError(f"{self.microbatches} microbatches do not divide a batch of {self.batch_size}")
 
     @classmethod
-    def of(cls, counts: Sequence[int], batch_size: int, random_routing: bool = True) -> StepPlan:
-        return cls(tuple(counts), batch_size, random_routing)
+    def of(
+        cls, counts: Sequence[int], batch_size: int, random_routing: bool = True, microbatches: int = 1
+    ) -> StepPlan:
+        return cls(tuple(counts), batch_size, random_routing, microbatches)
+
+    def microbatch_of(self, position: int) -> int:
+        """The microbatch that batch position `position` belongs to."""
+        return position // (self.batch_size // self.microbatches)
 
     @property
     def num_stages(self) -> int:
         return len(self.counts)
 
-    def rows(self, step: int, stage: int, rank: int) -> tuple[Incoming, ...]:
-        """The rows replica `rank` of `stage` runs at `step`, in batch order, with their senders."""
+    def rows(self, step: int, stage: int, rank: int, microbatch: int | None = None) -> tuple[Incoming, ...]:
+        """The rows replica `rank` of `stage` runs at `step` (in `microbatch` only, if given), in
+        batch order, with their senders."""
         self._check_rank(stage, rank)
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
-        return _flow(step, self.counts, self.batch_size, self.random_routing)[stage][rank]
+        rows = _flow(step, self.counts, self.batch_size, self.random_routing)[stage][rank]
+        if microbatch is None:
+            return rows
+        if not 0 <= microbatch < self.microbatches:
+            raise ValueError(f"no microbatch {microbatch} of {self.microbatches}")
+        return tuple(x for x in rows if self.microbatch_of(x.row.position) == microbatch)
 
-    def expects(self, step: int, stage: int, rank: int) -> tuple[Incoming, ...]:
-        """What replica `rank` of `stage` > 0 receives at `step`, in the order it runs the rows."""
+    def expects(
+        self, step: int, stage: int, rank: int, microbatch: int | None = None
+    ) -> tuple[Incoming, ...]:
+        """What replica `rank` of `stage` > 0 receives at `step` (in `microbatch`), in the order it
+        runs the rows."""
         if stage == 0:
             raise ValueError("stage 0 reads its rows from its data shard; it expects none")
-        return self.rows(step, stage, rank)
+        return self.rows(step, stage, rank, microbatch)
 
-    def expects_from(self, step: int, stage: int, rank: int, sender: int) -> list[Row]:
+    def expects_from(
+        self, step: int, stage: int, rank: int, sender: int, microbatch: int | None = None
+    ) -> list[Row]:
         """The rows `sender` (a rank of stage-1) sends replica `rank` of `stage`, in sending order."""
-        return [x.row for x in self.expects(step, stage, rank) if x.sender == sender]
+        return [x.row for x in self.expects(step, stage, rank, microbatch) if x.sender == sender]
 
-    def sends(self, step: int, stage: int, rank: int) -> dict[int, list[int]]:
-        """Receiver rank (of stage+1) -> indices into this replica's batch, ascending, of the rows
-        replica `rank` of `stage` sends it at `step` (gradients come back for the same rows)."""
+    def sends(self, step: int, stage: int, rank: int, microbatch: int | None = None) -> dict[int, list[int]]:
+        """Receiver rank (of stage+1) -> indices into `rows(step, stage, rank, microbatch)`,
+        ascending, of the rows replica `rank` of `stage` sends it (gradients come back for the
+        same rows)."""
         if not 0 <= stage < self.num_stages - 1:
             raise ValueError(f"stage {stage} of {self.num_stages} sends nothing on")
-        index = {x.row: j for j, x in enumerate(self.rows(step, stage, rank))}
+        index = {x.row: j for j, x in enumerate(self.rows(step, stage, rank, microbatch))}
         out: dict[int, list[int]] = {}
         for r in range(self.counts[stage + 1]):
-            mine = [index[row] for row in self.expects_from(step, stage + 1, r, rank)]
+            mine = [index[row] for row in self.expects_from(step, stage + 1, r, rank, microbatch)]
             if mine:
                 out[r] = mine
         return out

@@ -52,7 +52,9 @@ class Simulator:
         self.cfg = cfg
         self.batches = batches
         self.clock = StepClock(cfg.outer.inner_steps, cfg.inner.batch_size, cfg.inner.total_steps)
-        self.plan = StepPlan.of(cfg.replica_counts, cfg.inner.batch_size, cfg.outer.random_routing)
+        self.plan = StepPlan.of(
+            cfg.replica_counts, cfg.inner.batch_size, cfg.outer.random_routing, cfg.inner.microbatches
+        )
         # Every replica starts from the same weights, derived from the run seed.
         self.replicas: list[list[StageReplica]] = []
         for s, count in enumerate(cfg.replica_counts):
@@ -73,56 +75,74 @@ class Simulator:
     # ------------------------------------------------------------------ inner step
 
     def forward_backward(self) -> float:
-        """Run every replica's rows through the pipeline and back; leave gradients in place."""
+        """Run every replica's rows through the pipeline and back, microbatch by microbatch in
+        ascending order (as the peers backpropagate them); leave gradients in place."""
         cfg, plan, t = self.cfg, self.plan, self.step
-        P, B, fmt = cfg.num_stages, cfg.inner.batch_size, cfg.wire.activations
+        B = cfg.inner.batch_size
         windows = [self.batches(d, t) for d in range(plan.counts[0])]
         for d, w in enumerate(windows):
             if w.shape != (B, cfg.model.seq_len + 1):
                 raise ValueError(
                     f"replica {d} got a batch of shape {tuple(w.shape)}, expected ({B}, seq_len + 1)"
                 )
+        losses = [x for m in range(plan.microbatches) for x in self._microbatch(windows, m)]
+        return float(torch.cat(losses).mean())
+
+    def _microbatch(self, windows: list[torch.Tensor], m: int) -> list[torch.Tensor]:
+        """Forward and backward of microbatch m through every stage; its per-sample losses, per
+        last-stage replica that ran rows of it. A replica the routes give no row of m skips it."""
+        cfg, plan, t = self.cfg, self.plan, self.step
+        P, fmt = cfg.num_stages, cfg.wire.activations
+        per = cfg.inner.batch_size // plan.microbatches
         # Forward, stage by stage: inputs[r] are replica r's rows, a leaf as a peer receives them.
-        inputs = [w[:, :-1] for w in windows]
-        targets = [w[:, 1:] for w in windows]
-        leaves: list[list[torch.Tensor]] = []
-        outputs: list[list[torch.Tensor]] = []
+        inputs: list[torch.Tensor | None] = [w[:, :-1][m * per : (m + 1) * per] for w in windows]
+        targets: list[torch.Tensor | None] = [w[:, 1:][m * per : (m + 1) * per] for w in windows]
+        leaves: list[list[torch.Tensor | None]] = []
+        outputs: list[list[torch.Tensor | None]] = []
         for s in range(P):
             if s > 0:
                 index = [
-                    {x.row: j for j, x in enumerate(plan.rows(t, s - 1, d))}
+                    {x.row: j for j, x in enumerate(plan.rows(t, s - 1, d, m))}
                     for d in range(plan.counts[s - 1])
                 ]
-                rows = [plan.rows(t, s, r) for r in range(plan.counts[s])]
+                rows = [plan.rows(t, s, r, m) for r in range(plan.counts[s])]
                 # Rows cross the wire: the receiver computes with what the wire format delivers.
                 inputs = [
                     wire.round_trip(
                         torch.stack([outputs[-1][x.sender][index[x.sender][x.row]].detach() for x in rs]),
                         fmt,
-                    )
+                    ).requires_grad_(True)
+                    if rs
+                    else None
                     for rs in rows
                 ]
-                inputs = [x.requires_grad_(True) for x in inputs]
                 targets = [
-                    torch.stack([windows[x.row.origin][x.row.position, 1:] for x in rs]) for rs in rows
+                    torch.stack([windows[x.row.origin][x.row.position, 1:] for x in rs]) if rs else None
+                    for rs in rows
                 ]
             leaves.append(inputs)
             last = s == P - 1
             outputs.append(
-                [self.replicas[s][r].module(x, targets[r] if last else None) for r, x in enumerate(inputs)]
+                [
+                    None if x is None else self.replicas[s][r].module(x, targets[r] if last else None)
+                    for r, x in enumerate(inputs)
+                ]
             )
         losses = outputs[-1]
         for replica, sample_losses in zip(self.replicas[-1], losses, strict=True):
-            replica.backward_losses(sample_losses)
+            if sample_losses is not None:
+                replica.backward_losses(sample_losses)
         # Backward, stage by stage: each replica's output rows get the gradients of the rows it sent.
         for s in range(P - 2, -1, -1):
             for d, out in enumerate(outputs[s]):
+                if out is None:
+                    continue
                 grad = torch.zeros_like(out)
-                for r, sent in plan.sends(t, s, d).items():
-                    mine = [j for j, x in enumerate(plan.rows(t, s + 1, r)) if x.sender == d]
+                for r, sent in plan.sends(t, s, d, m).items():
+                    mine = [j for j, x in enumerate(plan.rows(t, s + 1, r, m)) if x.sender == d]
                     grad[sent] = wire.round_trip(leaves[s + 1][r].grad[mine], fmt)  # back over the wire
                 out.backward(grad)
-        return float(torch.cat([x.detach() for x in losses]).mean())
+        return [x.detach() for x in losses if x is not None]
 
     def inner_step(self) -> StepStats:
         cfg = self.cfg

@@ -110,3 +110,36 @@ def test_keys_shards_join_round_and_eval_paths() -> None:
     assert (layout.size, layout.padded) == (4, 12)
     assert join_round(0, 50) == 2 and join_round(99, 50) == 3 and join_round(100, 50) == 4
     assert eval_paths((3, 2, 4)) == 2
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    counts=counts_st,
+    shape=st.sampled_from([(4, 2), (4, 4), (6, 3), (8, 2), (2, 1)]),
+    step=st.integers(0, 1000),
+)
+def test_microbatches_partition_every_replicas_rows_and_sends(
+    counts: tuple[int, ...], shape: tuple[int, int], step: int
+) -> None:
+    """Microbatch m holds exactly the rows at positions [m B/M, (m+1) B/M), in batch order, at
+    every stage; what a sender sends per microbatch is what the receiver expects of it."""
+    batch, m_count = shape
+    whole, plan = StepPlan.of(counts, batch), StepPlan.of(counts, batch, microbatches=m_count)
+    for s, count in enumerate(counts):
+        for r in range(count):
+            parts = [plan.rows(step, s, r, m) for m in range(m_count)]
+            assert tuple(x for part in parts for x in part) == whole.rows(step, s, r)
+            for m, part in enumerate(parts):
+                assert all(x.row.position * m_count // batch == m for x in part)
+            if s < len(counts) - 1:
+                for m, part in enumerate(parts):
+                    for receiver, sent in plan.sends(step, s, r, m).items():
+                        rows = [part[j].row for j in sent]
+                        assert rows == plan.expects_from(step, s + 1, receiver, r, m)
+
+
+def test_microbatches_must_divide_the_batch() -> None:
+    with pytest.raises(ValueError, match="do not divide"):
+        StepPlan.of((2, 2), 4, microbatches=3)
+    with pytest.raises(ValueError, match="no microbatch 2"):
+        StepPlan.of((2, 2), 4, microbatches=2).rows(0, 0, 0, 2)
