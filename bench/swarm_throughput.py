@@ -7,10 +7,13 @@ peer sends per outer step against the model-size floor (the stage's fp32 weights
 official code sends slow weights and their difference, 2x).
 
 Each round runs the swarm once per event loop named in --loops (the peers' `peer.event_loop`),
-so uvloop and asyncio are compared side by side too (the swarm's step time, not the simulator's).
+so uvloop and asyncio are compared side by side too (the swarm's step time, not the simulator's),
+and once per `inner.microbatches` value named in --microbatches, each against the simulator with
+the same M (the same arithmetic) and against the first value's (the whole batch, when that is 1).
 
     python bench/swarm_throughput.py                 # 2x2, tiny, seq 64, batch 4, 60 steps, H=10
     python bench/swarm_throughput.py --rounds 1 --steps 30 --loops uvloop
+    python bench/swarm_throughput.py --loops uvloop --microbatches 1,2,4   # microbatches in flight
 """
 
 from __future__ import annotations
@@ -43,59 +46,88 @@ def main() -> None:
     ap.add_argument("--inner-steps", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--loops", default="uvloop,asyncio", help="peer event loops to run, comma-separated")
+    ap.add_argument(
+        "--microbatches", default="1", help="inner.microbatches values to run, comma-separated (e.g. 1,2,4)"
+    )
     ap.add_argument("--out", type=Path, default=None, help="also write the figures as JSON here")
     args = ap.parse_args()
     loops = args.loops.split(",")
-    cfg = build_config(
-        "tiny",
-        "noloco",
-        assignments={
-            "num_stages": str(args.stages),
-            "num_replicas": str(args.replicas),
-            "model.seq_len": str(args.seq_len),
-            "inner.batch_size": str(args.batch_size),
-            "outer.inner_steps": str(args.inner_steps),
-            "eval_windows": "4",
-        },
-        env={},
-    )
+    ms = [int(m) for m in args.microbatches.split(",")]
+    base = {
+        "num_stages": str(args.stages),
+        "num_replicas": str(args.replicas),
+        "model.seq_len": str(args.seq_len),
+        "inner.batch_size": str(args.batch_size),
+        "outer.inner_steps": str(args.inner_steps),
+        "eval_windows": "4",
+    }
+    cfgs = {
+        m: build_config("tiny", "noloco", assignments=base | {"inner.microbatches": str(m)}, env={})
+        for m in ms
+    }
+    cfg = cfgs[ms[0]]
     tokens_per_step = args.replicas * args.batch_size * args.seq_len
-    swarm_tps: dict[str, list[float]] = {loop: [] for loop in loops}
-    sim_tps, sent_ratio, recv_ratio = [], [], []
+    runs = [(m, loop) for m in ms for loop in loops]
+    swarm_tps: dict[str, list[float]] = {name(m, loop, ms): [] for m, loop in runs}
+    sim_tps: dict[int, list[float]] = {m: [] for m in ms}
+    sent_ratio, recv_ratio = [], []
     floor = {
         s: num_flat(build_stage(cfg.model, s, cfg.num_stages, cfg.seed)) * 4 for s in range(cfg.num_stages)
     }
     for _ in range(args.rounds):
-        for loop in loops:
-            peer_cfg = dataclasses.replace(cfg, peer=dataclasses.replace(cfg.peer, event_loop=loop))
+        for m, loop in runs:
+            peer_cfg = dataclasses.replace(cfgs[m], peer=dataclasses.replace(cfg.peer, event_loop=loop))
             with local_swarm(peer_cfg, args.steps, step_timeout=120) as swarm:
                 wait(swarm, timeout=1800)
                 summaries = swarm.summaries()
                 outers = [(p.stage, e) for p in swarm.peers for e in of_kind(p.events(), Outer)]
             seconds = max(s.train_seconds for s in summaries if s.stage == 0)
-            swarm_tps[loop].append(args.steps * tokens_per_step / seconds)
+            swarm_tps[name(m, loop, ms)].append(args.steps * tokens_per_step / seconds)
             sent_ratio += [e.sent_bytes / floor[s] for s, e in outers]
             recv_ratio += [e.received_bytes / floor[s] for s, e in outers]
 
         torch.set_num_threads(2)
-        sim = Simulator(cfg, data_batches(cfg))
-        start = time.perf_counter()
-        for _ in range(args.steps):
-            sim.inner_step()
-        sim_tps.append(args.steps * tokens_per_step / (time.perf_counter() - start))
-    ratio = {loop: [a / b for a, b in zip(tps, sim_tps, strict=True)] for loop, tps in swarm_tps.items()}
+        for m in ms:
+            sim = Simulator(cfgs[m], data_batches(cfgs[m]))
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                sim.inner_step()
+            sim_tps[m].append(args.steps * tokens_per_step / (time.perf_counter() - start))
+    # Each swarm against the simulator of the same round: with the same M (the cost of transport)
+    # and with M = the first value given (the whole-batch oracle, when that is 1).
+    ratio = {
+        name(m, loop, ms): [a / b for a, b in zip(swarm_tps[name(m, loop, ms)], sim_tps[m], strict=True)]
+        for m, loop in runs
+    }
+    ratio_first = {
+        name(m, loop, ms): [a / b for a, b in zip(swarm_tps[name(m, loop, ms)], sim_tps[ms[0]], strict=True)]
+        for m, loop in runs
+    }
     print(
         f"config: {args.stages} stages x {args.replicas} replicas, tiny, seq {args.seq_len}, batch {args.batch_size}, "
         f"H={args.inner_steps}, {args.steps} steps, {args.rounds} alternating rounds"
     )
-    for loop, tps in swarm_tps.items():
-        rounds = ", ".join(f"{r:.3f}" for r in ratio[loop])
-        print(f"swarm on {loop:8s} (processes, loopback): {statistics.median(tps):8.0f} tokens/s")
-        print(f"  ratio swarm/simulator          : {statistics.median(ratio[loop]):.3f} (rounds: {rounds})")
-    print(f"simulator (one process)          : {statistics.median(sim_tps):8.0f} tokens/s")
+    for m, loop in runs:
+        key = name(m, loop, ms)
+        tps = swarm_tps[key]
+        rounds = ", ".join(f"{r:.3f}" for r in ratio[key])
+        print(f"swarm {key:14s} (processes, loopback): {statistics.median(tps):8.0f} tokens/s")
+        print(f"  ratio swarm/simulator (same M)  : {statistics.median(ratio[key]):.3f} (rounds: {rounds})")
+        if m != ms[0]:
+            first = ", ".join(f"{r:.3f}" for r in ratio_first[key])
+            print(
+                f"  ratio swarm/simulator (M={ms[0]})   : {statistics.median(ratio_first[key]):.3f} (rounds: {first})"
+            )
+    for m in ms:
+        print(f"simulator M={m} (one process)     : {statistics.median(sim_tps[m]):8.0f} tokens/s")
     loop_ratio = None
     if {"uvloop", "asyncio"} <= set(loops):
-        per_round = [a / b for a, b in zip(swarm_tps["uvloop"], swarm_tps["asyncio"], strict=True)]
+        per_round = [
+            a / b
+            for a, b in zip(
+                swarm_tps[name(ms[0], "uvloop", ms)], swarm_tps[name(ms[0], "asyncio", ms)], strict=True
+            )
+        ]
         loop_ratio = statistics.median(per_round)
         print(
             f"swarm uvloop/asyncio tokens/s   : {loop_ratio:.3f} (rounds: {', '.join(f'{r:.3f}' for r in per_round)})"
@@ -110,15 +142,23 @@ def main() -> None:
             "command": "python bench/swarm_throughput.py " + " ".join(sys.argv[1:]),
             "config": vars(args) | {"out": str(args.out)},
             "swarm_tokens_per_second": swarm_tps,
-            "simulator_tokens_per_second": sim_tps,
+            "simulator_tokens_per_second": {f"M={m}": tps for m, tps in sim_tps.items()},
             "ratio_per_round": ratio,
-            "ratio_median": {loop: statistics.median(r) for loop, r in ratio.items()},
+            "ratio_median": {key: statistics.median(r) for key, r in ratio.items()},
+            "ratio_to_first_m_simulator_median": {
+                key: statistics.median(r) for key, r in ratio_first.items()
+            },
             "uvloop_over_asyncio_median": loop_ratio,
             "sent_bytes_per_stage_bytes_median": statistics.median(sent_ratio),
             "received_bytes_per_stage_bytes_median": statistics.median(recv_ratio),
             "exchanges": len(sent_ratio),
         }
         args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+def name(m: int, loop: str, ms: list[int]) -> str:
+    """A run's label: the event loop, and M when several values run."""
+    return loop if ms == [1] else f"M={m} {loop}"
 
 
 if __name__ == "__main__":
