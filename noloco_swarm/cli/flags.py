@@ -181,6 +181,13 @@ def add_testbed(p: argparse.ArgumentParser) -> None:
         help="one-way delay added to every peer-to-peer connection by a user-space relay (default: 0)",
     )
     p.add_argument(
+        "--delay",
+        action="append",
+        default=[],
+        metavar="HOST=MS",
+        help="one-way delay of connections to one peer's host instead of --delay-ms, e.g. s1r1=40 (repeatable)",
+    )
+    p.add_argument(
         "--step-timeout",
         type=float,
         default=None,

@@ -202,10 +202,11 @@ def _testbed(args: argparse.Namespace) -> int:
     if args.print_config:
         return _print_config(resolved, "testbed")
     from noloco_swarm.testbed import namespaces_permitted
-    from noloco_swarm.testbed.schedule import Timeline, parse_shape
+    from noloco_swarm.testbed.schedule import Timeline, parse_delay, parse_shape
 
     try:
         shapes = [parse_shape(text) for text in args.shape]
+        delays = dict(parse_delay(text) for text in args.delay)
         Timeline.of_cuts(args.cut)  # refuse a bad --cut before anything starts
     except ValueError as e:
         raise ConfigError(str(e)) from e
@@ -225,6 +226,7 @@ def _testbed(args: argparse.Namespace) -> int:
         cuts=args.cut,
         cut_mode=args.cut_mode,
         delay_ms=args.delay_ms,
+        delays=delays,
         step_timeout=args.step_timeout,
         keep=args.keep,
         threads=args.threads or 1,

@@ -3,8 +3,10 @@
 The hosts share one bridge (`noloco_swarm.testbed`): `boot` runs `noloco dht`, host `s{stage}r{i}`
 runs replica i of that stage. Peers listen on their host's address only, so every byte between two
 peers crosses both their links, which can be shaped (`--shape s1r0=10mbit`), cut for a while
-(`--cut s1r0@30+20`: at 30 s after the peers started, for 20 s) and delayed (`--delay-ms`, by a
-user-space relay in the root namespace that each peer announces instead of its own address).
+(`--cut s1r0@30+20`: at 30 s after the peers started, for 20 s) and delayed (`--delay-ms` for every
+peer, `--delay s1r1=40` for one, by a user-space relay in the root namespace that each delayed peer
+announces instead of its own address). A shape and a delay per host make a link profile, such as
+one volunteer behind a slower, longer link than the others.
 Everything is torn down at exit, Ctrl-C included.
 """
 
@@ -13,7 +15,7 @@ from __future__ import annotations
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,12 +81,17 @@ def namespace_swarm(
     *,
     step_timeout: float | None = None,
     delay_ms: float = 0.0,
+    delays: Mapping[str, float] | None = None,
     shapes: Sequence[Shape] = (),
     workdir: Path | None = None,
     threads: int = 1,
 ) -> Iterator[NamespaceSwarm]:
     """Build the testbed, start the bootstrap and the peers in it; yields while they run; always
-    ends every process and removes every namespace, link and relay it made."""
+    ends every process and removes every namespace, link and relay it made.
+
+    A link profile is `shapes` (a rate per host) and the one-way delays: `delay_ms` for every
+    peer's host, or per host in `delays` (a host it does not name gets `delay_ms`), so one peer
+    can sit behind a slower, longer link than the others."""
     with ExitStack() as stack:
         if workdir is None:
             workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="noloco-testbed-")))
@@ -94,12 +101,21 @@ def namespace_swarm(
                 raise ValueError(f"--shape names host {shape.host!r}; the hosts are {', '.join(bed.hosts)}")
             bed.shape(shape.host, shape.rate_mbit)
         peers = [name for name in bed.hosts if name != BOOT]
+        unknown = set(delays or {}) - set(peers)
+        if unknown:
+            raise ValueError(
+                f"--delay names hosts {sorted(unknown)}; the peers' hosts are {', '.join(peers)}"
+            )
+        one_way = {h: (delays or {}).get(h, delay_ms) / 1000 for h in peers}
+        delayed = [h for h in peers if one_way[h] > 0]
         ports: dict[str, int] = {}
-        if delay_ms > 0:
-            d = delay_ms / 1000
-            routes = [Route(bed.gateway, 0, bed.hosts[h].address, PEER_PORT, d, d) for h in peers]
+        if delayed:
+            routes = [
+                Route(bed.gateway, 0, bed.hosts[h].address, PEER_PORT, one_way[h], one_way[h])
+                for h in delayed
+            ]
             relay = stack.enter_context(DelayRelay(routes))
-            ports = dict(zip(peers, relay.ports, strict=True))
+            ports = dict(zip(delayed, relay.ports, strict=True))
 
         def place(stage: int | None, replica: int) -> Placement:
             if stage is None:
@@ -168,6 +184,7 @@ def run_testbed(
     cuts: Sequence[str] = (),
     cut_mode: CutMode = "drop",
     delay_ms: float = 0.0,
+    delays: Mapping[str, float] | None = None,
     step_timeout: float | None = None,
     keep: Path | None = None,
     threads: int = 1,
@@ -190,6 +207,7 @@ def run_testbed(
             steps,
             step_timeout=step_timeout,
             delay_ms=delay_ms,
+            delays=delays,
             shapes=shapes,
             workdir=keep,
             threads=threads,

@@ -49,6 +49,18 @@ def parse_shape(text: str) -> Shape:
     return Shape(host.strip(), parse_rate(rate))
 
 
+def parse_delay(text: str) -> tuple[str, float]:
+    """ "s1r1=40" -> ("s1r1", 40.0): a host's one-way delay in milliseconds."""
+    host, sep, ms = text.partition("=")
+    try:
+        value = float(ms.strip().removesuffix("ms")) if sep and host.strip() else -1.0
+    except ValueError:
+        value = -1.0
+    if value < 0:
+        raise ValueError(f"bad --delay {text!r}: give HOST=MS (one-way, milliseconds), e.g. s1r1=40")
+    return host.strip(), value
+
+
 def parse_cut(text: str) -> tuple[Action, Action]:
     """ "s1r0@30+20" -> cut s1r0 at 30 s, restore it at 50 s."""
     match = _CUT.match(text.strip())

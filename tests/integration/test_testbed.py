@@ -19,6 +19,8 @@ from noloco_swarm.cli.testbed import BOOT, namespace_swarm, peer_host
 from noloco_swarm.peer.events import Step, of_kind
 from noloco_swarm.testbed import Testbed, namespaces_permitted
 from noloco_swarm.testbed.bed import LINK, NAME, owned_names
+from noloco_swarm.testbed.schedule import Shape
+from tests.integration.helpers import troubles
 from tests.integration.test_swarm import SLOWER, STEPS, simulate, small
 
 PERMITTED, WHY = namespaces_permitted()
@@ -159,6 +161,40 @@ def test_swarm_in_namespaces_ends_with_the_simulators_weights(
     for name, (rx, tx) in traffic.items():
         assert rx > 4_000_000 and tx > 4_000_000, f"{name}: {rx} bytes in, {tx} out"
         assert f"/ip4/{hosts[name].address}/tcp/" in peers[name].log.read_text()
+
+
+def test_a_link_profile_with_one_slow_far_peer_keeps_the_simulators_weights(
+    cache: Path, one_thread: None, nothing_left: None, tmp_path: Path
+) -> None:
+    """A link profile: every peer's link shaped to 50 Mbit/s with 10 ms each way, and one volunteer
+    (s1r1) behind 10 Mbit/s and 40 ms each way. With two microbatches in flight and bf16 rows,
+    the swarm still ends with the simulator's exact weights, and every peer was reached through
+    its own delayed path (each announced its relay) and moved its traffic over its shaped link."""
+    cfg = small("noloco", **{"inner.batch_size": "4", "inner.microbatches": "2", "wire.activations": "bf16"})
+    hosts = [peer_host(s, r) for s in range(2) for r in range(2)]
+    shapes = [Shape(h, 10.0 if h == "s1r1" else 50.0) for h in hosts]
+    with namespace_swarm(
+        cfg, STEPS, step_timeout=60, workdir=tmp_path, delay_ms=10.0, delays={"s1r1": 40.0}, shapes=shapes
+    ) as ns:
+        wait(ns.swarm, timeout=600)
+        summaries, trouble = ns.swarm.summaries(), troubles(ns.swarm)
+        traffic = {name: ns.bed.counters(name) for name in hosts}
+        logs = {peer_host(p.stage, p.replica): p.log.read_text() for p in ns.swarm.peers}
+        relays, gateway = ns.relay_ports, ns.bed.gateway
+    expected, _ = simulate(cfg, STEPS)
+    got = {(s.stage, s.rank): s.state_hash for s in summaries}
+    assert got == {(s, r): expected[s][r] for s in range(2) for r in range(2)}, trouble
+    assert sorted(relays) == hosts
+    for name in hosts:
+        assert f"/ip4/{gateway}/tcp/{relays[name]}" in logs[name], f"{name} did not announce its relay"
+        rx, tx = traffic[name]
+        assert rx > 4_000_000 and tx > 4_000_000, f"{name}: {rx} bytes in, {tx} out"
+
+
+def test_a_delay_for_a_host_that_is_not_a_peer_is_refused(tmp_path: Path, nothing_left: None) -> None:
+    swarm = namespace_swarm(small("noloco"), STEPS, workdir=tmp_path, delays={"s9r9": 10.0})
+    with pytest.raises(ValueError, match="--delay names hosts"), swarm:
+        pass
 
 
 def steps_done(swarm: LocalSwarm) -> int:
