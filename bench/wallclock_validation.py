@@ -70,6 +70,20 @@ def measure(cfg: RunConfig, steps: int, rate_mbit: float | None, delay_ms: float
     }
 
 
+def testbed_config(seq_len: int, batch_size: int, inner_steps: int, **extra: str) -> RunConfig:
+    """The testbed benchmarks' 2x2 tiny swarm (no evaluation during the run)."""
+    assignments = {
+        "num_stages": "2",
+        "num_replicas": "2",
+        "model.seq_len": str(seq_len),
+        "inner.batch_size": str(batch_size),
+        "outer.inner_steps": str(inner_steps),
+        "eval_windows": "4",
+        "eval_every": "0",
+    }
+    return build_config("tiny", "noloco", assignments=assignments | extra, env={})
+
+
 def model_swarm(cfg: RunConfig, step_compute_s: float, link: Link) -> Swarm:
     """The run's swarm for the model: a step's compute split as forward 1 : backward 2 per stage."""
     P, B = cfg.num_stages, cfg.inner.batch_size
@@ -137,20 +151,7 @@ def main() -> None:
     )
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    cfg = build_config(
-        "tiny",
-        "noloco",
-        assignments={
-            "num_stages": "2",
-            "num_replicas": "2",
-            "model.seq_len": str(args.seq_len),
-            "inner.batch_size": str(args.batch_size),
-            "outer.inner_steps": str(args.inner_steps),
-            "eval_windows": "4",
-            "eval_every": "0",
-        },
-        env={},
-    )
+    cfg = testbed_config(args.seq_len, args.batch_size, args.inner_steps)
     steps = 3 * args.inner_steps
     if args.measured is not None:
         earlier = json.loads(args.measured.read_text())

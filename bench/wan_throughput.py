@@ -19,9 +19,8 @@ import json
 import sys
 from pathlib import Path
 
-from wallclock_validation import measure  # bench/ is the script's folder, so on sys.path
+from wallclock_validation import measure, testbed_config  # bench/ is the script's folder: on sys.path
 
-from noloco_swarm.cli.options import build_config
 from noloco_swarm.protocol import wire
 
 VARIANTS = {
@@ -48,17 +47,8 @@ def main() -> None:
     ap.add_argument("--keep", type=Path, default=None, help="keep each run's logs and events here")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    base = {
-        "num_stages": "2",
-        "num_replicas": "2",
-        "model.seq_len": str(args.seq_len),
-        "inner.batch_size": str(args.batch_size),
-        "outer.inner_steps": str(args.inner_steps),
-        "eval_windows": "4",
-        "eval_every": "0",
-    }
     cfgs = {
-        name: build_config("tiny", "noloco", assignments=base | VARIANTS[name], env={})
+        name: testbed_config(args.seq_len, args.batch_size, args.inner_steps, **VARIANTS[name])
         for name in {*args.variants.split(","), *args.unshaped.split(",")}
     }
     steps = 3 * args.inner_steps

@@ -72,16 +72,22 @@ def test_seeded_groups_change_partners_not_determinism() -> None:
 def test_one_replica_without_routing_is_plain_training() -> None:
     # P = 1, D = 1, no outer step: the simulator must be bit-identical to a plain loop.
     cfg = config("local", num_stages=1, num_replicas=1, outer={"random_routing": False})
-    sim = train(cfg, 7)
+    assert train(cfg, 7).replica_hashes()[0][0] == plain_loop(cfg, 7, microbatches=1)
+
+
+def plain_loop(cfg: RunConfig, steps: int, microbatches: int) -> str:
+    """The state hash of a plain AdamW loop over replica 0's batches, each batch's loss summed
+    (scaled by 1/B) over `microbatches` consecutive slices, backpropagated slice by slice."""
     model = build_model(cfg.model, cfg.seed)
     opt = torch.optim.AdamW(
         model.parameters(), lr=cfg.inner.lr, betas=cfg.inner.betas, weight_decay=0.0, foreach=True
     )
-    batches = synthetic(cfg)
-    for step in range(7):
+    batches, B = synthetic(cfg), cfg.inner.batch_size
+    per = B // microbatches
+    for step in range(steps):
         w = batches(0, step)
-        loss = model(w[:, :-1], w[:, 1:]).sum() / cfg.inner.batch_size
-        loss.backward()
+        for lo in range(0, B, per):
+            (model(w[:, :-1][lo : lo + per], w[:, 1:][lo : lo + per]).sum() / B).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         for group in opt.param_groups:
             group["lr"] = lr_at(
@@ -89,7 +95,7 @@ def test_one_replica_without_routing_is_plain_training() -> None:
             )
         opt.step()
         opt.zero_grad()
-    assert sim.replica_hashes()[0][0] == state_hash(model)
+    return state_hash(model)
 
 
 def test_split_pipeline_of_one_replica_matches_unsplit_training() -> None:
@@ -233,24 +239,7 @@ def test_microbatches_accumulate_the_whole_batch_gradient() -> None:
     cfg = config(
         "local", num_stages=1, num_replicas=1, outer={"random_routing": False}, inner={"microbatches": 2}
     )
-    sim = train(cfg, 5)
-    model = build_model(cfg.model, cfg.seed)
-    opt = torch.optim.AdamW(
-        model.parameters(), lr=cfg.inner.lr, betas=cfg.inner.betas, weight_decay=0.0, foreach=True
-    )
-    batches = synthetic(cfg)
-    for step in range(5):
-        w = batches(0, step)
-        for lo in (0, 2):
-            (model(w[:, :-1][lo : lo + 2], w[:, 1:][lo : lo + 2]).sum() / cfg.inner.batch_size).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        for group in opt.param_groups:
-            group["lr"] = lr_at(
-                step, base_lr=cfg.inner.lr, min_lr=cfg.inner.min_lr, warmup_steps=5, total_steps=40
-            )
-        opt.step()
-        opt.zero_grad()
-    assert sim.replica_hashes()[0][0] == state_hash(model)
+    assert train(cfg, 5).replica_hashes()[0][0] == plain_loop(cfg, 5, microbatches=2)
     # A pipeline of uneven replicas with random routes (some replicas get no row of a microbatch):
     # every M accumulates the whole batch's gradient, up to float reassociation.
     uneven = {"stage_replicas": (3, 2), "num_replicas": 3}
