@@ -1,4 +1,5 @@
-"""Inner steps on a swarm: stage-0 data, sending rows on, collecting them, and rpc_forward.
+"""Inner steps on a swarm: stage-0 data, collecting rows, and rpc_forward (sending rows on and
+getting their gradients back is peer/sending.py).
 
 Which rows go where comes from the step plan (protocol.plan) of the step's round:
 
@@ -23,7 +24,6 @@ that stays silent is probed, and dropped from the step (and reported) if it does
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -34,14 +34,13 @@ from noloco_swarm.data.stream import train_batches
 from noloco_swarm.peer import events
 from noloco_swarm.peer.context import PeerContext
 from noloco_swarm.peer.rounds import PROBE_PERIOD
-from noloco_swarm.peer.streams import PeerUnavailable, Refused, RemoteRefused, StreamClosed, StreamTruncated
-from noloco_swarm.protocol import messages, routing, wire
+from noloco_swarm.peer.sending import RowSender
+from noloco_swarm.peer.streams import Refused
+from noloco_swarm.protocol import messages, wire
 from noloco_swarm.protocol.membership import MembershipView
 from noloco_swarm.protocol.messages import BackwardHeader, ForwardHeader, MessageError, PeerStatus, TensorMeta
 from noloco_swarm.protocol.plan import Incoming, Row
 
-logger = logging.getLogger(__name__)
-GradRows = tuple[list[int], torch.Tensor, tuple[float, ...]]  # batch rows, their gradients, losses
 Slot = tuple[int, int]  # (inner step, microbatch)
 # A receiver holds rows for at most this many steps, its current one included: a sender may run
 # ahead of one receiver by several steps when its other rows went elsewhere (or were dropped),
@@ -50,8 +49,6 @@ STEPS_AHEAD = 8
 # A receiver keeps the rows (and answers) of this many steps before its last collected one, for
 # senders whose stream broke before our answer reached them and that send the same rows again.
 RESENDS_KEPT = 2
-# A forward whose stream broke is sent at most this many times in all, while the receiver answers.
-SEND_ATTEMPTS = 3
 
 
 @dataclass
@@ -154,10 +151,15 @@ class InnerSteps:
         self.collectors: dict[Slot, StepCollector] = {}
         self.collected: dict[Slot, StepCollector] = {}
         self.consumed: Slot = (-1, -1)  # the last (step, microbatch) taken out of its collector
-        self.dropped_samples = 0
+        self.sender = RowSender(ctx)
         self._data: Iterator[torch.Tensor] | None = None  # stage 0's batches
         self._data_at: tuple[tuple[int, int], int] = ((0, 0), 0)  # (shard layout, next step) of _data
         ctx.transport.register("rpc_forward", self.rpc_forward)
+
+    @property
+    def dropped_samples(self) -> int:
+        """Rows this replica sent on whose gradient never came back, over the run."""
+        return self.sender.dropped_samples
 
     async def run(self, t: int) -> float | None:
         """Forward and backward of inner step t; the mean loss of the rows whose loss came back."""
@@ -211,112 +213,12 @@ class InnerSteps:
             sending = []
             for m, (xm, ym) in enumerate(parts):
                 out = await asyncio.to_thread(ctx.replica.module, xm)
-                sending.append((out, group.create_task(self._send_on(t, m, out.detach(), ym))))
+                sending.append((out, group.create_task(self.sender.send_on(t, m, out.detach(), ym))))
             for out, task in sending:
                 grad, got = await task
                 await asyncio.to_thread(out.backward, grad)
                 losses += got
         return losses
-
-    # ------------------------------------------------------------------ sending rows on
-
-    async def _send_on(
-        self, t: int, m: int, out: torch.Tensor, tokens: torch.Tensor
-    ) -> tuple[torch.Tensor, list[float]]:
-        """Send each row of microbatch m to the replica the plan names; return the gradient rows
-        and losses."""
-        ctx = self.ctx
-        view, plan = ctx.view_at(t), ctx.plan_at(t)
-        rank = view.rank_of(ctx.me)[1]
-        held = plan.rows(t, ctx.stage, rank, m)
-        results: dict[int, asyncio.Task[GradRows | str]] = {}
-        async with asyncio.TaskGroup() as group:
-            for receiver, sent in plan.sends(t, ctx.stage, rank, m).items():
-                samples = tuple(routing.sample_index(t, held[j].row.position, ctx.B) for j in sent)
-                call = self._call_or_drop(view, receiver, sent, samples, out, tokens, t)
-                results[receiver] = group.create_task(call)
-        # Rows whose gradient never came back are dropped from this step: their gradient stays 0.
-        grad = torch.zeros_like(out)
-        losses: list[float] = []
-        lost: list[str] = []
-        for task in results.values():
-            result = task.result()
-            if isinstance(result, str):
-                lost.append(result)
-                continue
-            sent, rows, sample_losses = result
-            grad[sent] = rows.to(grad.device)
-            losses.extend(sample_losses)
-        dropped = out.shape[0] - len(losses)
-        if dropped:
-            self.dropped_samples += dropped
-            ctx.events.emit(
-                events.Dropped(step=t, hop=ctx.stage, samples=dropped, side="sender", reasons=lost)
-            )
-        return grad, losses
-
-    async def _call_or_drop(
-        self,
-        view: MembershipView,
-        receiver_rank: int,
-        sent: list[int],
-        samples: tuple[int, ...],
-        out: torch.Tensor,
-        tokens: torch.Tensor,
-        t: int,
-    ) -> GradRows | str:
-        """Forward `sent` rows to one receiver; if they are lost, why (for the Dropped event)."""
-        ctx, hop = self.ctx, self.ctx.stage
-        receiver = view.peer_at(hop + 1, receiver_rank)
-        fmt, toks = ctx.cfg.wire.activations, tokens[sent].contiguous()
-        acts = await asyncio.to_thread(wire.encode, out[sent].cpu(), fmt)  # encoded on the CPU
-        header = ForwardHeader(
-            run_id=ctx.run_id,
-            round=view.round,
-            step=t,
-            hop=hop,
-            sender_rank=view.rank_of(ctx.me)[1],
-            samples=samples,
-            activations=TensorMeta.of(acts[0]),
-            tokens=TensorMeta.of(toks),
-            view=view.digest(),
-            scale=TensorMeta.of(acts[1]) if len(acts) > 1 else None,
-        )
-        for attempt in range(SEND_ATTEMPTS):  # a live receiver whose stream broke gets them again
-            if receiver in ctx.rounds.dead:
-                return f"{receiver} is gone"
-            try:
-                reply, tensors = await ctx.rounds.watched(
-                    receiver,
-                    ctx.transport.call(
-                        receiver, "rpc_forward", header, [*acts, toks], timeout=ctx.cfg.peer.step_timeout
-                    ),
-                    f"the forward of step {t}",
-                )
-                if not isinstance(reply, BackwardHeader) or len(reply.losses) != len(sent):
-                    raise MessageError(f"{receiver} answered step {t} with a malformed reply")
-                # The transport checked the floats for NaN/inf as they landed.
-                grad = await asyncio.to_thread(wire.decode, tensors, fmt, acts[0].shape, check_finite=False)
-                return sent, grad, reply.losses
-            except RemoteRefused as e:  # alive but disagrees (e.g. another view): drop these rows
-                logger.warning("stage %d peer %s refused step %d: %s", hop + 1, receiver, t, e)
-                ctx.events.emit(events.Refused(step=t, peer=receiver, reason=str(e)))
-                return str(e)
-            except (StreamTruncated, StreamClosed) as e:  # the stream broke, maybe not the receiver
-                last = attempt == SEND_ATTEMPTS - 1
-                if last or await ctx.rounds.suspect(receiver, f"forward of step {t} broke: {e}"):
-                    return f"{receiver}: {e}"
-                logger.warning(
-                    "the forward of step %d to %s broke (%s); sending it once more", t, receiver, e
-                )
-                ctx.events.emit(events.Retried(step=t, peer=receiver, reason=str(e)))
-            except PeerUnavailable as e:
-                await ctx.rounds.suspect(receiver, f"forward of step {t} failed: {e}")
-                return f"{receiver}: {e}"
-            except MessageError as e:  # it answered with garbage: do not trust it again
-                ctx.rounds.mark_dead(receiver, f"malformed answer to the forward of step {t}: {e}")
-                return f"{receiver}: {e}"
-        raise AssertionError("the last attempt always returns")
 
     # ------------------------------------------------------------------ stages after the first
 
@@ -365,7 +267,7 @@ class InnerSteps:
                         losses += got
                     else:
                         out = await asyncio.to_thread(ctx.replica.module, x)
-                        sending = group.create_task(self._send_on(t, m, out.detach(), toks))
+                        sending = group.create_task(self.sender.send_on(t, m, out.detach(), toks))
                         running.append((collector, x, out, sending))
                 for collector, x, out, sending in running:
                     grad, got = await sending
