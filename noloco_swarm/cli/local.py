@@ -226,6 +226,11 @@ def run_local_swarm(cfg: RunConfig, steps: int, *, plain: bool = False, keep: Pa
         f"({cfg.num_stages} stages x {cfg.num_replicas} replicas, {cfg.outer.method}, H={cfg.outer.inner_steps}, "
         f"{steps} inner steps, preset {cfg.model.name}, embedded corpus)"
     )
+    if cfg.peer.metrics_port:
+        last = cfg.peer.metrics_port + cfg.num_stages * cfg.num_replicas - 1
+        console.print(
+            f"Prometheus metrics at http://{cfg.peer.metrics_host}:{cfg.peer.metrics_port}..{last}/metrics"
+        )
     start = time.perf_counter()
     live = None
     status: RunStatus | None = None

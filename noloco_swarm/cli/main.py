@@ -10,6 +10,7 @@ from pathlib import Path
 
 from noloco_swarm.cli.flags import (
     PRECEDENCE,
+    add_metrics_port,
     add_network,
     add_peer,
     add_run,
@@ -48,6 +49,10 @@ def parser() -> argparse.ArgumentParser:
         help="run the swarm inside this process (the simulator), no network",
     )
     local.add_argument("--keep", type=Path, default=None, help="keep peer logs and metrics in this folder")
+    add_metrics_port(
+        local,
+        "serve each peer's Prometheus metrics: the first at PORT, the next at PORT+1, ... (default: off)",
+    )
 
     join = sub.add_parser(
         "join",
