@@ -123,6 +123,30 @@ def parser() -> argparse.ArgumentParser:
     status.add_argument("--once", action="store_true", help="print one snapshot and exit")
     status.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
 
+    doctor = sub.add_parser(
+        "doctor",
+        help="preflight checks before joining: daemon, port, bootstrap peers, memory, versions",
+        description="Check that this machine can join a swarm: p2pd starts, the port is free, the "
+        "bootstrap peers answer, the run's manifest matches (with --run-id), the stage fits in memory, "
+        "the installed versions match. Each failure comes with a one-line fix; exit 0 only if all pass.",
+        epilog=EPILOG,
+    )
+    add_run(doctor, replicas=2, steps=300)
+    add_sources(doctor)
+    add_peer(doctor)
+    add_network(doctor, identity_default=None, peers_help="multiaddrs of the bootstrap peers to dial")
+    doctor.add_argument("--port", type=int, default=None, help="the TCP port noloco join will listen on")
+    doctor.add_argument(
+        "--memory-limit",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="memory this peer may use, if less than what is free (e.g. to leave room for other work)",
+    )
+    doctor.add_argument(
+        "--timeout", type=float, default=10.0, help="seconds to wait for each bootstrap peer (default: 10)"
+    )
+
     sub.add_parser("presets", help="list model presets and their parameter counts")
     sub.add_parser("keys", help="list every config key with its type and meaning")
     return p
@@ -145,6 +169,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "dht": _dht,
             "status": _status,
             "testbed": _testbed,
+            "doctor": _doctor,
         }
         return commands[args.command](args)
     except ConfigError as e:
@@ -266,6 +291,15 @@ def _join(args: argparse.Namespace) -> int:
         )
         return 2
     return run_join(cfg, args.steps, new_run=args.new_run, resume=args.resume)
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    resolved = resolve_args(args, JOIN_DEFAULTS)
+    if args.print_config:
+        return _print_config(resolved, "doctor")
+    from noloco_swarm.cli.doctor import run_doctor
+
+    return run_doctor(resolved.cfg, port=args.port, memory_limit=args.memory_limit, timeout=args.timeout)
 
 
 def _sim_layer(method: str) -> Layer:

@@ -1,0 +1,47 @@
+"""The memory estimate behind `noloco doctor`: 6 x 4 bytes per stage parameter, plus the batch's share."""
+
+from __future__ import annotations
+
+import socket
+
+from noloco_swarm.cli.doctor import listen_ports, memory_check, port_check
+from noloco_swarm.cli.options import build_config
+from noloco_swarm.model.presets import count_parameters
+from noloco_swarm.train import memory
+
+
+def test_state_is_six_fp32_copies_of_the_stage() -> None:
+    cfg = build_config("tiny", "noloco", assignments={"num_stages": "2"}, env={})
+    parts = [memory.estimate(cfg, s) for s in range(2)]
+    assert sum(p.parameters for p in parts) == count_parameters(cfg.model)
+    assert all(p.state == 24 * p.parameters for p in parts)
+    assert parts[0].logits == 0 < parts[1].logits  # only the last stage holds logits
+    assert memory.largest(cfg) == max(parts, key=lambda p: p.total)
+
+
+def test_activations_grow_with_the_batch() -> None:
+    small = build_config("tiny", "noloco", assignments={"inner.batch_size": "2"}, env={})
+    big = build_config("tiny", "noloco", assignments={"inner.batch_size": "8"}, env={})
+    a, b = memory.estimate(small, 0), memory.estimate(big, 0)
+    assert b.activations == 4 * a.activations and b.state == a.state
+
+
+def test_a_memory_cap_below_the_estimate_fails_with_a_fix() -> None:
+    cfg = build_config("tiny", "noloco", assignments={}, env={})
+    check = memory_check(cfg, None, limit_gib=0.25)  # below the process overhead alone
+    assert not check.ok and "--memory-limit" in check.detail and "inner.batch_size" in check.fix
+
+
+def test_a_held_port_is_not_free() -> None:
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen(1)
+        port = held.getsockname()[1]
+        check = port_check("127.0.0.1", port, "listen port", "choose another")
+    assert not check.ok and check.fix == "choose another"
+    assert port_check("127.0.0.1", port, "listen port", "-").ok  # released: free again
+
+
+def test_fixed_listen_ports_are_found() -> None:
+    maddrs = ["/ip4/0.0.0.0/tcp/31337", "/ip4/0.0.0.0/tcp/0", "/ip6/::/tcp/31338", "/ip4/1.2.3.4/udp/5/quic"]
+    assert listen_ports(maddrs) == [("0.0.0.0", 31337), ("::", 31338)]
