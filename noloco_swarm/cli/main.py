@@ -147,6 +147,17 @@ def parser() -> argparse.ArgumentParser:
         "--timeout", type=float, default=10.0, help="seconds to wait for each bootstrap peer (default: 10)"
     )
 
+    plot = sub.add_parser(
+        "plot",
+        help="PNG charts of a run from its peers' event files (noloco local --keep DIR)",
+        description="Charts of loss, validation perplexity, tokens/s and bytes per peer, against steps and "
+        "wall-clock time, from the *.jsonl event files in RUN_DIR.",
+    )
+    plot.add_argument(
+        "run_dir", type=Path, metavar="RUN_DIR", help="a folder of *.jsonl event files, or one file"
+    )
+    plot.add_argument("--out", type=Path, default=None, help="output folder (default: RUN_DIR/plots)")
+
     sub.add_parser("presets", help="list model presets and their parameter counts")
     sub.add_parser("keys", help="list every config key with its type and meaning")
     return p
@@ -157,6 +168,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "presets":
             return _presets()
+        if args.command == "plot":
+            from noloco_swarm.cli.plot import run_plot
+
+            return run_plot(args.run_dir, args.out)
         if args.command == "keys":
             from noloco_swarm.cli.keys import describe_keys
 
