@@ -18,6 +18,7 @@ from noloco_swarm.cli.flags import (
     add_testbed,
     resolve_args,
 )
+from noloco_swarm.cli.logs import LOG_FORMATS
 from noloco_swarm.cli.options import ConfigError, Layer, Resolved
 from noloco_swarm.train.config import Runner
 
@@ -72,6 +73,12 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="continue from the newest checkpoint in --checkpoint-dir (a stopped swarm restarts "
         "from it; a running one is joined as a late joiner)",
+    )
+    join.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default="text",
+        help="json: one JSON object per line on stderr, for systemd, Docker and log collectors (default: text)",
     )
     join.add_argument("--run-config", type=Path, default=None, help=argparse.SUPPRESS)  # from noloco local
     join.add_argument("--die-with-parent", action="store_true", help=argparse.SUPPRESS)
@@ -305,7 +312,7 @@ def _join(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    return run_join(cfg, args.steps, new_run=args.new_run, resume=args.resume)
+    return run_join(cfg, args.steps, new_run=args.new_run, resume=args.resume, log_format=args.log_format)
 
 
 def _doctor(args: argparse.Namespace) -> int:
