@@ -4,12 +4,15 @@ A replica holds six fp32 copies of its stage's parameters: the weights, their gr
 two moments, the slow weights phi and the outer momentum delta (6 x 4 bytes per parameter). On
 top: the activations kept for backward for the whole batch (every microbatch of a step is in
 flight before the flush), the last stage's logits and their gradient, and a fixed overhead per
-peer process (Python and torch, the forked DHT process, p2pd), measured at about 0.9 GiB on CPU.
+peer process (Python and torch, the forked DHT process, p2pd), about 0.9 GiB on CPU as measured
+for issue 14.
 
 Known limits: the activation term counts the tensors a Llama layer keeps per token (norm inputs,
 q/k/v, attention output, the SwiGLU's three ffn-wide tensors) and, under eager attention, the
 T x T probabilities; allocator slack and the outer exchange's received copies are not counted.
-It is meant for "does this fit", not for sizing to the last megabyte.
+It is meant for "does this fit", not for sizing to the last megabyte, and errs high: the whole
+batch's logits, log-softmax and gradient are counted as alive at once, which has not yet been checked
+against a measured peak of a real preset.
 """
 
 from __future__ import annotations
