@@ -82,3 +82,38 @@ def test_a_healthy_setup_passes_and_a_used_identity_fails(cache, tmp_path) -> No
     assert twin.returncode == 1, twin_out
     assert [line for line in lines_of(twin_out, "FAIL") if "identity" in line], twin_out
     assert p2pd_descendants() <= before
+
+
+def test_a_config_that_differs_from_the_runs_manifest_is_named(cache, tmp_path) -> None:
+    """The run's manifest, published in a real DHT, against doctor's config: the same config
+    passes, another seed fails with the differing key."""
+    from noloco_swarm.cli.flags import resolve_args
+    from noloco_swarm.cli.main import JOIN_DEFAULTS, parser
+    from noloco_swarm.peer.directory import RunDirectory
+    from noloco_swarm.peer.node import start_dht
+    from noloco_swarm.protocol.messages import RunManifest
+    from noloco_swarm.train.config import NetworkConfig
+
+    argv = [sys.executable, "-m", "noloco_swarm.cli.main", "dht", "--host-maddrs", "/ip4/127.0.0.1/tcp/0"]
+    with process_group([*argv, "--identity", str(tmp_path / "dht.key")]) as (_, bootstrap):
+        flags = ["--initial-peers", bootstrap, "--run-id", "doctor-run"]
+        cfg = resolve_args(parser().parse_args(["doctor", *flags]), JOIN_DEFAULTS).cfg
+        publisher = start_dht(
+            NetworkConfig(initial_peers=(bootstrap,), host_maddrs=("/ip4/127.0.0.1/tcp/0",))
+        )
+        try:
+            RunDirectory(publisher, "doctor-run").publish_manifest(
+                RunManifest.create("doctor-run", cfg.manifest())
+            )
+            same = doctor(*flags)
+            other = doctor(*flags, "--seed", "7")
+        finally:
+            publisher.shutdown()
+    out = same.stdout + same.stderr
+    assert same.returncode == 0 and lines_of(out, "ok    run doctor-run: your config matches"), out
+    out = other.stdout + other.stderr
+    assert other.returncode == 1, out
+    failed = lines_of(out, "FAIL")
+    assert (
+        len(failed) == 1 and failed[0].startswith("FAIL  run doctor-run") and "seed: 0 != 7" in failed[0]
+    ), out
