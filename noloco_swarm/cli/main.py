@@ -50,6 +50,11 @@ def parser() -> argparse.ArgumentParser:
         help="run the swarm inside this process (the simulator), no network",
     )
     local.add_argument("--keep", type=Path, default=None, help="keep peer logs and metrics in this folder")
+    local.add_argument(
+        "--plot",
+        action="store_true",
+        help="at the end, write the run's charts (noloco plot) to KEEP/plots, or runs/local-<time>/plots",
+    )
     add_metrics_port(
         local,
         "serve each peer's Prometheus metrics: the first at PORT, the next at PORT+1, ... (default: off)",
@@ -245,7 +250,7 @@ def _local(args: argparse.Namespace) -> int:
         return run_local(resolved.cfg, args.steps, plain=args.plain)
     if args.keep:
         args.keep.mkdir(parents=True, exist_ok=True)
-    return run_local_swarm(resolved.cfg, args.steps, plain=args.plain, keep=args.keep)
+    return run_local_swarm(resolved.cfg, args.steps, plain=args.plain, keep=args.keep, plot=args.plot)
 
 
 def _testbed(args: argparse.Namespace) -> int:

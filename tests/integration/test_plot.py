@@ -25,10 +25,11 @@ def noloco(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
 def test_plot_a_local_runs_folder(cache: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     local = noloco(
-        "local", "--plain", "--keep", str(run_dir), "--steps", str(STEPS), "--set", "outer.inner_steps=3",
+        "local", "--plain", "--plot", "--keep", str(run_dir), "--steps", str(STEPS), "--set", "outer.inner_steps=3",
         *SMALL_RUN, timeout=600,
     )  # fmt: skip
     assert local.returncode == 0, local.stdout + local.stderr
+    check_charts(run_dir / "plots", local.stdout)  # noloco local --plot drew them at the end
     files = sorted(run_dir.glob("*.jsonl"))
     assert len(files) == 4
     assert all(of_kind(read(f), Final) for f in files)
@@ -36,12 +37,17 @@ def test_plot_a_local_runs_folder(cache: Path, tmp_path: Path) -> None:
     assert sorted(p.name for p in peers) == [f"stage {s} replica {r}" for s in (0, 1) for r in (0, 1)]
     assert all(len(p.steps) == STEPS and len(p.outers) == 2 for p in peers)
 
-    result = noloco("plot", str(run_dir), timeout=300)
+    result = noloco("plot", str(run_dir), "--out", str(tmp_path / "again"), timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "4 peers" in result.stdout
+    check_charts(tmp_path / "again", result.stdout)
+
+
+def check_charts(folder: Path, output: str) -> None:
+    """Every chart is a whole PNG of the figure's size, with more than a few colours."""
     for chart in CHARTS:
-        path = run_dir / "plots" / f"{chart}.png"
-        assert path.exists(), result.stdout
+        path = folder / f"{chart}.png"
+        assert path.exists(), output
         with Image.open(path) as image:
             image.verify()  # a whole, uncorrupted PNG
         with Image.open(path) as image:
