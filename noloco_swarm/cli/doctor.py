@@ -247,10 +247,14 @@ def free_memory(device: str) -> tuple[int, str]:
 def memory_check(cfg: RunConfig, stage: int | None, limit_gib: float | None) -> Check:
     need = memory.estimate(cfg, stage) if stage is not None else memory.largest(cfg)
     free, source = free_memory(cfg.peer.device)
+    name = f"memory ({cfg.peer.device})"
+    if cfg.peer.device == "cuda" and free == 0:
+        return Check(
+            name, False, source, "use --device cpu, or install torch's CUDA build on a machine with a GPU"
+        )
     if limit_gib is not None and limit_gib * memory.GIB < free:
         free, source = int(limit_gib * memory.GIB), "--memory-limit"
     detail = f"needs about {need.describe()}; {free / memory.GIB:.2f} GiB {source}"
-    name = f"memory ({cfg.peer.device})"
     if need.total <= free:
         return Check(name, True, detail)
     return Check(

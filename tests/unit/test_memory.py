@@ -45,3 +45,14 @@ def test_a_held_port_is_not_free() -> None:
 def test_fixed_listen_ports_are_found() -> None:
     maddrs = ["/ip4/0.0.0.0/tcp/31337", "/ip4/0.0.0.0/tcp/0", "/ip6/::/tcp/31338", "/ip4/1.2.3.4/udp/5/quic"]
     assert listen_ports(maddrs) == [("0.0.0.0", 31337), ("::", 31338)]
+
+
+def test_cuda_without_a_device_says_so() -> None:
+    import pytest
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    cfg = build_config("tiny", "noloco", assignments={"peer.device": "cuda"}, env={})
+    check = memory_check(cfg, None, limit_gib=None)
+    assert not check.ok and "no CUDA device" in check.detail and "--device cpu" in check.fix
