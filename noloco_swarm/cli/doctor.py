@@ -345,11 +345,29 @@ async def _network_checks(cfg: RunConfig, timeout: float) -> list[Check]:
     return checks
 
 
+def config_check(refusals: Sequence[str]) -> Check:
+    """What `noloco join` would refuse in this config before starting (RunConfig.refusals)."""
+    if not refusals:
+        return Check("config", True, "noloco join can run this config")
+    more = f" (and {len(refusals) - 1} more)" if len(refusals) > 1 else ""
+    return Check(
+        "config",
+        False,
+        refusals[0] + more,
+        "noloco join refuses this config before it starts: change what the message names (--print-config shows its source)",
+    )
+
+
 def run_checks(
-    cfg: RunConfig, *, port: int | None, memory_limit: float | None, timeout: float = 10.0
+    cfg: RunConfig,
+    *,
+    port: int | None,
+    memory_limit: float | None,
+    timeout: float = 10.0,
+    refusals: Sequence[str] = (),
 ) -> list[Check]:
     """Every check, in the order a volunteer would fix them."""
-    checks = asyncio.run(_network_checks(cfg, timeout))
+    checks = [config_check(refusals), *asyncio.run(_network_checks(cfg, timeout))]
     listen = [("0.0.0.0", port)] if port else []
     listen += [hp for hp in listen_ports(cfg.network.host_maddrs) if hp[1] != port]
     for host, p in listen:
@@ -392,7 +410,14 @@ def report(checks: Sequence[Check]) -> str:
     return "\n".join(lines)
 
 
-def run_doctor(cfg: RunConfig, *, port: int | None, memory_limit: float | None, timeout: float) -> int:
-    checks = run_checks(cfg, port=port, memory_limit=memory_limit, timeout=timeout)
+def run_doctor(
+    cfg: RunConfig,
+    *,
+    port: int | None,
+    memory_limit: float | None,
+    timeout: float,
+    refusals: Sequence[str] = (),
+) -> int:
+    checks = run_checks(cfg, port=port, memory_limit=memory_limit, timeout=timeout, refusals=refusals)
     print(report(checks), flush=True)
     return 0 if all(c.ok for c in checks) else 1

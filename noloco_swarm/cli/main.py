@@ -326,7 +326,13 @@ def _doctor(args: argparse.Namespace) -> int:
         return _print_config(resolved, "doctor")
     from noloco_swarm.cli.doctor import run_doctor
 
-    return run_doctor(resolved.cfg, port=args.port, memory_limit=args.memory_limit, timeout=args.timeout)
+    return run_doctor(
+        resolved.cfg,
+        port=args.port,
+        memory_limit=args.memory_limit,
+        timeout=args.timeout,
+        refusals=resolved.cfg.refusals("peer", resolved.explicit),
+    )
 
 
 def _sim_layer(method: str) -> Layer:

@@ -74,7 +74,15 @@ def test_a_healthy_setup_passes_and_a_used_identity_fails(cache, tmp_path) -> No
     out = result.stdout + result.stderr
     assert result.returncode == 0, out
     assert not lines_of(out, "FAIL"), out
-    for name in ("p2pd", f"bootstrap {bootstrap}", f"port {port}", "run doctor-test", "memory", "versions"):
+    for name in (
+        "config",
+        "p2pd",
+        f"bootstrap {bootstrap}",
+        f"port {port}",
+        "run doctor-test",
+        "memory",
+        "versions",
+    ):
         assert lines_of(out, f"ok    {name}"), f"{name} not checked:\n{out}"
     assert "checks passed" in out
     # The bootstrap's own key: a second process with it would be refused by the swarm.

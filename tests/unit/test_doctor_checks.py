@@ -1,10 +1,11 @@
-"""The memory estimate behind `noloco doctor`: 6 x 4 bytes per stage parameter, plus the batch's share."""
+"""`noloco doctor`'s offline checks: the memory estimate (6 x 4 bytes per stage parameter, plus the
+batch's share), ports, and what noloco join would refuse."""
 
 from __future__ import annotations
 
 import socket
 
-from noloco_swarm.cli.doctor import listen_ports, memory_check, port_check
+from noloco_swarm.cli.doctor import config_check, listen_ports, memory_check, port_check
 from noloco_swarm.cli.options import build_config
 from noloco_swarm.model.presets import count_parameters
 from noloco_swarm.train import memory
@@ -56,3 +57,12 @@ def test_cuda_without_a_device_says_so() -> None:
     cfg = build_config("tiny", "noloco", assignments={"peer.device": "cuda"}, env={})
     check = memory_check(cfg, None, limit_gib=None)
     assert not check.ok and "no CUDA device" in check.detail and "--device cpu" in check.fix
+
+
+def test_a_config_join_would_refuse_fails_the_config_check() -> None:
+    cfg = build_config("tiny", "allreduce", assignments={}, env={})
+    check = config_check(cfg.refusals("peer", {"method": "--method"}))
+    assert not check.ok and check.detail.startswith(
+        "method allreduce (set by --method) runs only in the simulator"
+    )
+    assert config_check([]).ok
