@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import faulthandler
 import json
 import logging
 import signal
+import time
 
 from rich.console import Console
 from rich.text import Text
@@ -104,5 +106,6 @@ def run_join(
         f"{summary.outer_steps} outer steps, state {summary.state_hash[:16]}"
     )
     if cfg.peer.metrics is None:
-        print(json.dumps(to_dict(summary), default=str))
+        # run_peer returns the record as built, before Events stamped its copy: stamp it now.
+        print(json.dumps(to_dict(dataclasses.replace(summary, time=time.time())), default=str))
     return 0

@@ -70,6 +70,7 @@ def test_every_peer_serves_its_metrics(cache: Path, one_thread: None) -> None:
             assert not failed, failed[0].log_tail()
             assert time.monotonic() < deadline, "the swarm did not finish"
             time.sleep(1)
+        assert any(of_kind(p.events(), Final)[0].val_loss is not None for p in swarm.peers)
         for index, peer in enumerate(swarm.peers):
             events = peer.events()
             final = of_kind(events, Final)[0]
