@@ -26,6 +26,7 @@ from noloco_swarm.train.config import RunConfig
 
 SETUP = "run bash scripts/setup.sh (or pip install -c constraints.txt -e .) in your noloco-swarm checkout"
 HIVEMIND_PIN = "hivemind==1.1.12"
+RETRY = "the bootstrap answered but the DHT did not: try again, or raise --timeout on a slow link"
 
 
 @dataclass(frozen=True)
@@ -137,7 +138,11 @@ async def bootstrap_check(p2p, maddr: str, timeout: float) -> Check:
         )
     except (ControlFailure, P2PDaemonError, OSError) as e:
         text = str(e)
-        if "peer id mismatch" in text.lower() or "peer ID mismatch" in text:
+        mismatch = [line.strip(" *") for line in text.splitlines() if "peer id mismatch" in line.lower()]
+        if mismatch:
+            text = mismatch[0].split("] ", 1)[
+                -1
+            ]  # "... peer id mismatch: expected X, but remote key matches Y"
             fix = "another node answers at that address: copy the --initial-peers the bootstrap prints again"
         else:
             fix = (
@@ -173,33 +178,39 @@ async def identity_check(path: str, initial_peers: Sequence[str]) -> Check:
     return Check("identity", True, f"no live node uses the key in {path}")
 
 
-def _first_line(text: str, limit: int = 160) -> str:
+def _first_line(text: str, limit: int = 200) -> str:
     line = text.strip().splitlines()[0] if text.strip() else "(no message)"
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 def manifest_check(cfg: RunConfig, timeout: float) -> Check:
     """Read the run's manifest through a client-mode DHT node and compare it with our config."""
-    from noloco_swarm.peer.directory import RunDirectory
+    from noloco_swarm.peer.directory import manifest_key
     from noloco_swarm.peer.node import start_dht
     from noloco_swarm.protocol import messages
     from noloco_swarm.train.config import NetworkConfig
 
     run_id = cfg.peer.run_id
-    net = NetworkConfig(initial_peers=cfg.network.initial_peers, client_mode=True)
-    dht = start_dht(net)
-    try:
+    dht = start_dht(NetworkConfig(initial_peers=cfg.network.initial_peers, client_mode=True))
+    try:  # read the record raw: a peer's directory skips one it cannot decode, we must name why
+        future = dht.get(manifest_key(run_id), latest=True, return_future=True)
+        found = future.result(timeout=timeout)
+    except TimeoutError:
+        future.cancel()
+        return Check(f"run {run_id}", False, f"the DHT did not answer within {timeout:.0f} s", RETRY)
+    finally:
+        dht.shutdown()
+    existing = None
+    if found is not None:
         try:
-            existing = RunDirectory(dht, run_id).fetch_manifest()
+            existing = messages.decode(found.value, messages.RunManifest)
         except messages.MessageError as e:
             return Check(
                 f"run {run_id}",
                 False,
                 f"its manifest cannot be read: {e}",
-                "the swarm runs another protocol version: install the noloco-swarm version the run uses",
+                "the run uses another noloco-swarm version (protocol): install the one the run uses",
             )
-    finally:
-        dht.shutdown()
     if existing is None:
         return Check(f"run {run_id}", True, "no manifest yet: the first peer starts it with --new-run")
     mine = messages.RunManifest.create(run_id, cfg.manifest())

@@ -8,8 +8,16 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import msgpack
 import pytest
+from hivemind.utils import get_dht_time
 
+from noloco_swarm.cli.flags import resolve_args
+from noloco_swarm.cli.main import JOIN_DEFAULTS, parser
+from noloco_swarm.peer.directory import MANIFEST_TTL, RunDirectory, manifest_key
+from noloco_swarm.peer.node import start_dht
+from noloco_swarm.protocol.messages import RunManifest
+from noloco_swarm.train.config import NetworkConfig
 from tests.integration.helpers import p2pd_descendants, process_group
 
 pytestmark = pytest.mark.integration
@@ -94,14 +102,8 @@ def test_a_healthy_setup_passes_and_a_used_identity_fails(cache, tmp_path) -> No
 
 def test_a_config_that_differs_from_the_runs_manifest_is_named(cache, tmp_path) -> None:
     """The run's manifest, published in a real DHT, against doctor's config: the same config
-    passes, another seed fails with the differing key."""
-    from noloco_swarm.cli.flags import resolve_args
-    from noloco_swarm.cli.main import JOIN_DEFAULTS, parser
-    from noloco_swarm.peer.directory import RunDirectory
-    from noloco_swarm.peer.node import start_dht
-    from noloco_swarm.protocol.messages import RunManifest
-    from noloco_swarm.train.config import NetworkConfig
-
+    passes, another seed fails with the differing key, and a manifest of another protocol version
+    is named as such (a peer's directory would just not see it)."""
     argv = [sys.executable, "-m", "noloco_swarm.cli.main", "dht", "--host-maddrs", "/ip4/127.0.0.1/tcp/0"]
     with process_group([*argv, "--identity", str(tmp_path / "dht.key")]) as (_, bootstrap):
         flags = ["--initial-peers", bootstrap, "--run-id", "doctor-run"]
@@ -115,6 +117,10 @@ def test_a_config_that_differs_from_the_runs_manifest_is_named(cache, tmp_path) 
             )
             same = doctor(*flags)
             other = doctor(*flags, "--seed", "7")
+            # A manifest written by a client of another protocol version, stored later: it wins.
+            alien = msgpack.packb({"v": 99, "t": "manifest", "b": {}}, use_bin_type=True)
+            assert publisher.store(manifest_key("doctor-run"), alien, get_dht_time() + MANIFEST_TTL + 600)
+            newer = doctor(*flags)
         finally:
             publisher.shutdown()
     out = same.stdout + same.stderr
@@ -125,3 +131,7 @@ def test_a_config_that_differs_from_the_runs_manifest_is_named(cache, tmp_path) 
     assert (
         len(failed) == 1 and failed[0].startswith("FAIL  run doctor-run") and "seed: 0 != 7" in failed[0]
     ), out
+    out = newer.stdout + newer.stderr
+    assert newer.returncode == 1, out
+    failed = lines_of(out, "FAIL")
+    assert len(failed) == 1 and "its manifest cannot be read: protocol version 99" in failed[0], out
