@@ -49,6 +49,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--stage", "peer.stage"),
     Flag("--device", "peer.device"),
     Flag("--metrics", "peer.metrics"),
+    Flag("--metrics-port", "peer.metrics_port"),
     Flag("--checkpoint-dir", "peer.checkpoint_dir"),
     Flag("--step-timeout", "peer.step_timeout"),
     Flag("--initial-peers", "network.initial_peers"),
@@ -105,6 +106,7 @@ def add_peer(p: argparse.ArgumentParser) -> None:
         "--device", default=None, choices=["cpu", "cuda"], help="where this stage runs (default: cpu)"
     )
     p.add_argument("--metrics", default=None, help="append the peer's events as JSON lines to this file")
+    add_metrics_port(p, "serve Prometheus metrics at http://0.0.0.0:PORT/metrics (default: off)")
     p.add_argument(
         "--checkpoint-dir",
         default=None,
@@ -116,6 +118,10 @@ def add_peer(p: argparse.ArgumentParser) -> None:
         default=None,
         help="deadline of one pipeline step in s; also of an outer exchange unless set (default: 120)",
     )
+
+
+def add_metrics_port(p: argparse.ArgumentParser, text: str) -> None:
+    p.add_argument("--metrics-port", type=int, default=None, metavar="PORT", help=text)
 
 
 def add_network(p: argparse.ArgumentParser, *, identity_default: str | None, peers_help: str) -> None:

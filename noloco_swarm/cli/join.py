@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import faulthandler
 import json
+import logging
 import signal
+import time
 
 from rich.console import Console
+from rich.text import Text
 
 from noloco_swarm.peer.events import Final, to_dict
 from noloco_swarm.peer.joining import RunEnding
@@ -22,9 +26,39 @@ from noloco_swarm.train.config import RunConfig
 EXIT_GRACE = 60.0
 
 
-def run_join(cfg: RunConfig, steps: int, *, new_run: bool, resume: bool = False, quiet: bool = False) -> int:
-    """Run one peer as `cfg.peer` and `cfg.network` say for `steps` inner steps; 130 on a signal."""
-    console = Console(stderr=True, quiet=quiet)
+class _Say:
+    """The peer's own lines (start, end, signals): rich text on stderr, or log records (`--log-format
+    json`, one JSON object per line) under the logger `noloco_swarm.cli.join` at INFO."""
+
+    def __init__(self, quiet: bool, json_logs: bool) -> None:
+        self.console = Console(stderr=True, quiet=quiet)
+        self.logger = logging.getLogger(__name__) if json_logs and not quiet else None
+        if self.logger is not None:
+            self.logger.setLevel(logging.INFO)
+
+    def print(self, markup: str) -> None:
+        if self.logger is not None:
+            self.logger.info(Text.from_markup(markup).plain)
+        else:
+            self.console.print(markup)
+
+
+def run_join(
+    cfg: RunConfig,
+    steps: int,
+    *,
+    new_run: bool,
+    resume: bool = False,
+    quiet: bool = False,
+    log_format: str = "text",
+) -> int:
+    """Run one peer as `cfg.peer` and `cfg.network` say for `steps` inner steps; 130 on a signal.
+    `log_format` json: every line on stderr is one JSON object (cli/logs.py)."""
+    if log_format == "json":
+        from noloco_swarm.cli.logs import use_json_logs
+
+        use_json_logs()
+    console = _Say(quiet, log_format == "json")
     net = cfg.network
     stage = "auto" if cfg.peer.stage is None else str(cfg.peer.stage)
     console.print(f"[bold]noloco join[/]: run {cfg.peer.run_id}, stage {stage}, {steps} steps")
@@ -72,5 +106,6 @@ def run_join(cfg: RunConfig, steps: int, *, new_run: bool, resume: bool = False,
         f"{summary.outer_steps} outer steps, state {summary.state_hash[:16]}"
     )
     if cfg.peer.metrics is None:
-        print(json.dumps(to_dict(summary), default=str))
+        # run_peer returns the record as built, before Events stamped its copy: stamp it now.
+        print(json.dumps(to_dict(dataclasses.replace(summary, time=time.time())), default=str))
     return 0

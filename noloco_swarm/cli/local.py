@@ -215,7 +215,9 @@ def swarm_status(
     )
 
 
-def run_local_swarm(cfg: RunConfig, steps: int, *, plain: bool = False, keep: Path | None = None) -> int:
+def run_local_swarm(
+    cfg: RunConfig, steps: int, *, plain: bool = False, keep: Path | None = None, plot: bool = False
+) -> int:
     # Ctrl-C (SIGINT) must stop the swarm however this process was started: a non-interactive
     # shell's background job, or a harness, hands it SIGINT ignored, and Python then installs no
     # handler of its own, so the signal would be dropped and the run go on.
@@ -226,6 +228,11 @@ def run_local_swarm(cfg: RunConfig, steps: int, *, plain: bool = False, keep: Pa
         f"({cfg.num_stages} stages x {cfg.num_replicas} replicas, {cfg.outer.method}, H={cfg.outer.inner_steps}, "
         f"{steps} inner steps, preset {cfg.model.name}, embedded corpus)"
     )
+    if cfg.peer.metrics_port:
+        last = cfg.peer.metrics_port + cfg.num_stages * cfg.num_replicas - 1
+        console.print(
+            f"Prometheus metrics at http://{cfg.peer.metrics_host}:{cfg.peer.metrics_port}..{last}/metrics"
+        )
     start = time.perf_counter()
     live = None
     status: RunStatus | None = None
@@ -265,7 +272,15 @@ def run_local_swarm(cfg: RunConfig, steps: int, *, plain: bool = False, keep: Pa
                 live.stop()
         summaries = swarm.summaries()
         events = [e for p in swarm.peers for e in p.events()]
+        charts = {}
+        if plot:  # while the peers' event files exist (a temporary workdir goes at the end)
+            from noloco_swarm.cli.plot import load, write_charts
+
+            target = keep if keep is not None else Path("runs") / time.strftime("local-%Y%m%d-%H%M%S")
+            charts = write_charts(load(swarm.workdir), target / "plots")
     console.print(_swarm_summary(status, summaries, events, interrupted))
+    if charts:
+        console.print("charts: " + ", ".join(str(p) for p in charts.values()), soft_wrap=True)
     return 130 if interrupted else 0
 
 

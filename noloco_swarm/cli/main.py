@@ -10,6 +10,7 @@ from pathlib import Path
 
 from noloco_swarm.cli.flags import (
     PRECEDENCE,
+    add_metrics_port,
     add_network,
     add_peer,
     add_run,
@@ -17,6 +18,7 @@ from noloco_swarm.cli.flags import (
     add_testbed,
     resolve_args,
 )
+from noloco_swarm.cli.logs import LOG_FORMATS
 from noloco_swarm.cli.options import ConfigError, Layer, Resolved
 from noloco_swarm.train.config import Runner
 
@@ -48,6 +50,15 @@ def parser() -> argparse.ArgumentParser:
         help="run the swarm inside this process (the simulator), no network",
     )
     local.add_argument("--keep", type=Path, default=None, help="keep peer logs and metrics in this folder")
+    local.add_argument(
+        "--plot",
+        action="store_true",
+        help="at the end, write the run's charts (noloco plot) to KEEP/plots, or runs/local-<time>/plots",
+    )
+    add_metrics_port(
+        local,
+        "serve each peer's Prometheus metrics: the first at PORT, the next at PORT+1, ... (default: off)",
+    )
 
     join = sub.add_parser(
         "join",
@@ -67,6 +78,12 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="continue from the newest checkpoint in --checkpoint-dir (a stopped swarm restarts "
         "from it; a running one is joined as a late joiner)",
+    )
+    join.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default="text",
+        help="json: one JSON object per line on stderr, for systemd, Docker and log collectors (default: text)",
     )
     join.add_argument("--run-config", type=Path, default=None, help=argparse.SUPPRESS)  # from noloco local
     join.add_argument("--die-with-parent", action="store_true", help=argparse.SUPPRESS)
@@ -118,6 +135,41 @@ def parser() -> argparse.ArgumentParser:
     status.add_argument("--once", action="store_true", help="print one snapshot and exit")
     status.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
 
+    doctor = sub.add_parser(
+        "doctor",
+        help="preflight checks before joining: daemon, port, bootstrap peers, memory, versions",
+        description="Check that this machine can join a swarm: p2pd starts, the port is free, the "
+        "bootstrap peers answer, the run's manifest matches (with --run-id), the stage fits in memory, "
+        "the installed versions match. Each failure comes with a one-line fix; exit 0 only if all pass.",
+        epilog=EPILOG,
+    )
+    add_run(doctor, replicas=2, steps=300)
+    add_sources(doctor)
+    add_peer(doctor)
+    add_network(doctor, identity_default=None, peers_help="multiaddrs of the bootstrap peers to dial")
+    doctor.add_argument("--port", type=int, default=None, help="the TCP port noloco join will listen on")
+    doctor.add_argument(
+        "--memory-limit",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="memory this peer may use, if less than what is free (e.g. to leave room for other work)",
+    )
+    doctor.add_argument(
+        "--timeout", type=float, default=10.0, help="seconds to wait for each bootstrap peer (default: 10)"
+    )
+
+    plot = sub.add_parser(
+        "plot",
+        help="PNG charts of a run from its peers' event files (noloco local --keep DIR)",
+        description="Charts of loss, validation perplexity, tokens/s and bytes per peer, against steps and "
+        "wall-clock time, from the *.jsonl event files in RUN_DIR.",
+    )
+    plot.add_argument(
+        "run_dir", type=Path, metavar="RUN_DIR", help="a folder of *.jsonl event files, or one file"
+    )
+    plot.add_argument("--out", type=Path, default=None, help="output folder (default: RUN_DIR/plots)")
+
     sub.add_parser("presets", help="list model presets and their parameter counts")
     sub.add_parser("keys", help="list every config key with its type and meaning")
     return p
@@ -128,6 +180,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "presets":
             return _presets()
+        if args.command == "plot":
+            from noloco_swarm.cli.plot import run_plot
+
+            return run_plot(args.run_dir, args.out)
         if args.command == "keys":
             from noloco_swarm.cli.keys import describe_keys
 
@@ -140,6 +196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "dht": _dht,
             "status": _status,
             "testbed": _testbed,
+            "doctor": _doctor,
         }
         return commands[args.command](args)
     except ConfigError as e:
@@ -193,7 +250,7 @@ def _local(args: argparse.Namespace) -> int:
         return run_local(resolved.cfg, args.steps, plain=args.plain)
     if args.keep:
         args.keep.mkdir(parents=True, exist_ok=True)
-    return run_local_swarm(resolved.cfg, args.steps, plain=args.plain, keep=args.keep)
+    return run_local_swarm(resolved.cfg, args.steps, plain=args.plain, keep=args.keep, plot=args.plot)
 
 
 def _testbed(args: argparse.Namespace) -> int:
@@ -262,7 +319,22 @@ def _join(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    return run_join(cfg, args.steps, new_run=args.new_run, resume=args.resume)
+    return run_join(cfg, args.steps, new_run=args.new_run, resume=args.resume, log_format=args.log_format)
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    resolved = resolve_args(args, JOIN_DEFAULTS)
+    if args.print_config:
+        return _print_config(resolved, "doctor")
+    from noloco_swarm.cli.doctor import run_doctor
+
+    return run_doctor(
+        resolved.cfg,
+        port=args.port,
+        memory_limit=args.memory_limit,
+        timeout=args.timeout,
+        refusals=resolved.cfg.refusals("peer", resolved.explicit),
+    )
 
 
 def _sim_layer(method: str) -> Layer:

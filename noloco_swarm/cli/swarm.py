@@ -93,6 +93,8 @@ class LocalSwarm:
         where = self.place(stage, d) if self.place is not None else Placement()
         argv = [*where.prefix, sys.executable, "-m", "noloco_swarm.cli.main"]
         argv += self.join_argv(stage, metrics, where)
+        if self.cfg.peer.metrics_port is not None:  # the first peer's port; the others follow it
+            argv += ["--metrics-port", str(self.metrics_port(len(self.peers)))]
         if self.durable:  # the same files at every start, so a restart is the same peer
             argv += ["--identity", str(self.workdir / f"peer-{name}-{d}.key")]
             argv += ["--checkpoint-dir", str(self.checkpoints(stage, d))]
@@ -107,6 +109,13 @@ class LocalSwarm:
         peer = PeerProcess(stage, d, proc, metrics, log)
         self.peers.append(peer)
         return peer
+
+    def metrics_port(self, index: int) -> int:
+        """The metrics port of the `index`-th peer started (cfg.peer.metrics_port + index)."""
+        base = self.cfg.peer.metrics_port
+        if base is None:
+            raise ValueError("this swarm's peers serve no metrics (peer.metrics_port is not set)")
+        return base + index if base else 0  # 0: each peer picks a free port
 
     def checkpoints(self, stage: int | None, replica: int) -> Path:
         """The checkpoint folder of a durable swarm's peer."""
@@ -125,6 +134,7 @@ class LocalSwarm:
             "--set", f"peer.exchange_timeout={p.exchange_timeout}", "--set", f"peer.start_timeout={p.start_timeout}",
             "--set", f"peer.join_timeout={p.join_timeout}", "--set", f"peer.heartbeat_ttl={p.heartbeat_ttl}",
             "--set", f"peer.event_loop={p.event_loop}", "--set", f"peer.state_serve_rate={p.state_serve_rate}",
+            "--set", f"peer.metrics_host={p.metrics_host}", "--set", f"peer.metrics_linger={p.metrics_linger}",
             "--die-with-parent",
         ]  # fmt: skip
 

@@ -1,4 +1,4 @@
-"""Typed metric events of a peer, and the sinks they go to (JSON lines now; Prometheus later).
+"""Typed metric events of a peer, and the sinks they go to (JSON lines here; Prometheus: metrics.py).
 
 A peer reports what it did as frozen records (`Step`, `Outer`, `Membership`, ...) through one
 `Events` object, which hands each record to every sink. `JsonLines` writes one JSON object per

@@ -70,6 +70,8 @@ async def run_peer(
     dht = None
     sink = events.Events([events.JsonLines(opts.metrics)] if opts.metrics else [])
     try:
+        if opts.metrics_port is not None:
+            sink.sinks.append(_prometheus(cfg, transport))
         # The DHT shares the transport's daemon: one libp2p identity and one p2pd per peer.
         dht = await asyncio.to_thread(
             DHT, initial_peers=list(net.initial_peers), p2p=transport.p2p, start=True
@@ -105,6 +107,29 @@ async def run_peer(
         if dht is not None:
             await asyncio.to_thread(dht.shutdown)
         await transport.shutdown()
+
+
+def _prometheus(cfg: RunConfig, transport: Transport) -> events.Sink:
+    """The metrics endpoint (peer/metrics.py); a port in use fails the start, saying which."""
+    from noloco_swarm.peer.metrics import Prometheus
+
+    opts = cfg.peer
+    assert opts.metrics_port is not None
+    try:
+        sink = Prometheus(
+            opts.metrics_port,
+            opts.metrics_host,
+            linger=opts.metrics_linger,
+            run_id=opts.run_id,
+            bytes_source=transport.byte_counts,
+        )
+    except OSError as e:
+        raise OSError(
+            f"cannot serve metrics at {opts.metrics_host}:{opts.metrics_port} ({e.strerror}): "
+            "choose another --metrics-port, or stop what uses it"
+        ) from e
+    logger.warning("metrics at http://%s:%d/metrics", opts.metrics_host, sink.port)
+    return sink
 
 
 async def _run_until_left(

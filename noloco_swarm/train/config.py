@@ -32,6 +32,14 @@ class PeerConfig:
     """The stage this peer hosts; None: the stage with the fewest replicas (`--stage auto`)."""
     metrics: str | None = None
     """Append the peer's typed events as JSON lines to this file."""
+    metrics_port: int | None = None
+    """Serve the peer's Prometheus metrics at http://metrics_host:PORT/metrics (None: no endpoint;
+    under `noloco local`, the first peer's port, the others' follow it)."""
+    metrics_host: str = "0.0.0.0"
+    """The address the metrics endpoint listens on (127.0.0.1: this machine only)."""
+    metrics_linger: float = 0.0
+    """Seconds the metrics endpoint keeps serving after the peer finishes, so that the last scrape
+    sees its final values (the process stays up that long)."""
     device: str = "cpu"
     """Where this stage computes (cpu or cuda); tensors cross the network from the CPU."""
     step_timeout: float = 120.0
@@ -61,6 +69,10 @@ class PeerConfig:
             raise ValueError(f"peer.stage must be >= 0 or auto, got {self.stage}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"peer.device must be cpu or cuda, got {self.device!r}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"peer.metrics_port must be a TCP port 0..65535, got {self.metrics_port}")
+        if not self.metrics_linger >= 0:
+            raise ValueError(f"peer.metrics_linger must be >= 0 seconds, got {self.metrics_linger}")
         if self.checkpoint_every < 1 or self.checkpoint_keep < 1:
             raise ValueError("peer.checkpoint_every and peer.checkpoint_keep must be >= 1")
         if self.event_loop not in EVENT_LOOPS:

@@ -1,0 +1,434 @@
+"""`noloco doctor`: preflight checks before joining a swarm, each failure with a one-line fix.
+
+The most common failures of hivemind-based clients are a libp2p daemon that does not start,
+bootstrap peers that do not answer, a port someone else holds, running out of memory and
+mismatched versions. Each check here does the real thing where it can (starts p2pd, binds the
+port, dials the bootstrap peers through hivemind, reads the run's manifest from the DHT) and
+estimates where it cannot (memory: train/memory.py against what is free).
+
+Not checked (yet): whether the bootstrap can dial us back on the chosen port (it would need the
+bootstrap's help), and the clock's offset from the swarm's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import tomllib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+from noloco_swarm.train import memory
+from noloco_swarm.train.config import RunConfig
+
+SETUP = "run bash scripts/setup.sh (or pip install -c constraints.txt -e .) in your noloco-swarm checkout"
+HIVEMIND_PIN = "hivemind==1.1.12"
+RETRY = "the bootstrap answered but the DHT did not: try again, or raise --timeout on a slow link"
+
+
+@dataclass(frozen=True)
+class Check:
+    """One preflight check's outcome; `fix` says in one line what to do when it failed."""
+
+    name: str
+    ok: bool
+    detail: str
+    fix: str = ""
+
+
+# ------------------------------------------------------------------------ the libp2p daemon
+
+
+def p2pd_binary() -> Path:
+    import hivemind
+
+    return Path(hivemind.__file__).parent / "hivemind_cli" / "p2pd"
+
+
+async def start_p2p():  # -> hivemind.P2P, typed loosely: hivemind is imported lazily
+    from hivemind.p2p import P2P
+
+    from noloco_swarm.peer.lifetime import children_die_with_us
+
+    with children_die_with_us():
+        return await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+
+
+def p2pd_check(error: BaseException | None) -> Check:
+    binary = p2pd_binary()
+    if error is None:
+        return Check("p2pd", True, f"hivemind's libp2p daemon starts ({binary})")
+    if not binary.exists():
+        why = f"{binary} is missing"
+    elif not os.access(binary, os.X_OK):
+        why = f"{binary} is not executable"
+    else:
+        why = f"{type(error).__name__}: {error}"
+    return Check(
+        "p2pd",
+        False,
+        f"the libp2p daemon did not start: {why}",
+        f"reinstall hivemind with its daemon: pip install --force-reinstall --no-deps {HIVEMIND_PIN} "
+        "(on ARM or musl, build p2pd from source: see hivemind's install docs)",
+    )
+
+
+# ------------------------------------------------------------------------ ports
+
+
+def port_check(host: str, port: int, what: str, fix: str) -> Check:
+    """Bind `host:port` as the daemon would (SO_REUSEADDR, as Go sets it): held by another
+    listening socket, the bind fails."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+            s.listen(1)
+        except OSError as e:
+            return Check(f"port {port}", False, f"{what} {host}:{port} is not free: {e.strerror}", fix)
+    return Check(f"port {port}", True, f"{what} {host}:{port} is free")
+
+
+def listen_ports(maddrs: Sequence[str]) -> list[tuple[str, int]]:
+    """(host, port) of every listen multiaddr with a fixed TCP port (port 0 is picked at start)."""
+    out = []
+    for maddr in maddrs:
+        parts = maddr.strip("/").split("/")
+        fixed = len(parts) >= 4 and parts[0] in ("ip4", "ip6") and parts[2] == "tcp"
+        if fixed and parts[3].isdigit() and int(parts[3]) != 0:
+            out.append((parts[1], int(parts[3])))
+    return out
+
+
+# ------------------------------------------------------------------------ bootstrap peers
+
+
+async def bootstrap_check(p2p, maddr: str, timeout: float) -> Check:
+    """Dial `maddr` through our daemon: libp2p's handshake also proves the peer id is the one named."""
+    from hivemind.p2p import PeerID
+    from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure, P2PDaemonError
+    from hivemind.utils.multiaddr import Multiaddr
+
+    name = f"bootstrap {maddr}"
+    try:
+        address = Multiaddr(maddr)
+        named = address.value_for_protocol("p2p")
+        peer_id = PeerID.from_base58(named)
+        address = address.decapsulate(Multiaddr(f"/p2p/{named}"))  # the daemon dials the bare address
+    except Exception as e:  # noqa: BLE001  (multiaddr raises many kinds of error for bad text)
+        return Check(
+            name,
+            False,
+            f"not a peer address: {e}",
+            "give the full address the bootstrap node printed, e.g. /ip4/1.2.3.4/tcp/31337/p2p/Qm...",
+        )
+    try:
+        async with asyncio.timeout(timeout):
+            await p2p._client.connect(peer_id, [address])
+    except TimeoutError:
+        return Check(
+            name,
+            False,
+            f"no answer within {timeout:.0f} s",
+            "a firewall or NAT drops the connection: open the bootstrap's TCP port, or use a reachable bootstrap",
+        )
+    except (ControlFailure, P2PDaemonError, OSError) as e:
+        text = str(e)
+        mismatch = [line.strip(" *") for line in text.splitlines() if "peer id mismatch" in line.lower()]
+        if mismatch:
+            text = mismatch[0].split("] ", 1)[
+                -1
+            ]  # "... peer id mismatch: expected X, but remote key matches Y"
+            fix = "another node answers at that address: copy the --initial-peers the bootstrap prints again"
+        else:
+            fix = (
+                "nothing answers there: is the bootstrap node running (noloco dht), and are its IP and "
+                "port right? A restarted node without --identity has a new peer id"
+            )
+        return Check(name, False, f"dial failed: {_first_line(text)}", fix)
+    return Check(name, True, "answers (libp2p connection made, peer id verified)")
+
+
+async def identity_check(path: str, initial_peers: Sequence[str]) -> Check:
+    """Is a live node of the swarm already using the key in `path` (another copy of this peer)?"""
+    from hivemind.p2p import P2P
+
+    from noloco_swarm.peer.lifetime import children_die_with_us
+
+    with children_die_with_us():
+        taken = await P2P.is_identity_taken(
+            path,
+            initial_peers=list(initial_peers),
+            tls=True,
+            use_auto_relay=False,
+            use_ipfs=False,
+            use_relay=True,
+        )
+    if taken:
+        return Check(
+            "identity",
+            False,
+            f"a live node of the swarm already runs with the key in {path}",
+            "stop the other process that uses this key, or give this one its own --identity file",
+        )
+    return Check("identity", True, f"no live node uses the key in {path}")
+
+
+def _first_line(text: str, limit: int = 200) -> str:
+    line = text.strip().splitlines()[0] if text.strip() else "(no message)"
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def manifest_check(cfg: RunConfig, timeout: float) -> Check:
+    """Read the run's manifest through a client-mode DHT node and compare it with our config."""
+    from noloco_swarm.peer.directory import manifest_key
+    from noloco_swarm.peer.node import start_dht
+    from noloco_swarm.protocol import messages
+    from noloco_swarm.train.config import NetworkConfig
+
+    run_id = cfg.peer.run_id
+    dht = start_dht(NetworkConfig(initial_peers=cfg.network.initial_peers, client_mode=True))
+    try:  # read the record raw: a peer's directory skips one it cannot decode, we must name why
+        future = dht.get(manifest_key(run_id), latest=True, return_future=True)
+        found = future.result(timeout=timeout)
+    except TimeoutError:
+        future.cancel()
+        return Check(f"run {run_id}", False, f"the DHT did not answer within {timeout:.0f} s", RETRY)
+    finally:
+        dht.shutdown()
+    existing = None
+    if found is not None:
+        try:
+            existing = messages.decode(found.value, messages.RunManifest)
+        except messages.MessageError as e:
+            return Check(
+                f"run {run_id}",
+                False,
+                f"its manifest cannot be read: {e}",
+                "the run uses another noloco-swarm version (protocol): install the one the run uses",
+            )
+    if existing is None:
+        return Check(f"run {run_id}", True, "no manifest yet: the first peer starts it with --new-run")
+    mine = messages.RunManifest.create(run_id, cfg.manifest())
+    if existing.config_hash == mine.config_hash:
+        return Check(f"run {run_id}", True, "your config matches the run's manifest")
+    diff = existing.differences(mine)
+    return Check(
+        f"run {run_id}",
+        False,
+        f"your config differs from the run's in {len(diff)} key(s): {'; '.join(diff[:3])}",
+        "use the run's config (the organiser's --config file, or --set KEY=VALUE for each key above)",
+    )
+
+
+# ------------------------------------------------------------------------ memory
+
+
+def free_memory(device: str) -> tuple[int, str]:
+    """Bytes free for a new peer on `device`, and where the figure comes from."""
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            return 0, "no CUDA device visible to torch"
+        free, _ = torch.cuda.mem_get_info()
+        return free, f"free on {torch.cuda.get_device_name()}"
+    meminfo = dict(
+        (line.split(":")[0], int(line.split()[1]) * 1024)
+        for line in Path("/proc/meminfo").read_text().splitlines()
+        if line.split()[-1] == "kB"
+    )
+    free, source = meminfo.get("MemAvailable", 0), "MemAvailable"
+    cgroup = Path("/sys/fs/cgroup")
+    try:  # a container's cgroup v2 limit may be tighter than the machine's free memory
+        limit = (cgroup / "memory.max").read_text().strip()
+        if limit != "max":
+            room = int(limit) - int((cgroup / "memory.current").read_text())
+            if room < free:
+                free, source = room, "room under this cgroup's memory.max"
+    except (OSError, ValueError):
+        pass
+    return free, source
+
+
+def memory_check(cfg: RunConfig, stage: int | None, limit_gib: float | None) -> Check:
+    need = memory.estimate(cfg, stage) if stage is not None else memory.largest(cfg)
+    free, source = free_memory(cfg.peer.device)
+    name = f"memory ({cfg.peer.device})"
+    if cfg.peer.device == "cuda" and free == 0:
+        return Check(
+            name, False, source, "use --device cpu, or install torch's CUDA build on a machine with a GPU"
+        )
+    if limit_gib is not None and limit_gib * memory.GIB < free:
+        free, source = int(limit_gib * memory.GIB), "--memory-limit"
+    detail = f"needs about {need.describe()}; {free / memory.GIB:.2f} GiB {source}"
+    if need.total <= free:
+        return Check(name, True, detail)
+    return Check(
+        name,
+        False,
+        detail,
+        "lower inner.batch_size (--set inner.batch_size=N), run more stages (--stages), a smaller "
+        "--preset, or a device with more memory",
+    )
+
+
+# ------------------------------------------------------------------------ versions
+
+
+def declared_requirements() -> list[str]:
+    """The package's dependencies: from the source checkout's pyproject.toml if this runs from one
+    (the editable install's metadata may be older), else from the installed metadata."""
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+    if pyproject.exists():
+        return list(tomllib.loads(pyproject.read_text())["project"]["dependencies"])
+    return [r for r in metadata.requires("noloco-swarm") or [] if "extra ==" not in r]
+
+
+def pinned() -> dict[str, str]:
+    """constraints.txt's exact pins (name -> version), where the checkout has one."""
+    path = Path(__file__).resolve().parents[2] / "constraints.txt"
+    if not path.exists():
+        return {}
+    out = {}
+    for line in path.read_text().splitlines():
+        name, sep, version = line.split("#")[0].strip().partition("==")
+        if sep:
+            out[_canonical(name)] = version.strip()
+    return out
+
+
+def _canonical(name: str) -> str:
+    return name.lower().replace("_", "-").replace(".", "-")
+
+
+def versions_check() -> Check:
+    from packaging.requirements import Requirement
+
+    pins, problems = pinned(), []
+    for text in declared_requirements():
+        req = Requirement(text)
+        try:
+            installed = metadata.version(req.name)
+        except metadata.PackageNotFoundError:
+            problems.append(f"{req.name} is not installed")
+            continue
+        if installed.split("+")[0] not in req.specifier and installed not in req.specifier:
+            problems.append(f"{req.name} {installed} is outside {req.specifier}")
+        elif (pin := pins.get(_canonical(req.name))) is not None and installed.split("+")[0] != pin:
+            problems.append(f"{req.name} {installed} is not the tested {pin} (constraints.txt)")
+    if problems:
+        return Check("versions", False, "; ".join(problems), SETUP)
+    return Check("versions", True, f"{len(declared_requirements())} dependencies match pyproject/constraints")
+
+
+# ------------------------------------------------------------------------ the whole run
+
+
+async def _network_checks(cfg: RunConfig, timeout: float) -> list[Check]:
+    try:
+        p2p = await start_p2p()
+    except Exception as e:  # noqa: BLE001  (whatever stops the daemon is what the volunteer must see)
+        return [p2pd_check(e)]
+    checks = [p2pd_check(None)]
+    try:
+        async with asyncio.TaskGroup() as group:
+            dials = [group.create_task(bootstrap_check(p2p, m, timeout)) for m in cfg.network.initial_peers]
+        checks += [d.result() for d in dials]
+    finally:
+        await p2p.shutdown()
+    answered = [m for m, c in zip(cfg.network.initial_peers, checks[1:], strict=True) if c.ok]
+    identity = cfg.network.identity_path
+    if identity and Path(identity).exists() and answered:
+        checks.append(await identity_check(identity, answered))
+    if not cfg.network.initial_peers:
+        checks.append(
+            Check(
+                "bootstrap",
+                True,
+                "no --initial-peers given: not checked (a peer needs them to join a swarm)",
+            )
+        )
+    return checks
+
+
+def config_check(refusals: Sequence[str]) -> Check:
+    """What `noloco join` would refuse in this config before starting (RunConfig.refusals)."""
+    if not refusals:
+        return Check("config", True, "noloco join can run this config")
+    more = f" (and {len(refusals) - 1} more)" if len(refusals) > 1 else ""
+    return Check(
+        "config",
+        False,
+        refusals[0] + more,
+        "noloco join refuses this config before it starts: change what the message names (--print-config shows its source)",
+    )
+
+
+def run_checks(
+    cfg: RunConfig,
+    *,
+    port: int | None,
+    memory_limit: float | None,
+    timeout: float = 10.0,
+    refusals: Sequence[str] = (),
+) -> list[Check]:
+    """Every check, in the order a volunteer would fix them."""
+    checks = [config_check(refusals), *asyncio.run(_network_checks(cfg, timeout))]
+    listen = [("0.0.0.0", port)] if port else []
+    listen += [hp for hp in listen_ports(cfg.network.host_maddrs) if hp[1] != port]
+    for host, p in listen:
+        fix = (
+            f"stop what holds it (ss -ltnp 'sport = :{p}' shows it) or choose another: "
+            f"--host-maddrs /ip4/0.0.0.0/tcp/OTHER"
+        )
+        checks.append(port_check(host, p, "listen port", fix))
+    if not listen:
+        checks.append(
+            Check("port", True, "no fixed port: the daemon picks a free one (give --port to check one)")
+        )
+    if cfg.peer.metrics_port:
+        checks.append(
+            port_check(
+                cfg.peer.metrics_host,
+                cfg.peer.metrics_port,
+                "metrics port",
+                "stop what holds it or choose another --metrics-port",
+            )
+        )
+    answered = [c for c in checks if c.name.startswith("bootstrap ") and c.ok]
+    if cfg.peer.run_id and answered:
+        checks.append(manifest_check(cfg, timeout))
+    checks.append(memory_check(cfg, cfg.peer.stage, memory_limit))
+    checks.append(versions_check())
+    return checks
+
+
+def report(checks: Sequence[Check]) -> str:
+    lines = []
+    for c in checks:
+        lines.append(f"{'ok  ' if c.ok else 'FAIL'}  {c.name}: {c.detail}")
+        if not c.ok:
+            lines.append(f"      fix: {c.fix}")
+    failed = sum(not c.ok for c in checks)
+    lines.append(
+        f"all {len(checks)} checks passed" if not failed else f"{failed} of {len(checks)} checks failed"
+    )
+    return "\n".join(lines)
+
+
+def run_doctor(
+    cfg: RunConfig,
+    *,
+    port: int | None,
+    memory_limit: float | None,
+    timeout: float,
+    refusals: Sequence[str] = (),
+) -> int:
+    checks = run_checks(cfg, port=port, memory_limit=memory_limit, timeout=timeout, refusals=refusals)
+    print(report(checks), flush=True)
+    return 0 if all(c.ok for c in checks) else 1
