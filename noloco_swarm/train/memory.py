@@ -2,17 +2,18 @@
 
 A replica holds six fp32 copies of its stage's parameters: the weights, their gradients, AdamW's
 two moments, the slow weights phi and the outer momentum delta (6 x 4 bytes per parameter). On
-top: the activations kept for backward for the whole batch (every microbatch of a step is in
-flight before the flush), the last stage's logits and their gradient, and a fixed overhead per
+top: the activations kept for backward (the whole batch on stages before the last, whose
+microbatches are all in flight before the flush; one microbatch on the last stage, which
+backpropagates each at once), the last stage's logits and their gradient, and a fixed overhead per
 peer process (Python and torch, the forked DHT process, p2pd), about 0.9 GiB on CPU as measured
 for issue 14.
 
 Known limits: the activation term counts the tensors a Llama layer keeps per token (norm inputs,
 q/k/v, attention output, the SwiGLU's three ffn-wide tensors) and, under eager attention, the
 T x T probabilities; allocator slack and the outer exchange's received copies are not counted.
-It is meant for "does this fit", not for sizing to the last megabyte, and errs high: the whole
-batch's logits, log-softmax and gradient are counted as alive at once, which has not yet been checked
-against a measured peak of a real preset.
+It is meant for "does this fit", not for sizing to the last megabyte, and errs high: a
+microbatch's logits, log-softmax and gradient are counted as alive at once, which has not yet been
+checked against a measured peak of a real preset.
 """
 
 from __future__ import annotations
@@ -63,8 +64,11 @@ def estimate(cfg: RunConfig, stage: int) -> MemoryEstimate:
     per_token_layer = FP32 * (8 * h + 5 * f)
     if m.attn_implementation == "eager":
         per_token_layer += FP32 * 2 * m.num_heads * m.seq_len  # scores and probabilities
-    activations = tokens * len(layers) * per_token_layer + tokens * h * FP32 * 2  # + rows in and out
-    logits = tokens * m.vocab_size * FP32 * 3 if last else 0  # logits, log-softmax, their gradient
+    # The last stage backpropagates each microbatch as soon as it ran it: one microbatch is alive
+    # there; the stages before it keep every microbatch of the step until its gradients return.
+    alive = tokens // cfg.inner.microbatches if last else tokens
+    activations = alive * len(layers) * per_token_layer + tokens * h * FP32 * 2  # + rows in and out
+    logits = alive * m.vocab_size * FP32 * 3 if last else 0  # logits, log-softmax, their gradient
     return MemoryEstimate(
         stage=stage,
         parameters=params,
