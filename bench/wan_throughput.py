@@ -6,7 +6,8 @@ Every peer runs on its own emulated host (`noloco testbed`'s machinery). Each pr
 `inner.microbatches` (M) and `wire.activations`. Per profile and variant: tokens/s over outer
 periods 2 and 3 (steps H to 3H, outer steps included) and the utilisation, tokens/s over the
 best tokens/s of the same swarm on an unshaped link (its compute-bound rate, the best of the
-variants run unshaped). Each profile also states the ratio of one hop's activation transfer
+variants run unshaped); and the inner steps' utilisation alone (the best unshaped median step
+time over this one's), which leaves out the outer exchange (its weights cross the same link). Each profile also states the ratio of one hop's activation transfer
 (fp32, one direction) to a stage's compute per step, measured from the unshaped run.
 
     sudo nice -n 10 python bench/wan_throughput.py --out docs/results/wan_throughput.json
@@ -70,6 +71,7 @@ def main() -> None:
     print("unshaped (the compute-bound rate):")
     unshaped = {name: run(name, None, 0.0) for name in args.unshaped.split(",")}
     best = max(r["tokens_per_s"] for r in unshaped.values())
+    best_step = min(r["step_s"] for r in unshaped.values())  # inner steps only, outer steps apart
     cfg = cfgs["today: M=1 fp32"] if "today: M=1 fp32" in cfgs else next(iter(cfgs.values()))
     rows = (args.batch_size, args.seq_len, cfg.model.hidden_size)
     compute_s = unshaped["today: M=1 fp32"]["step_s"] / 2 if "today: M=1 fp32" in unshaped else None
@@ -87,6 +89,7 @@ def main() -> None:
                 "hop_transfer_over_stage_compute": None if compute_s is None else hop_s / compute_s,
                 "runs": runs,
                 "utilisation": {name: r["tokens_per_s"] / best for name, r in runs.items()},
+                "inner_step_utilisation": {name: best_step / r["step_s"] for name, r in runs.items()},
             }
         )
     for p in profiles:
@@ -96,7 +99,10 @@ def main() -> None:
             f"(fp32 hop transfer / stage compute per step: {'?' if ratio is None else f'{ratio:.1f}'})"
         )
         for name, u in p["utilisation"].items():
-            print(f"  {name:18s} utilisation {u:.3f}  ({p['runs'][name]['tokens_per_s']:.0f} tokens/s)")
+            print(
+                f"  {name:18s} utilisation {u:.3f}  ({p['runs'][name]['tokens_per_s']:.0f} tokens/s); "
+                f"inner steps alone {p['inner_step_utilisation'][name]:.3f}"
+            )
     print(f"best unshaped: {best:.0f} tokens/s")
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
