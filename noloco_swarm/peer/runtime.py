@@ -31,7 +31,14 @@ from noloco_swarm.peer.checkpoint import Checkpoint
 from noloco_swarm.peer.context import PeerContext
 from noloco_swarm.peer.directory import RunDirectory
 from noloco_swarm.peer.evaluation import Evaluation
-from noloco_swarm.peer.exchange import ByteLedger, ExchangeBoard, take_outer_step
+from noloco_swarm.peer.exchange import (
+    ByteLedger,
+    ExchangeBoard,
+    PendingOuter,
+    finish_outer_step,
+    start_outer_step,
+    take_outer_step,
+)
 from noloco_swarm.peer.inner import InnerSteps
 from noloco_swarm.peer.joining import Joining
 from noloco_swarm.peer.resume import Resume, SwarmMovedOn
@@ -77,6 +84,8 @@ class Peer:
         self.outer_steps = 0
         self.dropped_partners = 0
         self.last_loss: float | None = None
+        self.pending: PendingOuter | None = None  # an overlapped outer step under way
+        self.resumed_pending: int | None = None  # a boundary resumed from, its exchange still to run
         transport.register("rpc_status", self.rpc_status)
 
     # ------------------------------------------------------------------ the whole run
@@ -128,7 +137,7 @@ class Peer:
                 await self._resume(checkpoint)
             except SwarmMovedOn as e:
                 logger.warning("%s: its state is stale, so this peer joins as a late joiner", e)
-                late = True
+                late, self.resumed_pending = True, None
         if late:
             await self.joining.join_late(self.steps)
         elif checkpoint is None:
@@ -153,7 +162,20 @@ class Peer:
         return seconds, await self.evaluation.evaluate()
 
     async def train(self) -> None:
+        try:
+            await self._train()
+        finally:  # excluded, failed or stopped with an overlapped exchange in flight: drop it
+            if self.pending is not None:
+                pending, self.pending = self.pending, None
+                await pending.abandon()
+
+    async def _train(self) -> None:
         ctx = self.ctx
+        if self.resumed_pending is not None and self.resumed_pending == ctx.step:
+            # Resumed from a checkpoint written at a boundary before its overlapped exchange
+            # started: every member resumed from this step runs that exchange again.
+            self.pending = await start_outer_step(ctx, self.board, self.ledger)
+        self.resumed_pending = None
         previous = time.monotonic()
         while ctx.step < self.steps:
             t = ctx.step
@@ -179,26 +201,62 @@ class Peer:
                     tokens_per_second=ctx.B * ctx.cfg.model.seq_len / seconds,
                 )
             )
-            if ctx.clock.outer_step_due(ctx.step):
-                if ctx.cfg.outer.method in ("noloco", "diloco"):
-                    outer = await take_outer_step(ctx, self.board, self.ledger)
-                    self.outer_steps += 1
-                    self.dropped_partners += len(outer.failed)
-                    ctx.events.emit(outer)
-                await self.resume.save(
-                    joined_round=self.joining.joined_round,
-                    outer_steps=self.outer_steps,
-                    tokens=self.tokens,
-                    final=ctx.step >= self.steps or self.leaving is not None,
-                )
-                if ctx.step < self.steps:
-                    try:
-                        await self._advance_view()
-                    except PeerExcluded:
-                        if self.leaving is None:
-                            raise
-                        ctx.events.emit(events.Left(step=ctx.step, announced_round=self.leaving))
-                        return  # the view we announced we would leave: done, nobody waits for us
+            if self.pending is not None and ctx.step >= self.pending.apply_at:
+                await self._finish_outer()  # k steps after its boundary: wait if still in flight
+            if ctx.clock.outer_step_due(ctx.step) and await self._boundary():
+                return
+        await self._finish_outer()  # the run ends before k steps are up: complete the exchange
+
+    async def _boundary(self) -> bool:
+        """After the last inner step of a round: the outer step (started, with overlap), the
+        checkpoint if due, the next round's view. True if this peer leaves the swarm here.
+
+        Checkpoints are written where no exchange is in flight: after a blocking outer step, or
+        with overlap at the boundary before the exchange starts, holding theta as well (see
+        checkpoint.py): a swarm resumed from them runs that exchange again, from the same
+        tensors, so it still equals the run that never stopped."""
+        ctx, method = self.ctx, self.ctx.cfg.outer.method
+        final = ctx.step >= self.steps or self.leaving is not None
+        if method in ("noloco", "diloco") and ctx.cfg.outer.overlap_steps > 0:
+            await self._save(final, with_theta=True)
+            self.pending = await start_outer_step(ctx, self.board, self.ledger)
+        else:
+            if method in ("noloco", "diloco"):
+                self._record(await take_outer_step(ctx, self.board, self.ledger))
+            await self._save(final)
+        if ctx.step >= self.steps:
+            return False
+        try:
+            await self._advance_view()
+        except PeerExcluded:
+            if self.leaving is None:
+                raise
+            await self._finish_outer()  # serve this boundary's exchange to our partners first
+            ctx.events.emit(events.Left(step=ctx.step, announced_round=self.leaving))
+            return True  # the view we announced we would leave: done, nobody waits for us
+        return False
+
+    async def _finish_outer(self) -> None:
+        """Apply the overlapped outer step under way, if any (waiting for its exchange)."""
+        if self.pending is None:
+            return
+        outer = await finish_outer_step(self.pending)
+        self.pending = None
+        self._record(outer)
+
+    def _record(self, outer: events.Outer) -> None:
+        self.outer_steps += 1
+        self.dropped_partners += len(outer.failed)
+        self.ctx.events.emit(outer)
+
+    async def _save(self, final: bool, *, with_theta: bool = False) -> None:
+        await self.resume.save(
+            joined_round=self.joining.joined_round,
+            outer_steps=self.outer_steps,
+            tokens=self.tokens,
+            final=final,
+            with_theta=with_theta,
+        )
 
     async def _check_not_left_behind(self, t: int) -> None:
         """After a step that outlasted the step deadline (this process was stopped, its link cut,
@@ -235,6 +293,7 @@ class Peer:
         ckpt = await self.resume.restore(checkpoint)
         self.joining.joined_round = ckpt.joined_round
         self.outer_steps, self.tokens = ckpt.outer_steps, ckpt.tokens
+        self.resumed_pending = ckpt.step if "theta" in ckpt.parts else None
 
     async def _advance_view(self) -> None:
         """At a round boundary: freeze the next round's view; keep our state for its joiners."""
