@@ -110,7 +110,7 @@ class StageReplica:
         """Received tensors (on the CPU) moved to this replica's device (a no-op on the CPU)."""
         return {k: v.to(self.device) for k, v in tensors.items()}
 
-    def _set(self, res: outer.OuterResult, snapshot: torch.Tensor | None) -> None:
+    def _set(self, res: outer.OuterResult, snapshot: torch.Tensor | None = None) -> None:
         assert isinstance(res.phi, torch.Tensor) and isinstance(res.delta, torch.Tensor)
         self.phi, self.delta = res.phi, res.delta
         if snapshot is None:  # theta = phi: the next round starts from the slow weights
