@@ -11,10 +11,9 @@ Errors a swap reports per member: PeerUnavailable (gone or too slow: the member 
 reported if it does not answer), RemoteRefused, MessageError (it sent garbage: not trusted again).
 A member that fails is left out of this step's mean; the replica steps with the rest.
 
-With `outer.overlap_steps` = k > 0 the exchange of boundary t runs in the background
-(`PendingOuter`) while the replica trains inner steps t+1 .. t+k; after step t+k it waits for
-whatever is still in flight (a partner that misses the exchange's deadline fails as above) and
-applies the step to the boundary's snapshot, carrying the progress since over (StageReplica). A call whose
+With `outer.overlap_steps` = k > 0 the exchange of boundary t runs in the background while the
+replica trains on (peer/outer_steps.py); a caller may then be up to k steps past t before it
+calls, which `_await_caller` allows for. A call whose
 stream broke while the partner still answers probes is made again (CALL_ATTEMPTS): a partner that
 had already completed the exchange answers it with what it sent the first time, so both sides
 average the same tensors.
@@ -23,7 +22,6 @@ average the same tensors.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Awaitable, Callable
 
 import torch
@@ -50,7 +48,7 @@ from noloco_swarm.protocol.messages import (
     PeerStatus,
     TensorMeta,
 )
-from noloco_swarm.protocol.plan import OuterPlan, ShardLayout, exchange_key, outer_plan
+from noloco_swarm.protocol.plan import OuterPlan, ShardLayout, exchange_key
 
 VERB = "rpc_exchange"
 Key = tuple[int, ...]  # protocol.plan.exchange_key: (outer round, inner step[, phase])
@@ -424,87 +422,3 @@ class OuterExchange:
             await self.ctx.rounds.suspect(peer, f"outer exchange at step {t} failed: {error}")
         elif isinstance(error, MessageError):
             self.ctx.rounds.mark_dead(peer, f"malformed outer exchange at step {t}: {error}")
-
-
-class PendingOuter:
-    """An outer step under way: its exchange, the boundary's theta (also the snapshot an overlapped
-    step carries progress from) and, once the exchange is done, the group's tensors.
-
-    `start_outer_step` creates it at the boundary; the exchange runs as a task it owns, concurrently
-    with the next inner steps when `outer.overlap_steps` = k > 0; `finish_outer_step` awaits it
-    after inner step `apply_at` = boundary + k (or at the run's end, if sooner) and applies the step.
-    A partner that has not delivered by the exchange's deadline is a failed member, as without
-    overlap. `abandon` cancels it (the peer is excluded and joins again, or is stopped).
-    """
-
-    def __init__(
-        self, ctx: PeerContext, exchange: OuterExchange, theta: torch.Tensor, ledger: ByteLedger
-    ) -> None:
-        self.ctx, self.exchange, self.theta = ctx, exchange, theta
-        self.step = exchange.plan.step
-        self.apply_at = self.step + ctx.cfg.outer.overlap_steps
-        self.start = time.perf_counter()
-        self.seconds = 0.0  # the exchange's own duration, once it is done
-        self.task = asyncio.create_task(self._run(ledger))  # owned: finished or abandoned below
-
-    async def _run(
-        self, ledger: ByteLedger
-    ) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor] | None, tuple[int, int]]:
-        thetas, phis = await self.exchange.mean_inputs(self.theta)
-        self.seconds = time.perf_counter() - self.start
-        # Settled as soon as the exchange ends, before a partner runs ahead into the next one.
-        return thetas, phis, ledger.settle(list(self.exchange.members.values()))
-
-    async def abandon(self) -> None:
-        self.task.cancel()
-        await asyncio.gather(self.task, return_exceptions=True)
-
-
-async def start_outer_step(ctx: PeerContext, board: ExchangeBoard, ledger: ByteLedger) -> PendingOuter:
-    """At boundary t = ctx.step: snapshot theta and start exchanging it with the group of the round
-    that just closed, in the background. The replica may train on while it runs (overlap)."""
-    t, o = ctx.step, ctx.cfg.outer
-    view = ctx.view_at(t - 1)  # the round that just closed
-    rank = view.rank_of(ctx.me)[1]
-    plan = outer_plan(o.method, o.group_size, len(view.stages[ctx.stage]), t, rank, ctx.cfg.group_draw_seed)
-    assert plan is not None, "only methods with an outer step get here"
-    theta = await asyncio.to_thread(ctx.replica.theta)  # a copy: training may change the weights
-    return PendingOuter(ctx, OuterExchange(ctx, board, plan, view.round), theta, ledger)
-
-
-async def finish_outer_step(pending: PendingOuter) -> events.Outer:
-    """Wait for the exchange if it is still in flight, then apply the outer step (the same
-    StageReplica code as the simulator): blocking when the replica has not trained since the
-    boundary (k = 0), else on the snapshot, carrying over the progress made since. Returns the
-    event describing it."""
-    ctx, exchange = pending.ctx, pending.exchange
-    waiting = time.perf_counter()
-    thetas, phis, (sent, received) = await pending.task
-    waited = time.perf_counter() - waiting
-    snapshot = pending.theta if ctx.cfg.outer.overlap_steps > 0 else None
-    if ctx.cfg.outer.method == "noloco":
-        await asyncio.to_thread(ctx.replica.apply_noloco, thetas, phis, snapshot=snapshot)
-    else:
-        await asyncio.to_thread(ctx.replica.apply_diloco, thetas, snapshot=snapshot)
-    return events.Outer(
-        step=pending.step,
-        group=list(exchange.plan.group),
-        partners=list(exchange.members.values()),
-        failed=sorted(exchange.failed),
-        sent_bytes=sent,
-        received_bytes=received,
-        seconds=pending.seconds,
-        state_hash=await asyncio.to_thread(ctx.replica.state_hash),  # comparable with the simulator
-        applied_at=ctx.step,
-        waited=waited,
-    )
-
-
-async def take_outer_step(ctx: PeerContext, board: ExchangeBoard, ledger: ByteLedger) -> events.Outer:
-    """Exchange theta with the group of the round that just closed and apply the outer step at
-    once (blocking, `outer.overlap_steps` = 0). Returns the event describing it."""
-    pending = await start_outer_step(ctx, board, ledger)
-    try:
-        return await finish_outer_step(pending)
-    finally:
-        await pending.abandon()  # a no-op once finished; cancels the exchange if we were

@@ -6,6 +6,7 @@ owns its state, and this file only sequences them:
 
   inner.py       every inner step: stage-0 data, rows sent on and collected (rpc_forward)
   exchange.py    every H steps: one OuterExchange with the round's group (rpc_exchange)
+  outer_steps.py the outer step at each boundary, applied at once or k steps later (overlap)
   rounds.py      the frozen view of each round, liveness probes and gone reports
   joining.py     entering a running swarm, and serving state to joiners (rpc_fetch_state)
   resume.py      checkpoints at boundaries, and a stopped swarm coming back from them
@@ -31,16 +32,10 @@ from noloco_swarm.peer.checkpoint import Checkpoint
 from noloco_swarm.peer.context import PeerContext
 from noloco_swarm.peer.directory import RunDirectory
 from noloco_swarm.peer.evaluation import Evaluation
-from noloco_swarm.peer.exchange import (
-    ByteLedger,
-    ExchangeBoard,
-    PendingOuter,
-    finish_outer_step,
-    start_outer_step,
-    take_outer_step,
-)
+from noloco_swarm.peer.exchange import ByteLedger, ExchangeBoard
 from noloco_swarm.peer.inner import InnerSteps
 from noloco_swarm.peer.joining import Joining
+from noloco_swarm.peer.outer_steps import OuterSteps
 from noloco_swarm.peer.resume import Resume, SwarmMovedOn
 from noloco_swarm.peer.rounds import DHT_ERRORS, PeerExcluded, Rounds
 from noloco_swarm.peer.transport import Transport
@@ -74,6 +69,7 @@ class Peer:
         self.ledger = ByteLedger(transport)
         self.inner = InnerSteps(ctx)
         self.board = ExchangeBoard(transport)
+        self.outer = OuterSteps(ctx, self.board, self.ledger)
         self.joining = Joining(ctx, self.ledger, self._announce)
         self.evaluation = Evaluation(ctx, self.inner)
         self.resume = Resume(ctx, config_hash, self._announce)
@@ -81,10 +77,7 @@ class Peer:
         self.training = False  # a view of ours is frozen and the loop runs
         self.leaving: int | None = None  # the round in which we told the swarm we leave
         self.tokens = 0
-        self.outer_steps = 0
-        self.dropped_partners = 0
         self.last_loss: float | None = None
-        self.pending: PendingOuter | None = None  # an overlapped outer step under way
         self.resumed_pending: int | None = None  # a boundary resumed from, its exchange still to run
         transport.register("rpc_status", self.rpc_status)
 
@@ -112,8 +105,8 @@ class Peer:
             peer_id=ctx.me,
             joined_round=self.joining.joined_round,
             steps=ctx.step,
-            outer_steps=self.outer_steps,
-            dropped_partners=self.dropped_partners,
+            outer_steps=self.outer.taken,
+            dropped_partners=self.outer.dropped_partners,
             dropped_samples=self.inner.dropped_samples,
             gone=sorted(ctx.rounds.dead),
             final_view=[list(s) for s in view.stages],
@@ -165,16 +158,14 @@ class Peer:
         try:
             await self._train()
         finally:  # excluded, failed or stopped with an overlapped exchange in flight: drop it
-            if self.pending is not None:
-                pending, self.pending = self.pending, None
-                await pending.abandon()
+            await self.outer.abandon()
 
     async def _train(self) -> None:
         ctx = self.ctx
         if self.resumed_pending is not None and self.resumed_pending == ctx.step:
             # Resumed from a checkpoint written at a boundary before its overlapped exchange
             # started: every member resumed from this step runs that exchange again.
-            self.pending = await start_outer_step(ctx, self.board, self.ledger)
+            await self.outer.at_boundary()
         self.resumed_pending = None
         previous = time.monotonic()
         while ctx.step < self.steps:
@@ -201,11 +192,10 @@ class Peer:
                     tokens_per_second=ctx.B * ctx.cfg.model.seq_len / seconds,
                 )
             )
-            if self.pending is not None and ctx.step >= self.pending.apply_at:
-                await self._finish_outer()  # k steps after its boundary: wait if still in flight
+            await self.outer.finish(due_only=True)  # k steps after its boundary: wait if in flight
             if ctx.clock.outer_step_due(ctx.step) and await self._boundary():
                 return
-        await self._finish_outer()  # the run ends before k steps are up: complete the exchange
+        await self.outer.finish()  # the run ends before k steps are up: complete the exchange
 
     async def _boundary(self) -> bool:
         """After the last inner step of a round: the outer step (started, with overlap), the
@@ -215,15 +205,13 @@ class Peer:
         with overlap at the boundary before the exchange starts, holding theta as well (see
         checkpoint.py): a swarm resumed from them runs that exchange again, from the same
         tensors, so it still equals the run that never stopped."""
-        ctx, method = self.ctx, self.ctx.cfg.outer.method
-        final = ctx.step >= self.steps or self.leaving is not None
-        if method in ("noloco", "diloco") and ctx.cfg.outer.overlap_steps > 0:
-            await self._save(final, with_theta=True)
-            self.pending = await start_outer_step(ctx, self.board, self.ledger)
-        else:
-            if method in ("noloco", "diloco"):
-                self._record(await take_outer_step(ctx, self.board, self.ledger))
-            await self._save(final)
+        ctx, overlap = self.ctx, self.ctx.cfg.outer.overlap_steps > 0
+        if overlap:
+            await self._save(with_theta=True)
+        if ctx.cfg.outer.method in ("noloco", "diloco"):
+            await self.outer.at_boundary()
+        if not overlap:
+            await self._save()
         if ctx.step >= self.steps:
             return False
         try:
@@ -231,30 +219,17 @@ class Peer:
         except PeerExcluded:
             if self.leaving is None:
                 raise
-            await self._finish_outer()  # serve this boundary's exchange to our partners first
+            await self.outer.finish()  # serve this boundary's exchange to our partners first
             ctx.events.emit(events.Left(step=ctx.step, announced_round=self.leaving))
             return True  # the view we announced we would leave: done, nobody waits for us
         return False
 
-    async def _finish_outer(self) -> None:
-        """Apply the overlapped outer step under way, if any (waiting for its exchange)."""
-        if self.pending is None:
-            return
-        outer = await finish_outer_step(self.pending)
-        self.pending = None
-        self._record(outer)
-
-    def _record(self, outer: events.Outer) -> None:
-        self.outer_steps += 1
-        self.dropped_partners += len(outer.failed)
-        self.ctx.events.emit(outer)
-
-    async def _save(self, final: bool, *, with_theta: bool = False) -> None:
+    async def _save(self, *, with_theta: bool = False) -> None:
         await self.resume.save(
             joined_round=self.joining.joined_round,
-            outer_steps=self.outer_steps,
+            outer_steps=self.outer.taken,
             tokens=self.tokens,
-            final=final,
+            final=self.ctx.step >= self.steps or self.leaving is not None,
             with_theta=with_theta,
         )
 
@@ -292,7 +267,7 @@ class Peer:
         self.joining.joined_round = checkpoint.joined_round  # announced while it waits for the others
         ckpt = await self.resume.restore(checkpoint)
         self.joining.joined_round = ckpt.joined_round
-        self.outer_steps, self.tokens = ckpt.outer_steps, ckpt.tokens
+        self.outer.taken, self.tokens = ckpt.outer_steps, ckpt.tokens
         self.resumed_pending = ckpt.step if "theta" in ckpt.parts else None
 
     async def _advance_view(self) -> None:
@@ -353,7 +328,7 @@ class Peer:
             ctx.step,
             ctx.clock.round_of(ctx.step),
             rank,
-            self.outer_steps,
+            self.outer.taken,
             self.tokens,
             loss,
             resuming=self.resume.resuming,

@@ -524,14 +524,20 @@ def test_a_swarm_with_overlap_resumes_from_its_checkpoints_bit_for_bit(
     assert all(s.steps == steps and s.outer_steps == steps // 3 for s in summaries)
 
 
-def test_a_peer_joins_a_running_swarm_at_a_round_boundary(cache: Path) -> None:
+@pytest.mark.parametrize("overlap", [0, 2])
+def test_a_peer_joins_a_running_swarm_at_a_round_boundary(cache: Path, overlap: int) -> None:
     """A fifth peer started while a 2x2 swarm trains announces a round two ahead, downloads its
     stage's state at that boundary from a live replica, and trains from there with everyone
-    agreeing on the new view; nothing is dropped or refused along the way."""
+    agreeing on the new view; nothing is dropped or refused along the way. With an overlapped
+    exchange (still in flight at the boundary) it gets the donor's fast weights there."""
     # Long enough that a joiner starting on a loaded machine (imports, p2pd, DHT: tens of
     # seconds) still finds a round to join before the run ends.
     steps, H = 96, 4
-    cfg = small("noloco", **{**SLOWER, "outer.inner_steps": str(H), "inner.total_steps": str(steps)})
+    cfg = small(
+        "noloco",
+        **{**SLOWER, "outer.inner_steps": str(H), "inner.total_steps": str(steps)},
+        **{"outer.overlap_steps": str(overlap)},
+    )
     with local_swarm(cfg, steps, step_timeout=60) as swarm:
         deadline = time.monotonic() + 120
         while not all(any(isinstance(e, Membership) for e in p.events()) for p in swarm.peers):
@@ -546,7 +552,8 @@ def test_a_peer_joins_a_running_swarm_at_a_round_boundary(cache: Path) -> None:
     assert J >= 2 and me.step == J * H
     final = next(s for s in summaries if s.peer_id == me.peer_id)
     assert final.joined_round == J and final.steps == steps and final.outer_steps == steps // H - J
-    # The state it started from is its server's, right after the outer step that closed round J-1.
+    # The state it started from is its server's, right after the outer step that closed round J-1
+    # (with overlap: the snapshot a server kept at that boundary, with that step still in flight).
     server_outer = [
         e.state_hash
         for p in swarm.peers
@@ -554,7 +561,9 @@ def test_a_peer_joins_a_running_swarm_at_a_round_boundary(cache: Path) -> None:
         for e in of_kind(events[id(p)], Outer)
         if e.step == J * H
     ]
-    assert me.state_hash in server_outer
+    kept = [e.snapshot for p in swarm.peers for e in of_kind(events[id(p)], Joiners) if e.round == J]
+    assert me.snapshot in kept
+    assert (me.state_hash in server_outer) == (overlap == 0)
     # Every peer holds the same view of every round; the joiner is in it from round J on.
     views = views_by_round(events[id(p)] for p in swarm.peers)
     assert all(len(v) == 1 for v in views.values()), views
