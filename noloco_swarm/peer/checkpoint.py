@@ -2,7 +2,7 @@
 
 A checkpoint holds what a replica needs to go on as if it had never stopped: the state parts a
 joiner downloads (phi, the outer momentum, AdamW's moments and step count; the fast weights
-equal phi at a boundary), the counters (inner steps, outer steps, tokens), the round that starts
+equal phi at a boundary, or are kept as "theta" where an overlapped outer step is still to come), the counters (inner steps, outer steps, tokens), the round that starts
 there, the members of the round that just ended, and the run it belongs to. Data positions need
 nothing more: stage 0's shard and window are functions of the step and the view.
 
@@ -25,6 +25,10 @@ logger = logging.getLogger(__name__)
 
 PREFIX, SUFFIX = "step-", ".pt"
 PARTS = ("phi", "delta", "exp_avg", "exp_avg_sq")
+# With `outer.overlap_steps` > 0 a checkpoint is written at the boundary before the overlapped
+# exchange starts, where the fast weights differ from phi: it holds them too, and a swarm resumed
+# from it runs that boundary's exchange again (every member goes back to the same step).
+OPTIONAL_PARTS = ("theta",)
 
 
 @dataclass(frozen=True)
@@ -40,7 +44,7 @@ class Checkpoint:
     outer_steps: int
     tokens: int
     adam_step: int
-    state_hash: str  # of the weights (phi) in `parts`
+    state_hash: str  # of the weights in `parts` (theta if it holds one, else phi)
     parts: dict[str, torch.Tensor] = field(repr=False)
 
     def to_dict(self) -> dict:
@@ -56,8 +60,11 @@ class Checkpoint:
             ckpt = cls(**{**raw, "members": tuple(tuple(str(p) for p in s) for s in raw["members"])})
         except (TypeError, KeyError) as e:
             raise ValueError(f"malformed checkpoint: {e}") from e
-        if set(ckpt.parts) != set(PARTS) or not all(isinstance(t, torch.Tensor) for t in ckpt.parts.values()):
-            raise ValueError(f"a checkpoint's parts must be tensors named {', '.join(PARTS)}")
+        named = set(ckpt.parts) - set(OPTIONAL_PARTS) == set(PARTS)
+        if not named or not all(isinstance(t, torch.Tensor) for t in ckpt.parts.values()):
+            raise ValueError(
+                f"a checkpoint's parts must be tensors named {', '.join(PARTS)} (and maybe theta)"
+            )
         return ckpt
 
 

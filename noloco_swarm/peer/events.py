@@ -52,7 +52,10 @@ class Step(Event):
 
 @dataclass(frozen=True)
 class Outer(Event):
-    """One outer step: the group, who failed, the bytes moved and the resulting state."""
+    """One outer step: the group, who failed, the bytes moved and the resulting state. `step` is
+    the boundary (the group's draw, the tensors exchanged); `seconds` is the exchange's duration
+    from there; `waited`, how long training stood still for it (all of it without overlap; with
+    `outer.overlap_steps` = k, the part still in flight after inner step step + k)."""
 
     KIND: ClassVar[str] = "outer"
     step: int
@@ -63,6 +66,8 @@ class Outer(Event):
     received_bytes: int
     seconds: float
     state_hash: str  # comparable with the simulator's
+    applied_at: int = 0  # the inner step after which it was applied: step, or step + k with overlap
+    waited: float = 0.0
 
 
 @dataclass(frozen=True)

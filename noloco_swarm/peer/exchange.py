@@ -9,7 +9,11 @@ DiLoCo with more than two replicas, owns the failures and the bytes, and is fina
 
 Errors a swap reports per member: PeerUnavailable (gone or too slow: the member is probed, and
 reported if it does not answer), RemoteRefused, MessageError (it sent garbage: not trusted again).
-A member that fails is left out of this step's mean; the replica steps with the rest. A call whose
+A member that fails is left out of this step's mean; the replica steps with the rest.
+
+With `outer.overlap_steps` = k > 0 the exchange of boundary t runs in the background while the
+replica trains on (peer/outer_steps.py); a caller may then be up to k steps past t before it
+calls, which `_await_caller` allows for. A call whose
 stream broke while the partner still answers probes is made again (CALL_ATTEMPTS): a partner that
 had already completed the exchange answers it with what it sent the first time, so both sides
 average the same tensors.
@@ -18,7 +22,6 @@ average the same tensors.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Awaitable, Callable
 
 import torch
@@ -45,7 +48,7 @@ from noloco_swarm.protocol.messages import (
     PeerStatus,
     TensorMeta,
 )
-from noloco_swarm.protocol.plan import OuterPlan, ShardLayout, exchange_key, outer_plan
+from noloco_swarm.protocol.plan import OuterPlan, ShardLayout, exchange_key
 
 VERB = "rpc_exchange"
 Key = tuple[int, ...]  # protocol.plan.exchange_key: (outer round, inner step[, phase])
@@ -403,9 +406,11 @@ class OuterExchange:
                 status = await self.ctx.rounds.probe(peer)
                 if status is None:
                     raise PeerUnavailable(f"{peer} stopped answering before its outer exchange")
-                passed = isinstance(status, PeerStatus) and status.step > self.plan.step
+                # It waits for this exchange after inner step t + k at the latest (overlap).
+                latest = self.plan.step + self.ctx.cfg.outer.overlap_steps
+                passed = isinstance(status, PeerStatus) and status.step > latest
                 if passed and not self.board.serving(key, peer):  # not its call still landing
-                    raise PeerUnavailable(f"{peer} trains on past step {self.plan.step} without our exchange")
+                    raise PeerUnavailable(f"{peer} trains on past step {latest} without our exchange")
         finally:
             if not waiting.done():
                 waiting.cancel()
@@ -417,32 +422,3 @@ class OuterExchange:
             await self.ctx.rounds.suspect(peer, f"outer exchange at step {t} failed: {error}")
         elif isinstance(error, MessageError):
             self.ctx.rounds.mark_dead(peer, f"malformed outer exchange at step {t}: {error}")
-
-
-async def take_outer_step(ctx: PeerContext, board: ExchangeBoard, ledger: ByteLedger) -> events.Outer:
-    """Exchange theta with the group of the round that just closed and apply the outer step
-    (the same StageReplica code as the simulator). Returns the event describing it."""
-    t, o = ctx.step, ctx.cfg.outer
-    view = ctx.view_at(t - 1)  # the round that just closed
-    rank = view.rank_of(ctx.me)[1]
-    plan = outer_plan(o.method, o.group_size, len(view.stages[ctx.stage]), t, rank, ctx.cfg.group_draw_seed)
-    assert plan is not None, "only methods with an outer step get here"
-    exchange = OuterExchange(ctx, board, plan, view.round)
-    theta = await asyncio.to_thread(ctx.replica.theta)
-    start = time.perf_counter()
-    thetas, phis = await exchange.mean_inputs(theta)
-    sent, received = ledger.settle(list(exchange.members.values()))  # before a partner runs ahead
-    if o.method == "noloco":
-        await asyncio.to_thread(ctx.replica.apply_noloco, thetas, phis)
-    else:
-        await asyncio.to_thread(ctx.replica.apply_diloco, thetas)
-    return events.Outer(
-        step=t,
-        group=list(plan.group),
-        partners=list(exchange.members.values()),
-        failed=sorted(exchange.failed),
-        sent_bytes=sent,
-        received_bytes=received,
-        seconds=time.perf_counter() - start,
-        state_hash=await asyncio.to_thread(ctx.replica.state_hash),  # comparable with the simulator
-    )

@@ -4,7 +4,8 @@ A newcomer asks the live peers where they are (rpc_status), announces the round 
 furthest step it hears of (so every member reads the announcement before that boundary), and
 downloads its stage's state at that boundary from the live replicas of the stage. Each replica
 keeps a snapshot taken right after the outer step that closed the previous round (theta == phi
-then), with a manifest of chunk hashes (rpc_fetch_state), and serves it one chunk per request
+then; with an overlapped outer step, which is still in flight at the boundary, its fast weights
+there serve as the joiner's phi and theta: see `_snapshot`), with a manifest of chunk hashes (rpc_fetch_state), and serves it one chunk per request
 (rpc_fetch_chunk). The newcomer adopts one replica's snapshot, takes its chunks from every replica
 holding the same bytes in parallel (peer/donors.py, protocol/chunks.py), checks the whole against
 the announced weights hash, and adopts that replica's view of the round, which admits it.
@@ -109,6 +110,12 @@ class Joining:
     def _snapshot(self, view: MembershipView) -> Snapshot:
         replica = self.ctx.replica
         parts, adam_step = replica.state_parts()
+        if self.ctx.cfg.outer.overlap_steps > 0:
+            # This boundary's outer step is still in flight here (overlap), and the joiner was no
+            # member of the round it closes, so it takes no part in it: it starts from our fast
+            # weights at the boundary as its slow and fast weights, with our outer momentum. Every
+            # part is of this one boundary, and they hash to what we announce.
+            parts["phi"] = replica.theta()
         return Snapshot.take(parts, adam_step, replica.state_hash(), view, self.ctx.step)
 
     async def join_late(self, end_step: int) -> None:
@@ -177,7 +184,7 @@ class Joining:
             view = MembershipView(round=round_, stages=manifest.view)  # validates the ids' order
         except ValueError as e:
             raise MessageError(f"{got.target}'s view of round {round_} is malformed: {e}") from e
-        backup = replica.state_parts()
+        backup = replica.state_parts(with_theta=True)
         await asyncio.to_thread(replica.load_state_parts, got.parts, manifest.adam_step)
         if replica.state_hash() != manifest.state_hash:
             replica.load_state_parts(*backup)

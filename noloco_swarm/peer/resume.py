@@ -54,14 +54,17 @@ class Resume:
         ctx = self.ctx
         return checkpoint.load(self.directory, ctx.run_id, self.config_hash, ctx.stage, at_most=at_most)
 
-    async def save(self, *, joined_round: int, outer_steps: int, tokens: int, final: bool) -> None:
-        """At a boundary (right after the outer step): write a checkpoint if one is due."""
+    async def save(
+        self, *, joined_round: int, outer_steps: int, tokens: int, final: bool, with_theta: bool = False
+    ) -> None:
+        """At a boundary (right after a blocking outer step; with overlap, before the exchange
+        starts, `with_theta`): write a checkpoint if one is due."""
         ctx, opts = self.ctx, self.ctx.cfg.peer
         if self.directory is None or not ctx.clock.outer_step_due(ctx.step):
             return
         if not final and ctx.clock.round_of(ctx.step) % opts.checkpoint_every != 0:
             return
-        parts, adam_step = await asyncio.to_thread(ctx.replica.state_parts)
+        parts, adam_step = await asyncio.to_thread(lambda: ctx.replica.state_parts(with_theta=with_theta))
         ckpt = Checkpoint(
             run_id=ctx.run_id,
             config_hash=self.config_hash,

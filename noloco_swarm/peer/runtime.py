@@ -6,6 +6,7 @@ owns its state, and this file only sequences them:
 
   inner.py       every inner step: stage-0 data, rows sent on and collected (rpc_forward)
   exchange.py    every H steps: one OuterExchange with the round's group (rpc_exchange)
+  outer_steps.py the outer step at each boundary, applied at once or k steps later (overlap)
   rounds.py      the frozen view of each round, liveness probes and gone reports
   joining.py     entering a running swarm, and serving state to joiners (rpc_fetch_state)
   resume.py      checkpoints at boundaries, and a stopped swarm coming back from them
@@ -31,9 +32,10 @@ from noloco_swarm.peer.checkpoint import Checkpoint
 from noloco_swarm.peer.context import PeerContext
 from noloco_swarm.peer.directory import RunDirectory
 from noloco_swarm.peer.evaluation import Evaluation
-from noloco_swarm.peer.exchange import ByteLedger, ExchangeBoard, take_outer_step
+from noloco_swarm.peer.exchange import ByteLedger, ExchangeBoard
 from noloco_swarm.peer.inner import InnerSteps
 from noloco_swarm.peer.joining import Joining
+from noloco_swarm.peer.outer_steps import OuterSteps
 from noloco_swarm.peer.resume import Resume, SwarmMovedOn
 from noloco_swarm.peer.rounds import DHT_ERRORS, PeerExcluded, Rounds
 from noloco_swarm.peer.transport import Transport
@@ -67,6 +69,7 @@ class Peer:
         self.ledger = ByteLedger(transport)
         self.inner = InnerSteps(ctx)
         self.board = ExchangeBoard(transport)
+        self.outer = OuterSteps(ctx, self.board, self.ledger)
         self.joining = Joining(ctx, self.ledger, self._announce)
         self.evaluation = Evaluation(ctx, self.inner)
         self.resume = Resume(ctx, config_hash, self._announce)
@@ -74,9 +77,8 @@ class Peer:
         self.training = False  # a view of ours is frozen and the loop runs
         self.leaving: int | None = None  # the round in which we told the swarm we leave
         self.tokens = 0
-        self.outer_steps = 0
-        self.dropped_partners = 0
         self.last_loss: float | None = None
+        self.resumed_pending: int | None = None  # a boundary resumed from, its exchange still to run
         transport.register("rpc_status", self.rpc_status)
 
     # ------------------------------------------------------------------ the whole run
@@ -103,8 +105,8 @@ class Peer:
             peer_id=ctx.me,
             joined_round=self.joining.joined_round,
             steps=ctx.step,
-            outer_steps=self.outer_steps,
-            dropped_partners=self.dropped_partners,
+            outer_steps=self.outer.taken,
+            dropped_partners=self.outer.dropped_partners,
             dropped_samples=self.inner.dropped_samples,
             gone=sorted(ctx.rounds.dead),
             final_view=[list(s) for s in view.stages],
@@ -128,7 +130,7 @@ class Peer:
                 await self._resume(checkpoint)
             except SwarmMovedOn as e:
                 logger.warning("%s: its state is stale, so this peer joins as a late joiner", e)
-                late = True
+                late, self.resumed_pending = True, None
         if late:
             await self.joining.join_late(self.steps)
         elif checkpoint is None:
@@ -153,7 +155,18 @@ class Peer:
         return seconds, await self.evaluation.evaluate()
 
     async def train(self) -> None:
+        try:
+            await self._train()
+        finally:  # excluded, failed or stopped with an overlapped exchange in flight: drop it
+            await self.outer.abandon()
+
+    async def _train(self) -> None:
         ctx = self.ctx
+        if self.resumed_pending is not None and self.resumed_pending == ctx.step:
+            # Resumed from a checkpoint written at a boundary before its overlapped exchange
+            # started: every member resumed from this step runs that exchange again.
+            await self.outer.at_boundary()
+        self.resumed_pending = None
         previous = time.monotonic()
         while ctx.step < self.steps:
             t = ctx.step
@@ -179,26 +192,46 @@ class Peer:
                     tokens_per_second=ctx.B * ctx.cfg.model.seq_len / seconds,
                 )
             )
-            if ctx.clock.outer_step_due(ctx.step):
-                if ctx.cfg.outer.method in ("noloco", "diloco"):
-                    outer = await take_outer_step(ctx, self.board, self.ledger)
-                    self.outer_steps += 1
-                    self.dropped_partners += len(outer.failed)
-                    ctx.events.emit(outer)
-                await self.resume.save(
-                    joined_round=self.joining.joined_round,
-                    outer_steps=self.outer_steps,
-                    tokens=self.tokens,
-                    final=ctx.step >= self.steps or self.leaving is not None,
-                )
-                if ctx.step < self.steps:
-                    try:
-                        await self._advance_view()
-                    except PeerExcluded:
-                        if self.leaving is None:
-                            raise
-                        ctx.events.emit(events.Left(step=ctx.step, announced_round=self.leaving))
-                        return  # the view we announced we would leave: done, nobody waits for us
+            await self.outer.finish(due_only=True)  # k steps after its boundary: wait if in flight
+            if ctx.clock.outer_step_due(ctx.step) and await self._boundary():
+                return
+        await self.outer.finish()  # the run ends before k steps are up: complete the exchange
+
+    async def _boundary(self) -> bool:
+        """After the last inner step of a round: the outer step (started, with overlap), the
+        checkpoint if due, the next round's view. True if this peer leaves the swarm here.
+
+        Checkpoints are written where no exchange is in flight: after a blocking outer step, or
+        with overlap at the boundary before the exchange starts, holding theta as well (see
+        checkpoint.py): a swarm resumed from them runs that exchange again, from the same
+        tensors, so it still equals the run that never stopped."""
+        ctx, overlap = self.ctx, self.ctx.cfg.outer.overlap_steps > 0
+        if overlap:
+            await self._save(with_theta=True)
+        if ctx.cfg.outer.method in ("noloco", "diloco"):
+            await self.outer.at_boundary()
+        if not overlap:
+            await self._save()
+        if ctx.step >= self.steps:
+            return False
+        try:
+            await self._advance_view()
+        except PeerExcluded:
+            if self.leaving is None:
+                raise
+            await self.outer.finish()  # serve this boundary's exchange to our partners first
+            ctx.events.emit(events.Left(step=ctx.step, announced_round=self.leaving))
+            return True  # the view we announced we would leave: done, nobody waits for us
+        return False
+
+    async def _save(self, *, with_theta: bool = False) -> None:
+        await self.resume.save(
+            joined_round=self.joining.joined_round,
+            outer_steps=self.outer.taken,
+            tokens=self.tokens,
+            final=self.ctx.step >= self.steps or self.leaving is not None,
+            with_theta=with_theta,
+        )
 
     async def _check_not_left_behind(self, t: int) -> None:
         """After a step that outlasted the step deadline (this process was stopped, its link cut,
@@ -234,7 +267,8 @@ class Peer:
         self.joining.joined_round = checkpoint.joined_round  # announced while it waits for the others
         ckpt = await self.resume.restore(checkpoint)
         self.joining.joined_round = ckpt.joined_round
-        self.outer_steps, self.tokens = ckpt.outer_steps, ckpt.tokens
+        self.outer.taken, self.tokens = ckpt.outer_steps, ckpt.tokens
+        self.resumed_pending = ckpt.step if "theta" in ckpt.parts else None
 
     async def _advance_view(self) -> None:
         """At a round boundary: freeze the next round's view; keep our state for its joiners."""
@@ -294,7 +328,7 @@ class Peer:
             ctx.step,
             ctx.clock.round_of(ctx.step),
             rank,
-            self.outer_steps,
+            self.outer.taken,
             self.tokens,
             loss,
             resuming=self.resume.resuming,

@@ -57,6 +57,11 @@ class OuterConfig:
     the same partner sequence (bit-compatible with the official code); on, for variance studies."""
     random_routing: bool = True
     """Per-sample random routes between stages; False keeps each replica's own chain (ablation)."""
+    overlap_steps: int = 0
+    """k: inner steps the outer exchange overlaps. 0 blocks at the boundary (the paper). With k > 0
+    a replica snapshots theta at the boundary, trains k more inner steps while the exchange runs,
+    then applies the outer step to the snapshot and carries the k steps' progress over
+    (fast = new phi + (theta now - snapshot), protocol/outer.py `carry_over`). Needs k < H."""
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -75,6 +80,18 @@ class OuterConfig:
             raise ValueError(f"outer_lr (beta) must be > 0, got {self.outer_lr}")
         if self.gamma is not None and self.gamma < 0.0:
             raise ValueError(f"gamma must be >= 0 or unset, got {self.gamma}")
+        if self.overlap_steps < 0:
+            raise ValueError(f"overlap_steps (k) must be >= 0, got {self.overlap_steps}")
+        if self.overlap_steps and self.method not in ("noloco", "diloco"):
+            raise ValueError(
+                f"overlap_steps (k) overlaps an outer exchange, which {self.method} does not have: "
+                "set it to 0 or use noloco or diloco"
+            )
+        if self.overlap_steps >= self.inner_steps:
+            raise ValueError(
+                f"overlap_steps (k = {self.overlap_steps}) must be below inner_steps (H = "
+                f"{self.inner_steps}): an exchange must finish before the next boundary; lower k or raise H"
+            )
 
     @property
     def effective_gamma(self) -> float:

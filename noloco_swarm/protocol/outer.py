@@ -23,6 +23,12 @@ stage, then one of two named steps (`DILOCO_VARIANTS`):
 
 Heavy-ball DiLoCo is NoLoCo's one-tensor step with the whole stage as the group.
 
+Overlapped outer step (`outer.overlap_steps = k`, as overlapping DiLoCo variants do): the step is
+computed from the thetas of boundary t (the snapshot) and applied after inner step t + k; the k
+steps of local progress made meanwhile are carried over onto the new slow weights:
+
+    fast = phi_new + (theta_now - theta_snapshot)        (`carry_over`)
+
 Every function takes a tensor or a sequence of tensors (one per parameter) and returns the same
 shape of thing. Group members are passed as a mapping from replica rank to weights and reduced in
 ascending rank, so every member of a group computes bit-identical means.
@@ -175,6 +181,17 @@ def diloco_step(
         buf = _zip_map(lambda b, g: b * momentum_coef - g * lr, _as_list(momentum), grad)
         new_phi = _zip_map(torch.add, _as_list(phi), buf)
     return OuterResult(phi=_like(phi, new_phi), delta=_like(momentum, buf))
+
+
+def carry_over(phi: Params, theta: Params, snapshot: Params) -> Params:
+    """New fast weights of an overlapped outer step: `phi + (theta - snapshot)`, in that order.
+
+    `phi` is the outer step's new slow weights, `theta` the fast weights now, `snapshot` the fast
+    weights at the boundary the step was computed from. The local progress is taken first, so
+    with no progress (theta == snapshot) the result is phi (up to the sign of zeros)."""
+    return _like(
+        phi, _zip_map(lambda p, t, s: p + (t - s), _as_list(phi), _as_list(theta), _as_list(snapshot))
+    )
 
 
 def allreduce_mean(replicas: Mapping[int, Params]):

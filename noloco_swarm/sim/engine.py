@@ -42,7 +42,7 @@ class StepStats:
     step: int  # inner steps taken after this one
     loss: float  # mean per-sample loss over every replica's samples
     lr: float
-    outer_step: bool  # an outer step (or all-reduce round) followed this inner step
+    outer_step: bool  # an outer step was applied (or an all-reduce round done) after this inner step
 
 
 class Simulator:
@@ -65,6 +65,9 @@ class Simulator:
         self.tokens = 0
         self.outer_steps = 0
         self.spread_before_outer = 0.0  # weight spread of the fast weights at the last outer step
+        # An overlapped outer step under way (outer.overlap_steps > 0): its boundary step and every
+        # replica's theta there, [stage][replica]; applied after inner step boundary + k.
+        self.pending: tuple[int, list[list[torch.Tensor]]] | None = None
         self.last_window_losses = torch.zeros(0, dtype=torch.float64)  # per window, last evaluate()
 
     @property
@@ -155,10 +158,16 @@ class Simulator:
                 replica.optimizer_step(lr)
         self.step += 1
         self.tokens += self.plan.counts[0] * cfg.inner.batch_size * cfg.model.seq_len
-        due = cfg.outer.method in ("noloco", "diloco") and self.clock.outer_step_due(self.step)
-        if due:
-            self.outer_step()
-        return StepStats(step=self.step, loss=loss, lr=lr, outer_step=due)
+        applied = False
+        if self.pending is not None and self.step == self.pending[0] + cfg.outer.overlap_steps:
+            applied = self.finish()
+        if cfg.outer.method in ("noloco", "diloco") and self.clock.outer_step_due(self.step):
+            if cfg.outer.overlap_steps == 0:
+                self.outer_step()
+                applied = True
+            else:  # the exchange starts: its inputs are the thetas of this boundary
+                self.pending = (self.step, [[r.theta() for r in row] for row in self.replicas])
+        return StepStats(step=self.step, loss=loss, lr=lr, outer_step=applied)
 
     def _allreduce_gradients(self) -> None:
         for row in self.stages:
@@ -172,22 +181,40 @@ class Simulator:
 
     @torch.no_grad()
     def outer_step(self) -> None:
-        """The outer step that follows inner step `self.step` (a multiple of H), by the plan."""
+        """The blocking outer step that follows inner step `self.step` (a multiple of H), by the plan."""
+        self._apply_outer(self.step, [[r.theta() for r in row] for row in self.replicas], carry=False)
+
+    @torch.no_grad()
+    def finish(self) -> bool:
+        """Apply the overlapped outer step under way, if any, now. `inner_step` calls it k steps
+        after the boundary; a run that ends sooner calls it after its last step (as a peer does
+        at its end). True if there was one."""
+        if self.pending is None:
+            return False
+        boundary, thetas = self.pending
+        self.pending = None
+        self._apply_outer(boundary, thetas, carry=True)
+        return True
+
+    def _apply_outer(self, boundary: int, all_thetas: list[list[torch.Tensor]], *, carry: bool) -> None:
+        """The outer step of `boundary` from every replica's theta there. `carry`: overlapped, so
+        each replica keeps the progress it made since its theta (StageReplica's snapshot)."""
         o = self.cfg.outer
-        all_thetas = [{d: r.theta() for d, r in enumerate(row)} for row in self.replicas]
-        self.spread_before_outer = _spread([list(t.values()) for t in all_thetas])
+        self.spread_before_outer = _spread(all_thetas)
         for row, thetas in zip(self.replicas, all_thetas, strict=True):
             # Every member computes its step from the group's values as they were before the
-            # step: phis are read here, before any member of the group updates its own.
+            # step: phis are read here, before any member of the group updates its own (phi
+            # changes only in an outer step, so with overlap it is still the boundary's).
             phis = {d: r.phi for d, r in enumerate(row)}
             for d, replica in enumerate(row):
-                plan = outer_plan(o.method, o.group_size, len(row), self.step, d, self.cfg.group_draw_seed)
+                plan = outer_plan(o.method, o.group_size, len(row), boundary, d, self.cfg.group_draw_seed)
                 assert plan is not None
                 group_thetas = {m: thetas[m] for m in plan.group}
+                snapshot = thetas[d] if carry else None
                 if o.method == "diloco":
-                    replica.apply_diloco(group_thetas)
+                    replica.apply_diloco(group_thetas, snapshot=snapshot)
                 else:
-                    replica.apply_noloco(group_thetas, {m: phis[m] for m in plan.group})
+                    replica.apply_noloco(group_thetas, {m: phis[m] for m in plan.group}, snapshot=snapshot)
         self.outer_steps += 1
 
     # ------------------------------------------------------------------ inspection

@@ -126,6 +126,7 @@ def run_simulation(
             on_step(sim, stats)
         if cfg.eval_every and sim.step % cfg.eval_every == 0 and sim.step != steps:
             evaluate()
+    sim.finish()  # an overlapped outer step still under way: the run ends with it applied
     evaluate()
     result.train_seconds = time.perf_counter() - start - eval_seconds
     result.tokens = sim.tokens

@@ -71,19 +71,29 @@ class StageReplica:
 
     @torch.no_grad()
     def apply_noloco(
-        self, thetas: Mapping[int, torch.Tensor], phis: Mapping[int, torch.Tensor] | None = None
+        self,
+        thetas: Mapping[int, torch.Tensor],
+        phis: Mapping[int, torch.Tensor] | None = None,
+        *,
+        snapshot: torch.Tensor | None = None,
     ) -> None:
-        """NoLoCo outer step with the group's fast weights (this replica's included), keyed by rank."""
+        """NoLoCo outer step with the group's fast weights (this replica's included), keyed by rank.
+
+        `snapshot`: an overlapped step (`outer.overlap_steps` > 0): thetas are of the boundary,
+        whose fast weights were `snapshot`, and the progress made since then is carried over."""
         o = self.cfg.outer
         thetas, phis = self._here(thetas), self._here(phis) if phis is not None else None
         res = outer.noloco_step(
             self.phi, self.delta, thetas, alpha=o.outer_momentum, beta=o.outer_lr, gamma=o.gamma, phis=phis
         )
-        self._set(res)
+        self._set(res, snapshot)
 
     @torch.no_grad()
-    def apply_diloco(self, thetas: Mapping[int, torch.Tensor]) -> None:
-        """DiLoCo outer step (`outer.diloco_variant`) with every replica's fast weights, keyed by rank."""
+    def apply_diloco(
+        self, thetas: Mapping[int, torch.Tensor], *, snapshot: torch.Tensor | None = None
+    ) -> None:
+        """DiLoCo outer step (`outer.diloco_variant`) with every replica's fast weights, keyed by rank
+        (`snapshot`: as for `apply_noloco`)."""
         o = self.cfg.outer
         thetas = self._here(thetas)
         res = outer.diloco_step(
@@ -94,26 +104,31 @@ class StageReplica:
             momentum_coef=o.outer_momentum,
             variant=o.diloco_variant,
         )
-        self._set(res)
+        self._set(res, snapshot)
 
     def _here(self, tensors: Mapping[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         """Received tensors (on the CPU) moved to this replica's device (a no-op on the CPU)."""
         return {k: v.to(self.device) for k, v in tensors.items()}
 
-    def _set(self, res: outer.OuterResult) -> None:
+    def _set(self, res: outer.OuterResult, snapshot: torch.Tensor | None = None) -> None:
         assert isinstance(res.phi, torch.Tensor) and isinstance(res.delta, torch.Tensor)
         self.phi, self.delta = res.phi, res.delta
-        load_flat_params_(self.module, self.phi)  # theta = phi: the next round starts from the slow weights
+        if snapshot is None:  # theta = phi: the next round starts from the slow weights
+            load_flat_params_(self.module, self.phi)
+        else:  # overlapped: the steps trained since the boundary are kept on top of the new phi
+            load_flat_params_(self.module, outer.carry_over(self.phi, self.theta(), snapshot.to(self.device)))
 
     def state_hash(self) -> str:
         return state_hash(self.module)
 
     @torch.no_grad()
-    def state_parts(self) -> tuple[dict[str, torch.Tensor], int]:
+    def state_parts(self, *, with_theta: bool = False) -> tuple[dict[str, torch.Tensor], int]:
         """Everything a new replica needs to continue as this one from a round boundary.
 
         Flat fp32 copies keyed by `messages.STATE_PARTS` (phi, delta and the AdamW moments, laid
-        out as `flat_params`), and AdamW's step count. Taken at a boundary, where theta == phi.
+        out as `flat_params`), and AdamW's step count. Taken at a boundary after a blocking outer
+        step, where theta == phi; `with_theta` adds the fast weights as "theta", for a boundary
+        whose overlapped outer step is still to come (theta != phi there).
         """
         params = list(self.module.parameters())
         state = [self.optimizer.state.get(p, {}) for p in params]
@@ -133,18 +148,23 @@ class StageReplica:
             "exp_avg": moment("exp_avg"),
             "exp_avg_sq": moment("exp_avg_sq"),
         }
+        if with_theta:
+            parts["theta"] = self.theta()
         return {k: v.cpu() for k, v in parts.items()}, adam_step
 
     @torch.no_grad()
     def load_state_parts(self, parts: Mapping[str, torch.Tensor], adam_step: int) -> None:
-        """Become the replica `state_parts` was taken from (weights = phi, moments, step count)."""
+        """Become the replica `state_parts` was taken from (weights = theta if given, else phi;
+        moments, step count)."""
         n = self.phi.numel()
-        if set(parts) != {"phi", "delta", "exp_avg", "exp_avg_sq"} or any(
+        if set(parts) - {"theta"} != {"phi", "delta", "exp_avg", "exp_avg_sq"} or any(
             t.shape != (n,) for t in parts.values()
         ):
-            raise ValueError(f"state parts must be phi, delta, exp_avg, exp_avg_sq of {n} elements each")
+            raise ValueError(
+                f"state parts must be phi, delta, exp_avg, exp_avg_sq (and maybe theta) of {n} elements each"
+            )
         here = {k: v.to(self.device, copy=True) for k, v in parts.items()}
-        load_flat_params_(self.module, here["phi"])
+        load_flat_params_(self.module, here.get("theta", here["phi"]))
         self.phi, self.delta = here["phi"], here["delta"]
         offset = 0
         for p in self.module.parameters():

@@ -70,12 +70,15 @@ def small(method: str, **extra: str) -> RunConfig:
 
 
 def simulate(cfg: RunConfig, steps: int) -> tuple[list[list[str]], dict[int, list[list[str]]]]:
-    """Final replica hashes, and the hashes right after every outer step (keyed by step)."""
+    """Final replica hashes, and the hashes right after every outer step (keyed by the step it
+    was applied after: its boundary, or k steps later with `outer.overlap_steps` = k)."""
     sim = Simulator(cfg, data_batches(cfg))
     after_outer = {}
     for _ in range(steps):
         if sim.inner_step().outer_step:
             after_outer[sim.step] = sim.replica_hashes()
+    if sim.finish():  # the peers, too, complete an overlapped step still under way at their end
+        after_outer[sim.step] = sim.replica_hashes()
     return sim.replica_hashes(), after_outer
 
 
@@ -121,6 +124,34 @@ def test_swarm_ends_with_the_simulators_weights(method: str, cache: Path, one_th
         assert theta_bytes[stage] <= e.received_bytes <= theta_bytes[stage] * 1.01 + 4096
         assert e.failed == [] and len(e.partners) == 1 and len(e.state_hash) == 64
     assert all(s.val_loss is not None for s in summaries if s.stage == 0)
+
+
+@pytest.mark.parametrize("method", ["noloco", "diloco"])
+def test_an_overlapped_outer_exchange_ends_with_the_simulators_weights(
+    method: str, cache: Path, one_thread: None
+) -> None:
+    """`outer.overlap_steps` = 1: each peer starts its exchange at the boundary (steps 3 and 6),
+    trains one more inner step while it runs, then applies the step to the boundary's snapshot and
+    carries that step's progress over, as the simulator does: every replica ends with its exact
+    weights, after every outer step too, with the bytes of a blocking exchange."""
+    cfg = small(method, **{"outer.overlap_steps": "1"})
+    with local_swarm(cfg, STEPS, step_timeout=60) as swarm:
+        wait(swarm, timeout=400)
+        summaries, outers, trouble = swarm.summaries(), outer_steps(swarm), troubles(swarm)
+        retried = {(p.stage, e.step) for p in swarm.peers for e in of_kind(p.events(), Retried)}
+    expected, after_outer = simulate(cfg, STEPS)
+    assert sorted(after_outer) == [4, 7]
+    got = {(s.stage, s.rank): s.state_hash for s in summaries}
+    assert got == {(s, r): expected[s][r] for s in range(2) for r in range(2)}, trouble
+    assert all(s.steps == STEPS and s.outer_steps == 2 and s.dropped_samples == 0 for s in summaries)
+    assert expected[0][0] != expected[0][1], "replicas keep their own progress over the shared phi"
+    theta_bytes = {s: num_flat_stage(cfg, s) * 4 for s in range(2)}
+    assert sorted((e.step, e.applied_at) for _, _, e in outers) == [(3, 4)] * 4 + [(6, 7)] * 4
+    for stage, rank, e in outers:
+        assert e.failed == [] and e.state_hash == after_outer[e.applied_at][stage][rank], trouble
+        if (stage, e.step) not in retried:
+            assert theta_bytes[stage] <= e.sent_bytes <= theta_bytes[stage] * 1.01 + 4096
+            assert theta_bytes[stage] <= e.received_bytes <= theta_bytes[stage] * 1.01 + 4096
 
 
 def test_replies_lost_to_broken_streams_are_recovered_exactly(
@@ -492,14 +523,52 @@ def test_a_stopped_swarm_resumes_from_its_checkpoints_bit_for_bit(
     assert all(s.steps == steps and s.outer_steps == steps // 3 for s in summaries)
 
 
-def test_a_peer_joins_a_running_swarm_at_a_round_boundary(cache: Path) -> None:
+def test_a_swarm_with_overlap_resumes_from_its_checkpoints_bit_for_bit(
+    cache: Path, tmp_path: Path, one_thread: None
+) -> None:
+    """With `outer.overlap_steps` = 2 a checkpoint is written at the boundary before the exchange
+    starts, fast weights included. A 2x2 swarm stopped at step 6 (whose exchange each peer
+    completed before exiting) and restarted from those checkpoints runs the exchange of step 6
+    again from the same tensors and ends with the weights of the run that never stopped."""
+    first, steps = 6, 12
+    cfg = small("noloco", **{"inner.total_steps": str(steps), "outer.overlap_steps": "2"})
+    run_id = "resume-overlap"
+    with local_swarm(cfg, first, workdir=tmp_path, run_id=run_id, durable=True, step_timeout=60) as swarm:
+        wait(swarm, timeout=400)
+        written = [e for p in swarm.peers for e in of_kind(p.events(), Checkpointed)]
+        stopped = [(e.step, e.applied_at) for _, _, e in outer_steps(swarm)]
+    assert sorted(e.step for e in written) == [3] * 4 + [6] * 4
+    assert sorted(stopped) == [(3, 5)] * 4 + [(6, 6)] * 4  # the last one completed at the end
+    with local_swarm(
+        cfg, steps, workdir=tmp_path, run_id=run_id, durable=True, resume=True, step_timeout=60
+    ) as swarm:
+        wait(swarm, timeout=400)
+        summaries, trouble = swarm.summaries(), troubles(swarm)
+        resumed = [e for p in swarm.peers for e in of_kind(p.events(), Resumed)]
+        outers = [(e.step, e.applied_at) for _, _, e in outer_steps(swarm)]
+    expected, _ = simulate(cfg, steps)
+    assert [e.step for e in resumed] == [first] * 4
+    assert sorted(outers) == [(6, 8)] * 4 + [(9, 11)] * 4 + [(12, 12)] * 4
+    assert {(s.stage, s.rank): s.state_hash for s in summaries} == {
+        (stage, rank): expected[stage][rank] for stage in range(2) for rank in range(2)
+    }, trouble
+    assert all(s.steps == steps and s.outer_steps == steps // 3 for s in summaries)
+
+
+@pytest.mark.parametrize("overlap", [0, 2])
+def test_a_peer_joins_a_running_swarm_at_a_round_boundary(cache: Path, overlap: int) -> None:
     """A fifth peer started while a 2x2 swarm trains announces a round two ahead, downloads its
     stage's state at that boundary from a live replica, and trains from there with everyone
-    agreeing on the new view; nothing is dropped or refused along the way."""
+    agreeing on the new view; nothing is dropped or refused along the way. With an overlapped
+    exchange (still in flight at the boundary) it gets the donor's fast weights there."""
     # Long enough that a joiner starting on a loaded machine (imports, p2pd, DHT: tens of
     # seconds) still finds a round to join before the run ends.
     steps, H = 96, 4
-    cfg = small("noloco", **{**SLOWER, "outer.inner_steps": str(H), "inner.total_steps": str(steps)})
+    cfg = small(
+        "noloco",
+        **{**SLOWER, "outer.inner_steps": str(H), "inner.total_steps": str(steps)},
+        **{"outer.overlap_steps": str(overlap)},
+    )
     with local_swarm(cfg, steps, step_timeout=60) as swarm:
         deadline = time.monotonic() + 120
         while not all(any(isinstance(e, Membership) for e in p.events()) for p in swarm.peers):
@@ -514,7 +583,8 @@ def test_a_peer_joins_a_running_swarm_at_a_round_boundary(cache: Path) -> None:
     assert J >= 2 and me.step == J * H
     final = next(s for s in summaries if s.peer_id == me.peer_id)
     assert final.joined_round == J and final.steps == steps and final.outer_steps == steps // H - J
-    # The state it started from is its server's, right after the outer step that closed round J-1.
+    # The state it started from is its server's, right after the outer step that closed round J-1
+    # (with overlap: the snapshot a server kept at that boundary, with that step still in flight).
     server_outer = [
         e.state_hash
         for p in swarm.peers
@@ -522,7 +592,9 @@ def test_a_peer_joins_a_running_swarm_at_a_round_boundary(cache: Path) -> None:
         for e in of_kind(events[id(p)], Outer)
         if e.step == J * H
     ]
-    assert me.state_hash in server_outer
+    kept = [e.snapshot for p in swarm.peers for e in of_kind(events[id(p)], Joiners) if e.round == J]
+    assert me.snapshot in kept
+    assert (me.state_hash in server_outer) == (overlap == 0)
     # Every peer holds the same view of every round; the joiner is in it from round J on.
     views = views_by_round(events[id(p)] for p in swarm.peers)
     assert all(len(v) == 1 for v in views.values()), views

@@ -1,0 +1,210 @@
+"""What an overlapped outer exchange (`outer.overlap_steps = k`) costs in perplexity.
+
+With k > 0 a replica keeps training for k inner steps while its outer exchange is in flight, then
+applies the outer step to the boundary's snapshot and carries the k steps' progress over
+(protocol/outer.py `carry_over`). The simulator applies the same rule as the peers, so it measures
+the cost without a network. Every k trains on the same tokens (same steps, batch, replicas, seed,
+data and partners) and is evaluated on the same held-out windows, so each k is compared with k = 0
+per seed, paired over windows: the standard error of a perplexity ratio is that of the mean
+per-window loss difference. k runs over 0, 1, H/5 and H/2 for NoLoCo (and DiLoCo's heavy-ball
+baseline with its own H, if asked).
+
+Runs go to a pool of worker processes (one torch thread each) and each finished run is appended to
+a JSON-lines file; re-running the same command skips finished runs.
+
+    nice -n 10 python bench/overlap.py --out runs/overlap --json docs/results/overlap.json
+    python bench/overlap.py --out runs/overlap-smoke --steps 20 --seeds 1 --h 10   # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing as mp
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+KEY = ("method", "k", "seed", "replicas", "stages", "steps", "seq_len", "batch_size", "h", "eval_windows")
+
+
+def overlaps(h: int) -> list[int]:
+    """k = 0, 1, H/5 and H/2 (rounded down, distinct, each below H)."""
+    return sorted({k for k in (0, 1, h // 5, h // 2) if k < h})
+
+
+def run_one(job: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    torch.set_num_threads(1)
+    from noloco_swarm.cli.options import build_config
+    from noloco_swarm.sim.run import run_simulation
+
+    base, _, variant = job["method"].partition("-")
+    assignments = {
+        "num_replicas": job["replicas"],
+        "num_stages": job["stages"],
+        "seed": job["seed"],
+        "model.seq_len": job["seq_len"],
+        "inner.batch_size": job["batch_size"],
+        "inner.total_steps": job["steps"],
+        "inner.warmup_steps": job["warmup"],
+        "outer.inner_steps": job["h"],
+        "outer.overlap_steps": job["k"],
+        "eval_every": job["eval_every"],
+        "eval_windows": job["eval_windows"],
+    }
+    if base == "noloco":
+        assignments["outer.seeded_groups"] = True  # seeds vary the partners too
+    if variant:
+        assignments["outer.diloco_variant"] = variant
+    cfg = build_config("tiny", base, assignments={k: str(v) for k, v in assignments.items()}, env={})
+    windows: list[float] = []
+    start = time.perf_counter()
+    result = run_simulation(
+        cfg,
+        job["steps"],
+        on_eval=lambda sim, _: windows.__setitem__(slice(None), sim.last_window_losses.tolist()),
+    )
+    return {
+        **job,
+        "evals": result.evals,
+        "window_losses": windows,  # per held-out window at the last evaluation (paired comparisons)
+        "state_hash": result.state_hash,
+        "seconds": time.perf_counter() - start,
+    }
+
+
+def paired(a: list[float], b: list[float]) -> tuple[float, float]:
+    """ppl(b) / ppl(a) from per-window losses, and the standard error of its log (paired over windows)."""
+    diffs = [y - x for x, y in zip(a, b, strict=True)]
+    se = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else float("nan")
+    return math.exp(statistics.fmean(diffs)), se
+
+
+def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per method and k: final perplexity per seed, and its ratio to k = 0 (paired per seed)."""
+    by = {(r["method"], r["k"], r["seed"]): r for r in rows}
+    out: dict[str, Any] = {}
+    for method in sorted({r["method"] for r in rows}):
+        seeds = sorted({s for m, _, s in by if m == method})
+        for k in sorted({k for m, k, _ in by if m == method}):
+            runs = [by[(method, k, s)] for s in seeds if (method, k, s) in by]
+            ppl = [r["evals"][-1]["val_ppl"] for r in runs]
+            entry: dict[str, Any] = {
+                "method": method,
+                "k": k,
+                "h": runs[0]["h"],
+                "val_ppl": ppl,
+                "val_ppl_mean": statistics.fmean(ppl),
+                "val_ppl_sd": statistics.stdev(ppl) if len(ppl) > 1 else 0.0,
+                "val_tokens": runs[0]["evals"][-1]["val_tokens"],
+                "seconds": [round(r["seconds"], 1) for r in runs],
+            }
+            steps = [e["step"] for e in runs[0]["evals"]]
+            entry["curve"] = {  # mean perplexity over seeds at every evaluation
+                str(t): statistics.fmean(r["evals"][i]["val_ppl"] for r in runs) for i, t in enumerate(steps)
+            }
+            pairs = [paired(by[(method, 0, s)]["window_losses"], by[(method, k, s)]["window_losses"])
+                     for s in seeds if (method, 0, s) in by and (method, k, s) in by]  # fmt: skip
+            if pairs:
+                entry["ratio_to_k0"] = [p[0] for p in pairs]
+                entry["ratio_to_k0_se_log"] = [p[1] for p in pairs]
+                entry["ratio_to_k0_mean"] = statistics.fmean(p[0] for p in pairs)
+            out[f"{method} k={k}"] = entry
+    return out
+
+
+def table(summary: dict[str, Any]) -> str:
+    lines = [
+        "| method | H | k | val ppl per seed | mean | ppl / (k = 0) per seed (± paired SE) | mean ratio |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for e in summary.values():
+        ratios = ", ".join(
+            f"{r:.4f} ± {r * se:.4f}" for r, se in zip(e.get("ratio_to_k0", []), e.get("ratio_to_k0_se_log", []), strict=True)
+        )  # fmt: skip
+        lines.append(
+            f"| {e['method']} | {e['h']} | {e['k']} | {', '.join(f'{p:.2f}' for p in e['val_ppl'])} "
+            f"| {e['val_ppl_mean']:.2f} | {ratios} | {e.get('ratio_to_k0_mean', float('nan')):.4f} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=Path("runs/overlap"))
+    ap.add_argument("--json", type=Path, default=None, help="also write the results here")
+    ap.add_argument("--methods", default="noloco", help="noloco and/or diloco-heavyball, diloco-nesterov")
+    ap.add_argument("--replicas", type=int, default=4)
+    ap.add_argument("--stages", type=int, default=2)
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--h", type=int, default=10, help="H of every method (paper: 50 of 25,000 steps)")
+    ap.add_argument("--eval-every", type=int, default=50)
+    ap.add_argument("--eval-windows", type=int, default=128)
+    ap.add_argument("--workers", type=int, default=2)
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    log = args.out / "runs.jsonl"
+    done = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    finished = {tuple(r[k] for k in KEY) for r in done}
+    jobs = []
+    for seed in range(args.seeds):
+        for method in args.methods.split(","):
+            for k in overlaps(args.h):
+                job = {
+                    "method": method, "k": k, "seed": seed, "replicas": args.replicas, "stages": args.stages,
+                    "steps": args.steps, "warmup": args.warmup, "seq_len": args.seq_len,
+                    "batch_size": args.batch_size, "h": args.h, "eval_every": args.eval_every,
+                    "eval_windows": args.eval_windows,
+                }  # fmt: skip
+                if tuple(job[k] for k in KEY) not in finished:
+                    jobs.append(job)
+    print(f"{len(done)} runs already done, {len(jobs)} to go, {args.workers} workers", flush=True)
+    with mp.get_context("spawn").Pool(args.workers) as pool, log.open("a") as file:
+        for row in pool.imap_unordered(run_one, jobs):
+            file.write(json.dumps(row) + "\n")
+            file.flush()
+            done.append(row)
+            print(
+                f"{row['method']} k={row['k']} seed {row['seed']}: ppl {row['evals'][-1]['val_ppl']:.3f} "
+                f"({row['seconds']:.0f} s)",
+                flush=True,
+            )
+    setup = {
+        k: getattr(args, k)
+        for k in ("methods", "replicas", "stages", "steps", "seq_len", "batch_size", "h", "eval_windows")
+    }
+    methods = set(args.methods.split(","))
+    rows = [
+        r for r in done
+        if r["method"] in methods and r["seed"] < args.seeds
+        and all(r[k] == v for k, v in setup.items() if k != "methods")
+    ]  # fmt: skip
+    summary = summarise(rows)
+    text = table(summary)
+    (args.out / "summary.md").write_text(text + "\n")
+    print(text)
+    if args.json:
+        command = "python bench/overlap.py " + " ".join(
+            f"--{k.replace('_', '-')} {v}" for k, v in {**setup, "seeds": args.seeds, "warmup": args.warmup,
+                                                         "eval_every": args.eval_every}.items()
+        )  # fmt: skip
+        record = {
+            "command": command,
+            "setup": {**setup, "preset": "tiny", "warmup": args.warmup, "seeds": args.seeds,
+                      "overlaps": overlaps(args.h), "outer.seeded_groups (noloco)": True},
+            "results": summary,
+        }  # fmt: skip
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(record, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
