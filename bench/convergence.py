@@ -16,13 +16,13 @@ finished run is appended to a JSON-lines file; re-running the same command skips
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import multiprocessing as mp
 import statistics
 import time
 from pathlib import Path
 from typing import Any
+
+from runlog import add_run_flags, run_pending  # bench/ is the script's folder: on sys.path
 
 # Both DiLoCo baselines, labelled: the NoLoCo paper's (heavy-ball, momentum 0.3, as the official code
 # runs it; its "14 of 16" compares against this one) and the DiLoCo paper's (Nesterov, momentum 0.9).
@@ -191,49 +191,32 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("runs/convergence"))
     ap.add_argument("--replicas", default="4,8")
     ap.add_argument("--stages", default="1,2")
-    ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--warmup", type=int, default=30)
-    ap.add_argument("--seq-len", type=int, default=64)
-    ap.add_argument("--batch-size", type=int, default=4)
+    add_run_flags(ap, steps=300, warmup=30, eval_every=20, eval_windows=48)
     ap.add_argument("--h-noloco", type=int, default=10, help="NoLoCo H (paper: 50 of 25,000 steps)")
     ap.add_argument("--h-diloco", type=int, default=20, help="DiLoCo H (paper: 100 of 25,000 steps)")
-    ap.add_argument("--eval-every", type=int, default=20)
-    ap.add_argument("--eval-windows", type=int, default=48)
-    ap.add_argument("--workers", type=int, default=2)
     args = ap.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    log = args.out / "runs.jsonl"
-    done = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
     key = ("replicas", "stages", "method", "seed", "steps", "seq_len", "batch_size", "h_noloco", "h_diloco")
-    finished = {tuple(r[k] for k in key) for r in done}
     jobs = []
     for n in map(int, args.replicas.split(",")):
         for p in map(int, args.stages.split(",")):
             methods = (*METHODS, "noloco-fixed") if p >= 2 else METHODS
             for seed in range(args.seeds):
                 for method in methods:
-                    job = {
+                    jobs.append({
                         "replicas": n, "stages": p, "method": method, "seed": seed, "steps": args.steps,
                         "warmup": args.warmup, "seq_len": args.seq_len, "batch_size": args.batch_size,
                         "h_noloco": args.h_noloco, "h_diloco": args.h_diloco, "eval_every": args.eval_every,
                         "eval_windows": args.eval_windows,
-                    }  # fmt: skip
-                    if tuple(job[k] for k in key) not in finished:
-                        jobs.append(job)
-    print(f"{len(done)} runs already done, {len(jobs)} to go, {args.workers} workers")
-    ctx = mp.get_context("spawn")
-    with ctx.Pool(args.workers) as pool, log.open("a") as f:
-        for row in pool.imap_unordered(run_one, jobs):
-            f.write(json.dumps(row) + "\n")
-            f.flush()
-            done.append(row)
-            last = row["evals"][-1]
-            print(
-                f"N={row['replicas']} P={row['stages']} {row['method']:>12} seed {row['seed']}: "
-                f"ppl {last['val_ppl']:.2f} spread {last['weight_spread']:.2e} ({row['seconds']:.0f} s)",
-                flush=True,
-            )
+                    })  # fmt: skip
+
+    def describe(row: dict) -> str:
+        last = row["evals"][-1]
+        return (
+            f"N={row['replicas']} P={row['stages']} {row['method']:>12} seed {row['seed']}: "
+            f"ppl {last['val_ppl']:.2f} spread {last['weight_spread']:.2e} ({row['seconds']:.0f} s)"
+        )
+
+    done = run_pending(args.out, jobs, key, run_one, describe, args.workers)
     rows = [
         r
         for r in done

@@ -21,11 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import multiprocessing as mp
 import statistics
 import time
 from pathlib import Path
 from typing import Any
+
+from runlog import add_run_flags, run_pending  # bench/ is the script's folder: on sys.path
 
 KEY = ("method", "k", "seed", "replicas", "stages", "steps", "seq_len", "batch_size", "h", "eval_windows")
 
@@ -140,43 +141,24 @@ def main() -> None:
     ap.add_argument("--methods", default="noloco", help="noloco and/or diloco-heavyball, diloco-nesterov")
     ap.add_argument("--replicas", type=int, default=4)
     ap.add_argument("--stages", type=int, default=2)
-    ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--warmup", type=int, default=20)
-    ap.add_argument("--seq-len", type=int, default=64)
-    ap.add_argument("--batch-size", type=int, default=4)
+    add_run_flags(ap, steps=200, warmup=20, eval_every=50, eval_windows=128)
     ap.add_argument("--h", type=int, default=10, help="H of every method (paper: 50 of 25,000 steps)")
-    ap.add_argument("--eval-every", type=int, default=50)
-    ap.add_argument("--eval-windows", type=int, default=128)
-    ap.add_argument("--workers", type=int, default=2)
     args = ap.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    log = args.out / "runs.jsonl"
-    done = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
-    finished = {tuple(r[k] for k in KEY) for r in done}
     jobs = []
     for seed in range(args.seeds):
         for method in args.methods.split(","):
             for k in overlaps(args.h):
-                job = {
+                jobs.append({
                     "method": method, "k": k, "seed": seed, "replicas": args.replicas, "stages": args.stages,
                     "steps": args.steps, "warmup": args.warmup, "seq_len": args.seq_len,
                     "batch_size": args.batch_size, "h": args.h, "eval_every": args.eval_every,
                     "eval_windows": args.eval_windows,
-                }  # fmt: skip
-                if tuple(job[k] for k in KEY) not in finished:
-                    jobs.append(job)
-    print(f"{len(done)} runs already done, {len(jobs)} to go, {args.workers} workers", flush=True)
-    with mp.get_context("spawn").Pool(args.workers) as pool, log.open("a") as file:
-        for row in pool.imap_unordered(run_one, jobs):
-            file.write(json.dumps(row) + "\n")
-            file.flush()
-            done.append(row)
-            print(
-                f"{row['method']} k={row['k']} seed {row['seed']}: ppl {row['evals'][-1]['val_ppl']:.3f} "
-                f"({row['seconds']:.0f} s)",
-                flush=True,
-            )
+                })  # fmt: skip
+
+    def describe(row: dict) -> str:
+        return f"{row['method']} k={row['k']} seed {row['seed']}: ppl {row['evals'][-1]['val_ppl']:.3f} ({row['seconds']:.0f} s)"
+
+    done = run_pending(args.out, jobs, KEY, run_one, describe, args.workers)
     setup = {
         k: getattr(args, k)
         for k in ("methods", "replicas", "stages", "steps", "seq_len", "batch_size", "h", "eval_windows")
