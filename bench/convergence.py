@@ -18,11 +18,10 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
-from runlog import add_run_flags, run_pending  # bench/ is the script's folder: on sys.path
+from runlog import add_run_flags, run_pending, simulate  # bench/ is the script's folder: on sys.path
 
 # Both DiLoCo baselines, labelled: the NoLoCo paper's (heavy-ball, momentum 0.3, as the official code
 # runs it; its "14 of 16" compares against this one) and the DiLoCo paper's (Nesterov, momentum 0.9).
@@ -30,42 +29,18 @@ METHODS = ("noloco", "diloco-heavyball", "diloco-nesterov", "allreduce", "local"
 
 
 def run_one(job: dict[str, Any]) -> dict[str, Any]:
-    import torch
-
-    torch.set_num_threads(1)
-    from noloco_swarm.cli.options import build_config
-    from noloco_swarm.sim.run import run_simulation
-
     method = job["method"]
-    assignments = {
-        "num_replicas": job["replicas"],
-        "num_stages": job["stages"],
-        "seed": job["seed"],
-        "model.seq_len": job["seq_len"],
-        "inner.batch_size": job["batch_size"],
-        "inner.total_steps": job["steps"],
-        "inner.warmup_steps": job["warmup"],
-        "eval_every": job["eval_every"],
-        "eval_windows": job["eval_windows"],
-    }
-    if method == "noloco-fixed":
-        assignments["outer.random_routing"] = False
     base = method.split("-")[0]
+    extra: dict[str, Any] = {}
+    if method == "noloco-fixed":
+        extra["outer.random_routing"] = False
     if base == "diloco":
-        assignments["outer.diloco_variant"] = method.split("-")[1]
+        extra["outer.diloco_variant"] = method.split("-")[1]
     if base in ("noloco", "local"):
-        assignments["outer.inner_steps"] = job["h_noloco"]
+        extra["outer.inner_steps"] = job["h_noloco"]
     elif base == "diloco":
-        assignments["outer.inner_steps"] = job["h_diloco"]
-    cfg = build_config("tiny", base, assignments={k: str(v) for k, v in assignments.items()}, env={})
-    start = time.perf_counter()
-    result = run_simulation(cfg, job["steps"])
-    return {
-        **job,
-        "evals": result.evals,
-        "state_hash": result.state_hash,
-        "seconds": time.perf_counter() - start,
-    }
+        extra["outer.inner_steps"] = job["h_diloco"]
+    return simulate(job, base, extra, window_losses=False)
 
 
 def pearson(xs: list[float], ys: list[float]) -> float:

@@ -20,13 +20,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import statistics
-import time
 from pathlib import Path
 from typing import Any
 
-from runlog import add_run_flags, run_pending  # bench/ is the script's folder: on sys.path
+from runlog import (  # bench/ is the script's folder: on sys.path
+    add_run_flags,
+    ratios,
+    run_pending,
+    seed_summary,
+    simulate,
+)
 
 KEY = ("method", "k", "seed", "replicas", "stages", "steps", "seq_len", "batch_size", "h", "eval_windows")
 
@@ -37,52 +40,13 @@ def overlaps(h: int) -> list[int]:
 
 
 def run_one(job: dict[str, Any]) -> dict[str, Any]:
-    import torch
-
-    torch.set_num_threads(1)
-    from noloco_swarm.cli.options import build_config
-    from noloco_swarm.sim.run import run_simulation
-
     base, _, variant = job["method"].partition("-")
-    assignments = {
-        "num_replicas": job["replicas"],
-        "num_stages": job["stages"],
-        "seed": job["seed"],
-        "model.seq_len": job["seq_len"],
-        "inner.batch_size": job["batch_size"],
-        "inner.total_steps": job["steps"],
-        "inner.warmup_steps": job["warmup"],
-        "outer.inner_steps": job["h"],
-        "outer.overlap_steps": job["k"],
-        "eval_every": job["eval_every"],
-        "eval_windows": job["eval_windows"],
-    }
+    extra: dict[str, Any] = {"outer.inner_steps": job["h"], "outer.overlap_steps": job["k"]}
     if base == "noloco":
-        assignments["outer.seeded_groups"] = True  # seeds vary the partners too
+        extra["outer.seeded_groups"] = True  # seeds vary the partners too
     if variant:
-        assignments["outer.diloco_variant"] = variant
-    cfg = build_config("tiny", base, assignments={k: str(v) for k, v in assignments.items()}, env={})
-    windows: list[float] = []
-    start = time.perf_counter()
-    result = run_simulation(
-        cfg,
-        job["steps"],
-        on_eval=lambda sim, _: windows.__setitem__(slice(None), sim.last_window_losses.tolist()),
-    )
-    return {
-        **job,
-        "evals": result.evals,
-        "window_losses": windows,  # per held-out window at the last evaluation (paired comparisons)
-        "state_hash": result.state_hash,
-        "seconds": time.perf_counter() - start,
-    }
-
-
-def paired(a: list[float], b: list[float]) -> tuple[float, float]:
-    """ppl(b) / ppl(a) from per-window losses, and the standard error of its log (paired over windows)."""
-    diffs = [y - x for x, y in zip(a, b, strict=True)]
-    se = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else float("nan")
-    return math.exp(statistics.fmean(diffs)), se
+        extra["outer.diloco_variant"] = variant
+    return simulate(job, base, extra)
 
 
 def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -93,27 +57,8 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
         seeds = sorted({s for m, _, s in by if m == method})
         for k in sorted({k for m, k, _ in by if m == method}):
             runs = [by[(method, k, s)] for s in seeds if (method, k, s) in by]
-            ppl = [r["evals"][-1]["val_ppl"] for r in runs]
-            entry: dict[str, Any] = {
-                "method": method,
-                "k": k,
-                "h": runs[0]["h"],
-                "val_ppl": ppl,
-                "val_ppl_mean": statistics.fmean(ppl),
-                "val_ppl_sd": statistics.stdev(ppl) if len(ppl) > 1 else 0.0,
-                "val_tokens": runs[0]["evals"][-1]["val_tokens"],
-                "seconds": [round(r["seconds"], 1) for r in runs],
-            }
-            steps = [e["step"] for e in runs[0]["evals"]]
-            entry["curve"] = {  # mean perplexity over seeds at every evaluation
-                str(t): statistics.fmean(r["evals"][i]["val_ppl"] for r in runs) for i, t in enumerate(steps)
-            }
-            pairs = [paired(by[(method, 0, s)]["window_losses"], by[(method, k, s)]["window_losses"])
-                     for s in seeds if (method, 0, s) in by and (method, k, s) in by]  # fmt: skip
-            if pairs:
-                entry["ratio_to_k0"] = [p[0] for p in pairs]
-                entry["ratio_to_k0_se_log"] = [p[1] for p in pairs]
-                entry["ratio_to_k0_mean"] = statistics.fmean(p[0] for p in pairs)
+            pairs = [(by[(method, 0, s)], by[(method, k, s)]) for s in seeds if (method, 0, s) in by and (method, k, s) in by]  # fmt: skip
+            entry = {"method": method, "k": k, "h": runs[0]["h"]} | seed_summary(runs) | ratios(pairs, "k0")
             out[f"{method} k={k}"] = entry
     return out
 

@@ -2,14 +2,20 @@
 
 Every finished run is one JSON line in OUT/runs.jsonl, so an interrupted sweep continues where it
 stopped: a job whose key fields match a recorded run is not run again. Runs go to a pool of
-spawned workers (each a fresh interpreter with its own torch threads).
+spawned workers (each a fresh interpreter with one torch thread). A job is a dict of the run's
+shape (replicas, stages, seed, steps, warmup, seq_len, batch_size, eval_every, eval_windows) plus
+whatever the sweep varies; `simulate` runs one, and `seed_summary` / `paired` compare variants
+run on the same tokens and held-out windows.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing as mp
+import statistics
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -54,3 +60,75 @@ def run_pending(
             done.append(row)
             print(describe(row), flush=True)
     return done
+
+
+def simulate(job: Row, method: str, extra: Row, *, window_losses: bool = True) -> Row:
+    """Run one job in the simulator (`method`, the job's shape, then `extra` config keys); the job
+    with its evaluations, state hash, seconds and (if asked) the last evaluation's per-window
+    losses, for paired comparisons."""
+    import torch
+
+    torch.set_num_threads(1)
+    from noloco_swarm.cli.options import build_config
+    from noloco_swarm.sim.run import run_simulation
+
+    assignments = {
+        "num_replicas": job["replicas"],
+        "num_stages": job["stages"],
+        "seed": job["seed"],
+        "model.seq_len": job["seq_len"],
+        "inner.batch_size": job["batch_size"],
+        "inner.total_steps": job["steps"],
+        "inner.warmup_steps": job["warmup"],
+        "eval_every": job["eval_every"],
+        "eval_windows": job["eval_windows"],
+        **extra,
+    }
+    cfg = build_config("tiny", method, assignments={k: str(v) for k, v in assignments.items()}, env={})
+    windows: list[float] = []
+    start = time.perf_counter()
+    result = run_simulation(
+        cfg,
+        job["steps"],
+        on_eval=lambda sim, _: windows.__setitem__(slice(None), sim.last_window_losses.tolist()),
+    )
+    row = {**job, "evals": result.evals}
+    if window_losses:
+        row["window_losses"] = windows  # per held-out window at the last evaluation
+    return row | {"state_hash": result.state_hash, "seconds": time.perf_counter() - start}
+
+
+def paired(a: list[float], b: list[float]) -> tuple[float, float]:
+    """ppl(b) / ppl(a) from per-window losses, and the standard error of its log (paired over windows)."""
+    diffs = [y - x for x, y in zip(a, b, strict=True)]
+    se = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else float("nan")
+    return math.exp(statistics.fmean(diffs)), se
+
+
+def seed_summary(runs: list[Row]) -> Row:
+    """One variant's seeds: final perplexity per seed, its mean and sd, the evaluated tokens, the
+    seconds, and the mean perplexity over seeds at every evaluation."""
+    ppl = [r["evals"][-1]["val_ppl"] for r in runs]
+    steps = [e["step"] for e in runs[0]["evals"]]
+    return {
+        "val_ppl": ppl,
+        "val_ppl_mean": statistics.fmean(ppl),
+        "val_ppl_sd": statistics.stdev(ppl) if len(ppl) > 1 else 0.0,
+        "val_tokens": runs[0]["evals"][-1]["val_tokens"],
+        "seconds": [round(r["seconds"], 1) for r in runs],
+        "curve": {
+            str(t): statistics.fmean(r["evals"][i]["val_ppl"] for r in runs) for i, t in enumerate(steps)
+        },
+    }
+
+
+def ratios(pairs: list[tuple[Row, Row]], name: str) -> Row:
+    """`paired` over (reference run, run) pairs of one seed each, as ratio_to_{name} fields."""
+    got = [paired(ref["window_losses"], run["window_losses"]) for ref, run in pairs]
+    if not got:
+        return {}
+    return {
+        f"ratio_to_{name}": [g[0] for g in got],
+        f"ratio_to_{name}_se_log": [g[1] for g in got],
+        f"ratio_to_{name}_mean": statistics.fmean(g[0] for g in got),
+    }

@@ -19,54 +19,28 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import statistics
-import time
 from pathlib import Path
 from typing import Any
 
-from runlog import add_run_flags, run_pending  # bench/ is the script's folder: on sys.path
+from runlog import (  # bench/ is the script's folder: on sys.path
+    add_run_flags,
+    ratios,
+    run_pending,
+    seed_summary,
+    simulate,
+)
 
 FORMATS = ("fp32", "bf16", "int8")
 KEY = ("fmt", "seed", "replicas", "stages", "steps", "seq_len", "batch_size", "h", "eval_windows")
 
 
 def run_one(job: dict[str, Any]) -> dict[str, Any]:
-    import torch
-
-    torch.set_num_threads(1)
-    from noloco_swarm.cli.options import build_config
-    from noloco_swarm.sim.run import run_simulation
-
-    assignments = {
-        "num_replicas": job["replicas"],
-        "num_stages": job["stages"],
-        "seed": job["seed"],
-        "model.seq_len": job["seq_len"],
-        "inner.batch_size": job["batch_size"],
-        "inner.total_steps": job["steps"],
-        "inner.warmup_steps": job["warmup"],
+    extra = {
         "outer.inner_steps": job["h"],
         "outer.seeded_groups": True,  # seeds vary the partners too, not only the data and init
-        "eval_every": job["eval_every"],
-        "eval_windows": job["eval_windows"],
         "wire.activations": job["fmt"],
     }
-    cfg = build_config("tiny", "noloco", assignments={k: str(v) for k, v in assignments.items()}, env={})
-    windows: list[float] = []
-    start = time.perf_counter()
-    result = run_simulation(
-        cfg,
-        job["steps"],
-        on_eval=lambda sim, _: windows.__setitem__(slice(None), sim.last_window_losses.tolist()),
-    )
-    return {
-        **job,
-        "evals": result.evals,
-        "window_losses": windows,  # per held-out window at the last evaluation (paired comparisons)
-        "state_hash": result.state_hash,
-        "seconds": time.perf_counter() - start,
-    }
+    return simulate(job, "noloco", extra)
 
 
 def wire_bytes(batch: int, seq_len: int, hidden: int) -> dict[str, dict[str, int]]:
@@ -79,13 +53,6 @@ def wire_bytes(batch: int, seq_len: int, hidden: int) -> dict[str, dict[str, int
     }
 
 
-def paired(a: list[float], b: list[float]) -> tuple[float, float]:
-    """ppl(b) / ppl(a) from per-window losses, and the standard error of its log (paired over windows)."""
-    diffs = [y - x for x, y in zip(a, b, strict=True)]
-    se = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else float("nan")
-    return math.exp(statistics.fmean(diffs)), se
-
-
 def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Per format: final perplexity per seed, and its ratio to fp32 (paired per seed)."""
     by = {(r["fmt"], r["seed"]): r for r in rows}
@@ -93,27 +60,9 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for f in FORMATS:
         runs = [by[(f, s)] for s in seeds if (f, s) in by]
-        if not runs:
-            continue
-        ppl = [r["evals"][-1]["val_ppl"] for r in runs]
-        entry: dict[str, Any] = {
-            "val_ppl": ppl,
-            "val_ppl_mean": statistics.fmean(ppl),
-            "val_ppl_sd": statistics.stdev(ppl) if len(ppl) > 1 else 0.0,
-            "val_tokens": runs[0]["evals"][-1]["val_tokens"],
-            "seconds": [round(r["seconds"], 1) for r in runs],
-        }
-        steps = [e["step"] for e in runs[0]["evals"]]
-        entry["curve"] = {  # mean perplexity over seeds at every evaluation
-            str(t): statistics.fmean(r["evals"][i]["val_ppl"] for r in runs) for i, t in enumerate(steps)
-        }
-        pairs = [paired(by[("fp32", s)]["window_losses"], by[(f, s)]["window_losses"]) for s in seeds
-                 if ("fp32", s) in by and (f, s) in by]  # fmt: skip
-        if pairs:
-            entry["ratio_to_fp32"] = [p[0] for p in pairs]
-            entry["ratio_to_fp32_se_log"] = [p[1] for p in pairs]
-            entry["ratio_to_fp32_mean"] = statistics.fmean(p[0] for p in pairs)
-        out[f] = entry
+        if runs:
+            pairs = [(by[("fp32", s)], by[(f, s)]) for s in seeds if ("fp32", s) in by and (f, s) in by]
+            out[f] = seed_summary(runs) | ratios(pairs, "fp32")
     return out
 
 
