@@ -62,6 +62,9 @@ class Arrival:
     result: asyncio.Future[tuple[torch.Tensor, list[float]]] = field(default_factory=asyncio.Future)
 
 
+Placement = list[tuple[Arrival, list[int]]]  # each arrival, and the rows of the batch its rows took
+
+
 class StepCollector:
     """Rows for one inner step of one receiving replica; complete when every expected row is in."""
 
@@ -114,7 +117,7 @@ class StepCollector:
         """Senders we expect rows from and have not heard from."""
         return sorted({x.sender for x in self.expected} - set(self.arrivals))
 
-    def batch(self) -> tuple[torch.Tensor, torch.Tensor, list[tuple[Arrival, list[int]]]]:
+    def batch(self) -> tuple[torch.Tensor, torch.Tensor, Placement]:
         """Inputs and targets in the plan's order, and where each arrival's rows landed."""
         taken: dict[int, int] = {}
         acts, toks, rows = [], [], {}
@@ -244,7 +247,7 @@ class InnerSteps:
         its rows are in (and, on the last stage, answered at once); backward in ascending m."""
         ctx = self.ctx
         losses: list[float] = []
-        running: list[tuple[StepCollector, torch.Tensor, torch.Tensor, asyncio.Task]] = []
+        running: list[tuple[Placement, torch.Tensor, torch.Tensor, asyncio.Task]] = []
         touched: list[StepCollector] = []
         try:
             async with asyncio.TaskGroup() as group:
@@ -268,11 +271,11 @@ class InnerSteps:
                     else:
                         out = await asyncio.to_thread(ctx.replica.module, x)
                         sending = group.create_task(self.sender.send_on(t, m, out.detach(), toks))
-                        running.append((collector, x, out, sending))
-                for collector, x, out, sending in running:
+                        running.append((placement, x, out, sending))
+                for placement, x, out, sending in running:
                     grad, got = await sending
                     await asyncio.to_thread(out.backward, grad)
-                    _answer(x, collector.batch()[2], got)
+                    _answer(x, placement, got)
                     losses += got
         except BaseException:
             for collector in [*touched, *(c for (step, _), c in self.collectors.items() if step == t)]:
@@ -386,7 +389,7 @@ class InnerSteps:
         return backward_reply(ctx, header, view.rank_of(ctx.me)[1], grad, losses)
 
 
-def _answer(x: torch.Tensor, placement: list[tuple[Arrival, list[int]]], losses: list[float]) -> None:
+def _answer(x: torch.Tensor, placement: Placement, losses: list[float]) -> None:
     """Answer every arrival of a batch that ran with its rows' input gradients and losses."""
     assert x.grad is not None
     x_grad = x.grad.cpu()  # replies leave from the CPU
