@@ -233,20 +233,22 @@ def test_uneven_stages_end_with_the_simulators_weights(cache: Path, one_thread: 
     assert all(s.dropped_samples == 0 for s in summaries)
 
 
-@pytest.mark.parametrize("stages", ["2,2", "3,2"])
+@pytest.mark.parametrize("stages", ["2,2", "3,2", "1,2,1"])
 def test_microbatches_in_flight_end_with_the_simulators_weights(
     stages: str, cache: Path, one_thread: None
 ) -> None:
     """B = 4 rows cross as M = 4 microbatches of one row (2x2, with the outer exchange overlapped
     with the next inner step too), or M = 2 of two rows over uneven stages (3,2: some receivers
-    get no row of a microbatch): each is sent on as soon as computed, gradients come back in any
-    order and are accumulated in ascending microbatch order, and every replica ends with the
-    simulator's exact weights for the same M."""
-    m, k = {"2,2": ("4", "1"), "3,2": ("2", "0")}[stages]
+    get no row of a microbatch), or M = 2 through a middle stage (1,2,1: it sends microbatches on and
+    backpropagates them as their gradients return): each is sent on as soon as computed, gradients
+    come back in any order and are accumulated in ascending microbatch order, and every replica
+    ends with the simulator's exact weights for the same M."""
+    m, k = {"2,2": ("4", "1"), "3,2": ("2", "0"), "1,2,1": ("2", "0")}[stages]
     counts = [int(c) for c in stages.split(",")]
     cfg = small(
         "noloco",
         num_replicas=str(max(counts)),
+        num_stages=str(len(counts)),
         stage_replicas=stages,
         **{"inner.batch_size": "4", "inner.microbatches": m, "outer.overlap_steps": k},
     )
@@ -255,7 +257,7 @@ def test_microbatches_in_flight_end_with_the_simulators_weights(
         summaries, outers, trouble = swarm.summaries(), outer_steps(swarm), troubles(swarm)
     expected, after_outer = simulate(cfg, STEPS)
     got = {(s.stage, s.rank): s.state_hash for s in summaries}
-    assert got == {(s, r): expected[s][r] for s in range(2) for r in range(counts[s])}, trouble
+    assert got == {(s, r): expected[s][r] for s in range(len(counts)) for r in range(counts[s])}, trouble
     assert all(e.failed == [] and e.state_hash == after_outer[e.applied_at][st][r] for st, r, e in outers), (
         trouble
     )
