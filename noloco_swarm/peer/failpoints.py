@@ -3,7 +3,8 @@
 Loss that the network causes only now and then (p2pd closing a stream between two live peers,
 seen under load) must be recovered from exactly, so tests make it happen on purpose, in real peer
 processes over real daemons. `NOLOCO_FAILPOINTS="point=count,..."` makes each named point fire
-the first `count` times it is reached in this process (unset: no point ever fires). Points:
+the first `count` times it is reached in this process, or `point@skip=count` the `count` times
+after the first `skip` (unset: no point ever fires). Points:
 
   lose_reply:VERB       the caller reads the whole reply to VERB, then discards it as if the
                         stream had closed before it (the callee did its work and thinks it done)
@@ -20,17 +21,19 @@ import re
 
 ENV = "NOLOCO_FAILPOINTS"
 KINDS = ("lose_reply", "close_unanswered")
-_ENTRY = re.compile(r"^(?P<kind>[a-z_]+):(?P<verb>rpc_[a-z_]+)=(?P<count>\d+)$")
+_ENTRY = re.compile(r"^(?P<kind>[a-z_]+):(?P<verb>rpc_[a-z_]+)(@(?P<skip>\d+))?=(?P<count>\d+)$")
 
 
-def parse(text: str) -> dict[str, int]:
-    """{"kind:verb": count} from the variable's text; ValueError naming a malformed entry."""
-    points: dict[str, int] = {}
+def parse(text: str) -> dict[str, list[int]]:
+    """{"kind:verb": [skip, count]} from the variable's text; ValueError naming a malformed entry."""
+    points: dict[str, list[int]] = {}
     for entry in filter(None, (e.strip() for e in text.split(","))):
         match = _ENTRY.match(entry)
         if match is None or match["kind"] not in KINDS:
-            raise ValueError(f"{ENV}: {entry!r} is not KIND:VERB=COUNT with KIND one of {', '.join(KINDS)}")
-        points[f"{match['kind']}:{match['verb']}"] = int(match["count"])
+            raise ValueError(
+                f"{ENV}: {entry!r} is not KIND:VERB=COUNT or KIND:VERB@SKIP=COUNT with KIND one of {', '.join(KINDS)}"
+            )
+        points[f"{match['kind']}:{match['verb']}"] = [int(match["skip"] or 0), int(match["count"])]
     return points
 
 
@@ -41,8 +44,11 @@ def fire(kind: str, verb: str) -> bool:
     """Whether the point fires now (and counts it); always False when none was asked for."""
     if not _left:
         return False
-    point = f"{kind}:{verb}"
-    if _left.get(point, 0) <= 0:
+    left = _left.get(f"{kind}:{verb}")
+    if left is None or left[1] <= 0:
         return False
-    _left[point] -= 1
+    if left[0] > 0:  # still skipping
+        left[0] -= 1
+        return False
+    left[1] -= 1
     return True
