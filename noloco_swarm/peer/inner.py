@@ -33,7 +33,7 @@ import torch
 from noloco_swarm.data.stream import train_batches
 from noloco_swarm.peer import events
 from noloco_swarm.peer.context import PeerContext
-from noloco_swarm.peer.rounds import PROBE_PERIOD
+from noloco_swarm.peer.rounds import PROBE_PERIOD, raise_if_left_behind
 from noloco_swarm.peer.sending import RowSender
 from noloco_swarm.peer.streams import Refused
 from noloco_swarm.protocol import messages, wire
@@ -322,9 +322,13 @@ class InnerSteps:
                 return
             async with asyncio.TaskGroup() as group:
                 probes = [group.create_task(ctx.rounds.probe(p)) for p in peers]
+            statuses = [probe.result() for probe in probes]
+            # A sender two rounds ahead of this step means the swarm left us behind: rejoin now.
+            raise_if_left_behind(
+                t, view.round, ctx.clock, [s.step for s in statuses if isinstance(s, PeerStatus)]
+            )
             passed = []
-            for sender, peer, probe in zip(missing, peers, probes, strict=True):
-                status = probe.result()
+            for sender, peer, status in zip(missing, peers, statuses, strict=True):
                 if status is None:
                     ctx.rounds.mark_dead(peer, f"stopped answering while we waited for step {t}")
                     collector.drop_sender(sender)

@@ -36,7 +36,6 @@ from noloco_swarm.protocol.messages import MessageError, StateManifest
 from noloco_swarm.protocol.plan import JOIN_MARGIN_ROUNDS, join_round
 
 logger = logging.getLogger(__name__)
-STATUS_TIMEOUT = 10.0
 R = TypeVar("R", messages.StateRequest, messages.ChunkRequest)
 
 
@@ -44,21 +43,22 @@ class RunEnding(RuntimeError):
     """The run ends before the first round this peer could join at: there is nothing left to train."""
 
 
-async def pick_join_round(
-    transport: Transport,
-    run_id: str,
-    others: list[messages.PeerAnnouncement],
-    clock: StepClock,
-    end_step: int,
-) -> int:
-    """The round to join at: two after the furthest step any live peer reports (asked directly,
-    since the announcements' step is only as fresh as the last heartbeat)."""
-
+async def furthest_step(
+    transport: Transport, run_id: str, others: list[messages.PeerAnnouncement], timeout: float
+) -> int | None:
+    """The furthest inner step any of `others` reports, asked directly (their announcements' step
+    is only as fresh as their last heartbeat); None if none of them answered."""
     answers = await asyncio.gather(
-        *(ask_status(transport, a.peer_id, run_id, STATUS_TIMEOUT) for a in others), return_exceptions=True
+        *(ask_status(transport, a.peer_id, run_id, timeout) for a in others), return_exceptions=True
     )
-    steps = [a.step for a in others] + [x.step for x in answers if isinstance(x, messages.PeerStatus)]
-    target = join_round(max(steps, default=0), clock.inner_steps)
+    steps = [x.step for x in answers if isinstance(x, messages.PeerStatus)]
+    return max(steps) if steps else None
+
+
+def pick_join_round(furthest: int, clock: StepClock, end_step: int, later: int = 0) -> int:
+    """The round to join at: two (plus `later`, at most one more: donors refuse rounds further
+    ahead) after the furthest step of the swarm. Raises RunEnding if the run is over by then."""
+    target = join_round(furthest, clock.inner_steps) + min(later, 1)
     if clock.round_start(target) >= end_step:
         raise RunEnding(
             f"the run ends at step {end_step}, before round {target} (step {clock.round_start(target)}) "
@@ -87,7 +87,7 @@ def check_request(
 class Joining:
     """This peer's joins (at start-up or after an exclusion) and the state it serves to joiners."""
 
-    def __init__(self, ctx: PeerContext, ledger: ByteLedger, announce: Callable[[], Awaitable[None]]) -> None:
+    def __init__(self, ctx: PeerContext, ledger: ByteLedger, announce: Callable[[], Awaitable[bool]]) -> None:
         self.ctx, self.ledger, self._announce = ctx, ledger, announce
         self.joined_round = 0
         self.snapshots: dict[int, Snapshot] = {}  # round -> state served to that round's joiners
@@ -118,43 +118,71 @@ class Joining:
             parts["phi"] = replica.theta()
         return Snapshot.take(parts, adam_step, replica.state_hash(), view, self.ctx.step)
 
-    async def join_late(self, end_step: int) -> None:
-        """Enter a running swarm two rounds ahead with a live replica's state."""
+    async def join_late(self, end_step: int, *, stale: bool = False) -> None:
+        """Enter a running swarm two rounds ahead with a live replica's state.
+
+        Each attempt asks the live peers where they are, announces the round two after the
+        furthest, and checks that nobody has reached that round while the announcement was on its
+        way (a member that passed the boundary without reading it would not admit us): only then
+        does it ask for the state. An attempt that learns nothing fresh (no peer answered: our link
+        was cut, or our connections went stale with it) or whose announcement was not stored
+        reconnects and tries again instead of fetching a round the swarm may have left. With
+        `stale` (we were excluded, maybe cut off) it dials every peer afresh from the start."""
         ctx = self.ctx
         timeout = ctx.cfg.peer.join_timeout
         deadline = time.monotonic() + timeout
+        problem, reconnect, later = "", False, 0
         while True:
+            if problem:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"this peer could not join the run within {timeout:.0f} s: {problem}")
+                logger.warning("%s", problem)
+                if reconnect:
+                    await self._reconnect()
+                await asyncio.sleep(1.0)
+            problem, reconnect = "", True
             others = [a for a in await asyncio.to_thread(ctx.rounds.read_peers) if a.peer_id != ctx.me]
+            if not servers_for(others, ctx.stage, 1 << 62):  # our DHT node lost its neighbours in a cut?
+                problem = f"no replica of stage {ctx.stage} is in the run's directory (reconnecting)"
+                continue
+            dial = ctx.transport.redial if stale else ctx.transport.connect
             async with asyncio.TaskGroup() as group:
                 for a in others:
-                    group.create_task(ctx.transport.connect(a.peer_id, a.addresses, timeout=PROBE_TIMEOUT))
-            target = await pick_join_round(ctx.transport, ctx.run_id, others, ctx.clock, end_step)
-            self.joined_round = target
-            await self._announce()
+                    group.create_task(dial(a.peer_id, a.addresses, timeout=PROBE_TIMEOUT))
+            furthest = await furthest_step(ctx.transport, ctx.run_id, others, PROBE_TIMEOUT)
+            if furthest is None:  # cut off, or our connections went stale in a cut: dial afresh
+                problem, stale = "no peer of the run answered where it is (was this peer cut off?)", True
+                continue
+            stale = False
+            target = pick_join_round(max(furthest, *(a.step for a in others)), ctx.clock, end_step, later)
             start = ctx.clock.round_start(target)
+            self.joined_round = target
+            if not await self._announce():
+                problem = f"the DHT did not store our announcement for round {target} (reconnecting)"
+                continue
+            now = await furthest_step(ctx.transport, ctx.run_id, others, PROBE_TIMEOUT)
+            if now is not None and now >= start:
+                logger.warning(
+                    "the swarm reached step %d while we announced round %d (step %d); choosing a later one",
+                    now,
+                    target,
+                    start,
+                )
+                later = 1  # the swarm outpaces our announcements: aim one round further
+                continue
             ctx.events.emit(events.Joining(round=target, step=start))
             logger.warning("joining the running swarm at round %d (step %d)", target, start)
             servers = servers_for(others, ctx.stage, target)
-            if not servers and time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"no live replica of stage {ctx.stage} holds its state; this peer cannot join"
-                )
-            if not servers:  # e.g. our DHT node lost every neighbour during a cut: reconnect
-                logger.warning("no replica of stage %d in the directory yet; reconnecting", ctx.stage)
-                await self._reconnect()
             # Spread joiners over the servers: each adopts the snapshot of the first in its own order.
             servers.sort(key=lambda p: hashlib.sha256(f"{ctx.me}/{p}".encode()).digest())
             try:
                 view, step = await self._fetch_state(servers, target, max(1.0, deadline - time.monotonic()))
             except (*DONOR_ERRORS, TimeoutError) as e:
-                logger.warning("state fetch for round %d failed: %s", target, e)
+                problem, reconnect = f"state fetch for round {target} failed: {e}", False
             else:
                 ctx.step = step
-                ctx.rounds.set(view)
+                ctx.rounds.adopt(view)
                 return
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"could not join the run within {timeout:.0f} s")
-            await asyncio.sleep(1.0)
 
     async def _fetch_state(
         self, servers: list[str], round_: int, timeout: float
@@ -230,7 +258,7 @@ class Joining:
         """A peer joining our stage at a round boundary asks for the manifest of our state there."""
         ctx = self.ctx
         request = check_request(header, ctx.run_id, ctx.stage)
-        if request.round > ctx.clock.round_of(ctx.step) + JOIN_MARGIN_ROUNDS + 1:
+        if request.round > ctx.clock.round_of(ctx.step) + JOIN_MARGIN_ROUNDS + 2:  # see pick_join_round
             raise MessageError(f"round {request.round} is too far ahead (this peer is at step {ctx.step})")
         wait = min(ctx.cfg.peer.join_timeout, ctx.transport.config.serve_timeout - 5.0)
         view = await ctx.rounds.wait(request.round, timeout=wait)

@@ -41,7 +41,7 @@ class SwarmMovedOn(RuntimeError):
 class Resume:
     """This peer's checkpoints: writing them at boundaries, and resuming from them."""
 
-    def __init__(self, ctx: PeerContext, config_hash: str, announce: Callable[[], Awaitable[None]]) -> None:
+    def __init__(self, ctx: PeerContext, config_hash: str, announce: Callable[[], Awaitable[bool]]) -> None:
         self.ctx, self.config_hash, self._announce = ctx, config_hash, announce
         opts = ctx.cfg.peer
         self.directory = Path(opts.checkpoint_dir) if opts.checkpoint_dir else None

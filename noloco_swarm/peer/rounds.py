@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Iterable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -27,6 +28,7 @@ from noloco_swarm.peer.directory import RunDirectory
 from noloco_swarm.peer.streams import PeerUnavailable, RemoteRefused
 from noloco_swarm.peer.transport import Transport
 from noloco_swarm.protocol import messages
+from noloco_swarm.protocol.clock import StepClock
 from noloco_swarm.protocol.membership import Listing, MembershipView, credible_gone, next_view
 from noloco_swarm.protocol.messages import MessageError
 
@@ -38,6 +40,8 @@ DHT_ERRORS = (OSError, RuntimeError, TimeoutError, EOFError)
 # A peer we wait on longer than this is probed (rpc_status).
 PROBE_PERIOD = 2.0
 PROBE_TIMEOUT = 5.0
+# A peer that failed a probe but answered one this recently gets a second probe before it is gone.
+RECENTLY = 15.0
 KEEP_ROUNDS = 3  # views kept: a request may name the round before ours or the next one
 
 
@@ -72,6 +76,15 @@ class PeerExcluded(RuntimeError):
     """The swarm's next view leaves this (live) peer out, e.g. after a gone report: join again."""
 
 
+def raise_if_left_behind(t: int, round_: int, clock: StepClock, steps: Iterable[int]) -> None:
+    """We are at step t of `round_` and other members report `steps`: if one is two rounds past
+    ours, the swarm trained on without us and we are out of its views, or soon will be. Raise
+    PeerExcluded, to rejoin now instead of waiting on (or sending to) steps they left long ago."""
+    furthest = max(steps, default=t)
+    if furthest >= clock.round_start(round_ + 2):
+        raise PeerExcluded(f"this peer fell behind: it is at step {t}, the swarm at step {furthest}")
+
+
 class Rounds:
     """One peer's per-round views of the swarm, and its record of peers that failed it."""
 
@@ -90,9 +103,17 @@ class Rounds:
         self._ready: dict[int, asyncio.Event] = {}
         self.dead: dict[str, int] = {}  # peer id -> the round it failed us in (also reported in the DHT)
         self.addresses: dict[str, tuple[str, ...]] = {}  # peer id -> announced addresses
+        self.answered: dict[str, float] = {}  # peer id -> when it last answered a probe (monotonic)
         self._reports: set[asyncio.Task[None]] = set()
 
     # ------------------------------------------------------------------ views
+
+    def adopt(self, view: MembershipView) -> None:
+        """Take a donor's view on (re)joining: its members are alive by the swarm's consensus, so
+        whom we marked gone before (while cut off, typically the whole swarm) is forgotten. Kept,
+        those marks made us skip every row from them: a rejoined peer ran its steps empty."""
+        self.dead.clear()
+        self.set(view)
 
     def set(self, view: MembershipView) -> None:
         """Freeze `view` for its round (and forget rounds long past)."""
@@ -232,13 +253,19 @@ class Rounds:
         before = self.transport.received_from(peer)
         for attempt in range(2):
             try:
-                return await ask_status(self.transport, peer, self.directory.run_id, PROBE_TIMEOUT)
+                status = await ask_status(self.transport, peer, self.directory.run_id, PROBE_TIMEOUT)
+                self.answered[peer] = time.monotonic()
+                return status
             except PeerUnavailable:
-                if attempt or not await self.transport.connect(
-                    peer, self.addresses.get(peer, ()), timeout=PROBE_TIMEOUT
-                ):
+                if attempt or self.transport.received_from(peer) > before:
+                    break
+                # Dial it afresh: a fresh daemon may not know it yet, and after a cut our old
+                # connection to it can hang although the link is back. (Data still arriving from
+                # it proves the connection works: then it is only busy; see below.)
+                if not await self.transport.redial(peer, self.addresses.get(peer, ()), timeout=PROBE_TIMEOUT):
                     break
             except (RemoteRefused, MessageError) as e:
+                self.answered[peer] = time.monotonic()
                 return Refusal(str(e))
         # On a slow link our probe waits behind the bulk data the peer is sending us (an outer
         # exchange, a batch of rows): data still arriving from it proves it runs.
@@ -268,7 +295,14 @@ class Rounds:
         """`peer` failed us in a way a slow peer could too: it is gone only if it does not answer."""
         if peer in self.dead:
             return True
-        if await self.alive(peer):
+        alive = await self.alive(peer)
+        if not alive and time.monotonic() - self.answered.get(peer, -math.inf) < RECENTLY:
+            # It answered a probe moments ago (e.g. while it kept us waiting on a long outer
+            # exchange of its own): one lost probe, on a loaded machine, is no proof it died, and
+            # marking a live peer gone can empty a stage. Ask once more before reporting it.
+            await asyncio.sleep(PROBE_PERIOD)
+            alive = await self.alive(peer)
+        if alive:
             self.events.emit(events.SlowPeer(peer=peer, reason=why))
             return False
         self.mark_dead(peer, why)

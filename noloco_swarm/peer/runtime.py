@@ -37,7 +37,7 @@ from noloco_swarm.peer.inner import InnerSteps
 from noloco_swarm.peer.joining import Joining
 from noloco_swarm.peer.outer_steps import OuterSteps
 from noloco_swarm.peer.resume import Resume, SwarmMovedOn
-from noloco_swarm.peer.rounds import DHT_ERRORS, PeerExcluded, Rounds
+from noloco_swarm.peer.rounds import DHT_ERRORS, PeerExcluded, Rounds, raise_if_left_behind
 from noloco_swarm.peer.transport import Transport
 from noloco_swarm.protocol import messages
 from noloco_swarm.protocol.messages import MessageError
@@ -146,7 +146,7 @@ class Peer:
                 logger.warning("%s; joining again", e)
                 ctx.events.emit(events.Excluded(step=ctx.step, reason=str(e)))
                 self.inner.abandon("this peer left the swarm's view and joins again")
-                await self.joining.join_late(self.steps)
+                await self.joining.join_late(self.steps, stale=True)
         seconds = time.perf_counter() - start
         self.inner.abandon("this peer finished training")
         self.evaluation.trained.set()
@@ -244,9 +244,7 @@ class Peer:
         async with asyncio.TaskGroup() as group:
             probes = [group.create_task(ctx.rounds.probe(p)) for p in others]
         steps = [s.step for probe in probes if isinstance(s := probe.result(), messages.PeerStatus)]
-        furthest = max(steps, default=t)
-        if furthest >= ctx.clock.round_start(view.round + 2):
-            raise PeerExcluded(f"this peer fell behind: it is at step {t}, the swarm at step {furthest}")
+        raise_if_left_behind(t, view.round, ctx.clock, steps)
 
     async def leave(self) -> bool:
         """Leave the swarm without failing anyone: report ourselves gone in the current round, so
@@ -293,9 +291,14 @@ class Peer:
             ctx.step,
         )
 
-    async def _announce(self) -> None:
-        await asyncio.to_thread(self.directory.announce, self.announcement())
+    async def _announce(self) -> bool:
+        """Store our announcement now; False if the DHT did not store it (the heartbeat retries)."""
         self.announced = True
+        try:
+            return await asyncio.to_thread(self.directory.announce, self.announcement())
+        except DHT_ERRORS as e:
+            logger.warning("could not store our announcement: %s", e)
+            return False
 
     async def _heartbeat(self) -> None:
         """Re-store our announcement (with our current step) every ttl/3 seconds."""

@@ -202,6 +202,18 @@ class Transport:
             return False
         return True
 
+    async def redial(self, peer_id: str, addresses: Sequence[str], *, timeout: float) -> bool:
+        """Drop our connection to `peer_id` and dial it again. After our link was cut, the old
+        connection can stay open while its TCP retransmissions back off for tens of seconds, so
+        calls over it hang although the link is back; a fresh one answers at once. (Without
+        addresses to dial it only connects: dropping the connection could lose the peer.)"""
+        if not addresses:
+            return await self.connect(peer_id, addresses, timeout=timeout)
+        with contextlib.suppress(ControlFailure, P2PDaemonError, OSError, ValueError):
+            async with asyncio.timeout(timeout):
+                await self._p2p._client.disconnect(PeerID.from_base58(peer_id))
+        return await self.connect(peer_id, addresses, timeout=timeout)
+
     async def call(
         self,
         peer_id: str | PeerID,
