@@ -9,6 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from noloco_swarm.peer.joining import RunEnding, pick_join_round
+from noloco_swarm.peer.rounds import PeerExcluded, raise_if_left_behind
 from noloco_swarm.protocol.clock import StepClock, lr_at
 from noloco_swarm.protocol.membership import Listing, MembershipView, credible_gone, next_view
 
@@ -210,3 +212,20 @@ def test_credible_reports_are_order_independent_and_a_subset_of_all_reports(
     assert all(peer in everything and rounds <= everything[peer] for peer, rounds in judged.items())
     if reports:
         assert judged, "some peer is always judged when anyone was reported"
+
+
+def test_a_joiner_aims_two_rounds_ahead_or_one_more_and_never_past_the_end() -> None:
+    clock = StepClock(inner_steps=3, batch_size=4)
+    assert pick_join_round(44, clock, end_step=120) == 16  # step 44 is in round 14
+    assert pick_join_round(44, clock, end_step=120, later=1) == 17
+    assert pick_join_round(44, clock, end_step=120, later=5) == 17  # donors refuse rounds further on
+    with pytest.raises(RunEnding, match="before round 20"):
+        pick_join_round(54, clock, end_step=60)
+
+
+def test_a_peer_is_left_behind_once_a_member_is_two_rounds_past_its_round() -> None:
+    clock = StepClock(inner_steps=3, batch_size=4)
+    raise_if_left_behind(6, 2, clock, [])  # nobody answered: no evidence
+    raise_if_left_behind(6, 2, clock, [7, 11])  # round 3 is one past ours: the others may wait for us
+    with pytest.raises(PeerExcluded, match="at step 6, the swarm at step 12"):
+        raise_if_left_behind(6, 2, clock, [7, 12])
