@@ -33,7 +33,7 @@ import torch
 from noloco_swarm.data.stream import train_batches
 from noloco_swarm.peer import events
 from noloco_swarm.peer.context import PeerContext
-from noloco_swarm.peer.rounds import PROBE_PERIOD, raise_if_left_behind
+from noloco_swarm.peer.rounds import PROBE_PERIOD, PeerExcluded, raise_if_left_behind
 from noloco_swarm.peer.sending import RowSender
 from noloco_swarm.peer.streams import Refused
 from noloco_swarm.protocol import messages, wire
@@ -250,33 +250,36 @@ class InnerSteps:
         running: list[tuple[Placement, torch.Tensor, torch.Tensor, asyncio.Task]] = []
         touched: list[StepCollector] = []
         try:
-            async with asyncio.TaskGroup() as group:
-                for m in range(ctx.cfg.inner.microbatches):
-                    collector = await self._collect_microbatch(t, m)
-                    touched.append(collector)
-                    if not collector.arrivals:  # no rows of m came to us: nothing to compute
-                        continue
-                    acts, toks, placement = collector.batch()
-                    x = acts.to(ctx.device).requires_grad_(True)
-                    if ctx.is_last:
+            try:
+                async with asyncio.TaskGroup() as group:
+                    for m in range(ctx.cfg.inner.microbatches):
+                        collector = await self._collect_microbatch(t, m)
+                        touched.append(collector)
+                        if not collector.arrivals:  # no rows of m came to us: nothing to compute
+                            continue
+                        acts, toks, placement = collector.batch()
+                        x = acts.to(ctx.device).requires_grad_(True)
+                        if ctx.is_last:
 
-                        def last(x: torch.Tensor = x, toks: torch.Tensor = toks) -> torch.Tensor:
-                            sample_losses = ctx.replica.module(x, toks.to(ctx.device))
-                            ctx.replica.backward_losses(sample_losses)
-                            return sample_losses.detach()
+                            def last(x: torch.Tensor = x, toks: torch.Tensor = toks) -> torch.Tensor:
+                                sample_losses = ctx.replica.module(x, toks.to(ctx.device))
+                                ctx.replica.backward_losses(sample_losses)
+                                return sample_losses.detach()
 
-                        got = [float(v) for v in await asyncio.to_thread(last)]
+                            got = [float(v) for v in await asyncio.to_thread(last)]
+                            _answer(x, placement, got)
+                            losses += got
+                        else:
+                            out = await asyncio.to_thread(ctx.replica.module, x)
+                            sending = group.create_task(self.sender.send_on(t, m, out.detach(), toks))
+                            running.append((placement, x, out, sending))
+                    for placement, x, out, sending in running:
+                        grad, got = await sending
+                        await asyncio.to_thread(out.backward, grad)
                         _answer(x, placement, got)
                         losses += got
-                    else:
-                        out = await asyncio.to_thread(ctx.replica.module, x)
-                        sending = group.create_task(self.sender.send_on(t, m, out.detach(), toks))
-                        running.append((placement, x, out, sending))
-                for placement, x, out, sending in running:
-                    grad, got = await sending
-                    await asyncio.to_thread(out.backward, grad)
-                    _answer(x, placement, got)
-                    losses += got
+            except* PeerExcluded as excluded:  # we fell behind (seen while collecting): rejoin
+                raise excluded.exceptions[0] from None
         except BaseException:
             for collector in [*touched, *(c for (step, _), c in self.collectors.items() if step == t)]:
                 collector.abandon(f"step {t} failed on the receiving replica")
