@@ -40,7 +40,8 @@ DHT_ERRORS = (OSError, RuntimeError, TimeoutError, EOFError)
 # A peer we wait on longer than this is probed (rpc_status).
 PROBE_PERIOD = 2.0
 PROBE_TIMEOUT = 5.0
-# A peer that failed a probe but answered one this recently gets a second probe before it is gone.
+# A peer that failed a probe but answered one this recently keeps its connection, and gets a second
+# probe before it is reported gone.
 RECENTLY = 15.0
 KEEP_ROUNDS = 3  # views kept: a request may name the round before ours or the next one
 
@@ -259,10 +260,14 @@ class Rounds:
             except PeerUnavailable:
                 if attempt or self.transport.received_from(peer) > before:
                     break
-                # Dial it afresh: a fresh daemon may not know it yet, and after a cut our old
-                # connection to it can hang although the link is back. (Data still arriving from
-                # it proves the connection works: then it is only busy; see below.)
-                if not await self.transport.redial(peer, self.addresses.get(peer, ()), timeout=PROBE_TIMEOUT):
+                # Dial it: a fresh daemon may not know it yet. One that has not answered us for a
+                # while we dial afresh: after a cut our old connection to it can hang although
+                # the link is back. One that answered moments ago keeps its connection, which may
+                # be only stalled under load, with an exchange on it that can still complete.
+                # (Data still arriving from it proves the connection works; see below.)
+                fresh = time.monotonic() - self.answered.get(peer, -math.inf) < RECENTLY
+                dial = self.transport.connect if fresh else self.transport.redial
+                if not await dial(peer, self.addresses.get(peer, ()), timeout=PROBE_TIMEOUT):
                     break
             except (RemoteRefused, MessageError) as e:
                 self.answered[peer] = time.monotonic()
