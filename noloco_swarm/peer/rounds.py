@@ -291,10 +291,10 @@ class Rounds:
                 if peer in self.dead or not await self.alive(peer):
                     self.mark_dead(peer, f"stopped answering during {what}")
                     raise PeerUnavailable(f"peer {peer} stopped answering during {what}")
-        finally:
+        finally:  # also retrieves the error of a call that failed while we probed its peer
             if not task.done():
                 task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+            await asyncio.gather(task, return_exceptions=True)
 
     async def suspect(self, peer: str, why: str) -> bool:
         """`peer` failed us in a way a slow peer could too: it is gone only if it does not answer."""
