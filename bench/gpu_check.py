@@ -68,6 +68,14 @@ def main() -> int:
     ap.add_argument("--swarm-steps", type=int, default=7, help="H = 3: two outer steps and one more")
     ap.add_argument("--swarm-seq-len", type=int, default=128)
     ap.add_argument("--swarm-batch-size", type=int, default=4)
+    ap.add_argument(
+        "--swarm-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra config of the swarm check (repeatable), e.g. model.attn_implementation=eager "
+        "to take SDPA's attention kernels out of a hash mismatch",
+    )
     ap.add_argument("--swarm-timeout", type=float, default=300.0, help="seconds for the whole swarm run")
     ap.add_argument("--bench-steps", type=int, default=10, help="steps per timed block")
     ap.add_argument("--rounds", type=int, default=3, help="alternating timed blocks of each loop")
@@ -77,6 +85,8 @@ def main() -> int:
     checks = [c for c in args.checks.split(",") if c]
     if unknown := set(checks) - set(CHECKS):
         ap.error(f"unknown checks {sorted(unknown)}; choose from {', '.join(CHECKS)}")
+    if bad := [kv for kv in args.swarm_set if "=" not in kv]:
+        ap.error(f"--swarm-set takes KEY=VALUE, got {bad}")
     out = args.out or (Path(os.environ["OUT"]) / "gpu_check.json" if os.environ.get("OUT") else None)
     result: Row = {
         "command": " ".join(["python", "bench/gpu_check.py", *sys.argv[1:]]),
@@ -203,6 +213,7 @@ def check_swarm(args: argparse.Namespace) -> Row:
     cfg = config(
         "tiny", 2, 2, args.swarm_seq_len, args.swarm_batch_size,
         **{"outer.inner_steps": "3", "inner.warmup_steps": "2", "inner.total_steps": str(args.swarm_steps + 1)},
+        **dict(kv.split("=", 1) for kv in args.swarm_set),
     )  # fmt: skip
     cuda = args.device == "cuda"
     cfg = cfg.replace(peer=dataclasses.replace(cfg.peer, device=args.device, deterministic=cuda))
