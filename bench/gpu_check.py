@@ -35,6 +35,7 @@ import os
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -109,7 +110,11 @@ def main() -> int:
     for name in sorted(checks, key=lambda c: c == "swarm"):
         t0 = time.perf_counter()
         print(f"--- {name}", flush=True)
-        row = runners[name](args)
+        try:
+            row = runners[name](args)
+        except Exception as e:  # noqa: BLE001  (a failed check, recorded; the others still run and report)
+            traceback.print_exc()
+            row = {"ok": False, "summary": f"raised {e!r}"[:300], "error": traceback.format_exc()[-4000:]}
         row["seconds"] = round(time.perf_counter() - t0, 1)
         print(
             f"{name}: {'ok' if row['ok'] else 'FAILED'} ({row['seconds']} s) {row.get('summary', '')}",
