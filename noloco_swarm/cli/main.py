@@ -312,6 +312,10 @@ def _join(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
+        if cfg.peer.deterministic:
+            from noloco_swarm.train.cuda import deterministic_cuda
+
+            deterministic_cuda()
     _threads(args, peer=True)
     if args.resume and not cfg.peer.checkpoint_dir:
         print(

@@ -136,6 +136,7 @@ class LocalSwarm:
             "--set", f"peer.event_loop={p.event_loop}", "--set", f"peer.state_serve_rate={p.state_serve_rate}",
             "--set", f"peer.metrics_host={p.metrics_host}", "--set", f"peer.metrics_linger={p.metrics_linger}",
             "--die-with-parent",
+            *(["--set", "peer.deterministic=true"] if p.deterministic else []),
         ]  # fmt: skip
 
     def failed(self) -> list[PeerProcess]:

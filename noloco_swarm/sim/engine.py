@@ -48,9 +48,12 @@ class StepStats:
 class Simulator:
     """Replicas x stages with AdamW inner steps and the configured outer step."""
 
-    def __init__(self, cfg: RunConfig, batches: BatchFn) -> None:
+    def __init__(self, cfg: RunConfig, batches: BatchFn, device: str | torch.device = "cpu") -> None:
+        """`device`: where every replica computes (as a peer's `peer.device`); batches come from
+        the CPU and are moved there. On the CPU every move is a no-op."""
         self.cfg = cfg
         self.batches = batches
+        self.device = torch.device(device)
         self.clock = StepClock(cfg.outer.inner_steps, cfg.inner.batch_size, cfg.inner.total_steps)
         self.plan = StepPlan.of(
             cfg.replica_counts, cfg.inner.batch_size, cfg.outer.random_routing, cfg.inner.microbatches
@@ -59,7 +62,10 @@ class Simulator:
         self.replicas: list[list[StageReplica]] = []
         for s, count in enumerate(cfg.replica_counts):
             first = build_stage(cfg.model, s, cfg.num_stages, cfg.seed)
-            row = [StageReplica(cfg, s, first if d == 0 else copy.deepcopy(first)) for d in range(count)]
+            row = [
+                StageReplica(cfg, s, first if d == 0 else copy.deepcopy(first), device=self.device)
+                for d in range(count)
+            ]
             self.replicas.append(row)
         self.step = 0
         self.tokens = 0
@@ -82,7 +88,7 @@ class Simulator:
         ascending order (as the peers backpropagate them); leave gradients in place."""
         cfg, plan, t = self.cfg, self.plan, self.step
         B = cfg.inner.batch_size
-        windows = [self.batches(d, t) for d in range(plan.counts[0])]
+        windows = [self.batches(d, t).to(self.device) for d in range(plan.counts[0])]
         for d, w in enumerate(windows):
             if w.shape != (B, cfg.model.seq_len + 1):
                 raise ValueError(
@@ -245,13 +251,14 @@ class Simulator:
         `val_loss_se`, the standard error of val_loss over windows (the evaluation's own noise).
         """
         paths = eval_paths(self.plan.counts)
+        windows = windows.to(self.device)
         per_window = [
             _chain_losses([row[q] for row in self.stages], windows, batch_size) for q in range(paths)
         ]
         per_replica = [float(losses.mean()) for losses in per_window]
         # The evaluation's own sampling error: the standard error over windows of the path-mean loss.
         path_mean = torch.stack(per_window).mean(dim=0)
-        self.last_window_losses = path_mean  # for paired comparisons of runs on the same windows
+        self.last_window_losses = path_mean.cpu()  # for paired comparisons of runs on the same windows
         se = float(path_mean.std() / math.sqrt(len(path_mean))) if len(path_mean) > 1 else float("nan")
         averaged = []
         for row in self.stages:

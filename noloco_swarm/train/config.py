@@ -42,6 +42,10 @@ class PeerConfig:
     sees its final values (the process stays up that long)."""
     device: str = "cpu"
     """Where this stage computes (cpu or cuda); tensors cross the network from the CPU."""
+    deterministic: bool = False
+    """Only deterministic CUDA kernels (`torch.use_deterministic_algorithms`, warn-only, and a
+    fixed cuBLAS workspace), so that a GPU swarm can reproduce the simulator bit for bit on the
+    same GPU (scripts/gpu_check.sh); slower. Has no effect with device cpu."""
     step_timeout: float = 120.0
     """Seconds: deadline of one pipeline round trip or one collected batch."""
     exchange_timeout: float = 120.0
