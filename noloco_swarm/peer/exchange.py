@@ -22,6 +22,7 @@ average the same tensors.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable
 
 import torch
@@ -115,7 +116,9 @@ class ExchangeBoard:
     async def swap(self, peer: str, header: ExchangeHeader, tensors: Tensors, *, timeout: float) -> Tensors:
         """Call `peer` for the exchange `header` names: send ours, get theirs, both ways at once."""
         expect = streams.declared_tensors(header)
-        _, theirs = await self.transport.call(peer, VERB, header, tensors, timeout=timeout, expect=expect)
+        _, theirs = await self.transport.call(
+            peer, VERB, header, tensors, timeout=timeout, expect=expect, confirmed=True
+        )
         return tuple(theirs)
 
     def serving(self, key: Key, peer: str) -> bool:
@@ -225,7 +228,14 @@ class ExchangeBoard:
                 if failpoints.fire("close_unanswered", VERB):
                     raise StreamClosed("failpoint: closed the exchange stream without our answer")
                 await streams.reply(stream, Ack(), ours)
-                return tuple(await receiving), ours
+                theirs = tuple(await receiving)
+                # The caller's call ends at this confirmation, not at our reply. Both directions
+                # are complete here: if the confirmation is lost, the caller calls again and gets
+                # the same answer (kept in `_served`), so this side counts as done either way.
+                if not failpoints.fire("close_unconfirmed", VERB):
+                    with contextlib.suppress(OSError):
+                        await streams.confirm(stream)
+                return theirs, ours
             finally:
                 receiving.cancel()
                 await asyncio.gather(receiving, return_exceptions=True)

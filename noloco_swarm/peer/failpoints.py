@@ -10,6 +10,9 @@ after the first `skip` (unset: no point ever fires). Points:
                         stream had closed before it (the callee did its work and thinks it done)
   close_unanswered:VERB the callee serves VERB to the end, then closes the stream without
                         sending its reply
+  close_unconfirmed:VERB  the callee of an exchange (VERB: rpc_exchange) has read all of the
+                        caller's frame and sent its reply, then closes the stream without the
+                        confirmation that ends the caller's call (it counts itself done)
 
 A malformed value is refused when the peer starts, so a typo cannot silently test nothing.
 """
@@ -20,7 +23,7 @@ import os
 import re
 
 ENV = "NOLOCO_FAILPOINTS"
-KINDS = ("lose_reply", "close_unanswered")
+KINDS = ("lose_reply", "close_unanswered", "close_unconfirmed")
 _ENTRY = re.compile(r"^(?P<kind>[a-z_]+):(?P<verb>rpc_[a-z_]+)(@(?P<skip>\d+))?=(?P<count>\d+)$")
 
 

@@ -145,8 +145,15 @@ async def call_frames(
     counts: ByteCounts,
     config: TransportConfig,
     expect: tuple[TensorMeta, ...] | None,
+    confirmed: bool = False,
 ) -> tuple[Message, list[torch.Tensor]]:
-    """Caller side: write our frame while reading the reply (full duplex); check it before allocating."""
+    """Caller side: write our frame while reading the reply (full duplex); check it before allocating.
+
+    With `confirmed`, the remote replies while still reading our frame (`rpc_exchange`), and says
+    when it has all of it with one more frame (`confirm`): only then is the call complete. Our
+    side returning at the reply would close the stream while the tail of our frame was still
+    buffered in p2pd, which then resets the stream and drops it (seen under load: "stream ended
+    after 4146304 of 4196352 bytes"), and the two sides of an exchange would disagree."""
     part = config.part_bytes
     sending = asyncio.create_task(write_frame(writer, envelope, wire, part, counts))
     try:
@@ -159,7 +166,16 @@ async def call_frames(
         if expect is not None and reply_envelope.tensors != expect:
             raise MessageError(f"reply carries {reply_envelope.tensors}, expected {expect}")
         tensors = await read_tensors(reader, reply_envelope.tensors, counts, part, writer.transport)
-        await sending  # the remote replied only after reading all of our frame
+        await sending  # our frame is with p2pd; unless confirmed, the remote has read it before replying
+        if confirmed:
+            done = await read_envelope(reader, counts)
+            if done.verb != messages.REPLY_VERB or done.tensors:
+                raise MessageError(
+                    f"expected the confirmation frame, got {done.verb!r} with {len(done.tensors)} tensors"
+                )
+            ack = open_envelope(done, config.max_frame_bytes)
+            if not isinstance(ack, messages.Ack):
+                raise MessageError(f"expected the confirmation frame, got {ack.TAG!r}")
         return header, tensors
     finally:
         sending.cancel()
@@ -172,6 +188,12 @@ async def reply(stream: InboundStream, header: Message, tensors: Sequence[torch.
     envelope = Envelope(messages.REPLY_VERB, messages.encode(header), tuple(TensorMeta.of(t) for t in wire))
     stream.replied = True
     await write_frame(stream.writer, envelope, wire, stream.part_bytes, stream.counts)
+
+
+async def confirm(stream: InboundStream) -> None:
+    """Server side, after the reply: we have read all of the caller's frame (see call_frames)."""
+    envelope = Envelope(messages.REPLY_VERB, messages.encode(messages.Ack("received")), ())
+    await write_frame(stream.writer, envelope, [], stream.part_bytes, stream.counts)
 
 
 async def refuse(stream: InboundStream, code: str, reason: str) -> None:

@@ -223,10 +223,15 @@ class Transport:
         *,
         timeout: float,
         expect: tuple[messages.TensorMeta, ...] | None = None,
+        confirmed: bool = False,
     ) -> tuple[Message, list[torch.Tensor]]:
         """Send (header, tensors) to `peer_id`'s `verb` handler and return its reply, all within
-        `timeout`. With `expect`, a reply carrying other tensors is refused before it is read."""
-        return await self._call(str(peer_id), verb, header, tensors, timeout, expect=expect)
+        `timeout`. With `expect`, a reply carrying other tensors is refused before it is read.
+        With `confirmed`, the call ends only when the remote confirms it read all of our frame
+        (for a verb that replies while still reading: see streams.call_frames)."""
+        return await self._call(
+            str(peer_id), verb, header, tensors, timeout, expect=expect, confirmed=confirmed
+        )
 
     async def _call(
         self,
@@ -236,6 +241,7 @@ class Transport:
         tensors: Sequence[torch.Tensor],
         timeout: float,
         expect: tuple[messages.TensorMeta, ...] | None,
+        confirmed: bool = False,
     ) -> tuple[Message, list[torch.Tensor]]:
         if self._closed:
             raise RuntimeError("this transport is shut down")
@@ -252,7 +258,7 @@ class Transport:
                 )
                 try:
                     answer = await streams.call_frames(
-                        peer, reader, writer, envelope, wire, counts, self.config, expect
+                        peer, reader, writer, envelope, wire, counts, self.config, expect, confirmed
                     )
                 except TimeoutError:
                     raise

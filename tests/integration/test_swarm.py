@@ -163,31 +163,37 @@ def test_replies_lost_to_broken_streams_are_recovered_exactly(
     later step's), in the first outer exchange the callee closes the stream unanswered, and in
     the second the caller discards the answer. Every call is made again and answered with what
     was computed the first time, so nothing is dropped and every replica still ends with the
-    simulator's weights. (One forced break per call at most, so that a break p2pd makes by
+    simulator's weights. In the third exchange the callee reads everything and answers, but
+    closes the stream without the confirmation that ends the caller's call: the caller calls again
+    and gets the first answer. (One forced break per call at most, so that a break p2pd makes by
     itself under load still finds an attempt left.)"""
+    steps = 10  # outer steps at 3, 6 and 9
     points = "close_unanswered:rpc_forward=1,lose_reply:rpc_forward@4=1"
-    monkeypatch.setenv(
-        "NOLOCO_FAILPOINTS", f"{points},close_unanswered:rpc_exchange=1,lose_reply:rpc_exchange@1=1"
+    # The callee reaches its confirmation once in the first exchange (its second serve), twice in
+    # the second (the call, then the call again after the lost answer): the fourth is the third's.
+    exchange = (
+        "close_unanswered:rpc_exchange=1,lose_reply:rpc_exchange@1=1,close_unconfirmed:rpc_exchange@3=1"
     )
-    cfg = small("noloco")
-    with local_swarm(cfg, STEPS, step_timeout=60) as swarm:
+    monkeypatch.setenv("NOLOCO_FAILPOINTS", f"{points},{exchange}")
+    cfg = small("noloco", **{"inner.total_steps": str(steps)})
+    with local_swarm(cfg, steps, step_timeout=60) as swarm:
         wait(swarm, timeout=400)
         summaries, outers, trouble = swarm.summaries(), outer_steps(swarm), troubles(swarm)
         retried = {(p.stage, p.replica): of_kind(p.events(), Retried) for p in swarm.peers}
-    expected, after_outer = simulate(cfg, STEPS)
+    expected, after_outer = simulate(cfg, steps)
     got = {(s.stage, s.rank): s.state_hash for s in summaries}
     assert got == {(s, r): expected[s][r] for s in range(2) for r in range(2)}, trouble
     assert all(s.dropped_samples == 0 for s in summaries), trouble
     assert all(e.failed == [] and e.state_hash == after_outer[e.step][st][r] for st, r, e in outers), trouble
     # Stage 0 called again after each failpoint of both kinds; in each stage the lower rank (the
-    # exchange's caller) called again in both exchanges: after the unanswered stream (step 3) and
-    # the discarded answer (step 6); the callees never call.
+    # exchange's caller) called again in every exchange: after the unanswered stream (step 3), the
+    # discarded answer (step 6) and the missing confirmation (step 9); the callees never call.
     forwards = [
         e for (stage, _), events in retried.items() if stage == 0 for e in events if e.call == "forward"
     ]
     assert any("failpoint" in e.reason for e in forwards), trouble
     exchange_retries = sorted(sorted({e.step for e in ev if e.call == "exchange"}) for ev in retried.values())
-    assert exchange_retries == [[], [], [3, 6], [3, 6]], trouble
+    assert exchange_retries == [[], [], [3, 6, 9], [3, 6, 9]], trouble
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "int8"])
