@@ -142,7 +142,7 @@ class Joining:
                 await asyncio.sleep(1.0)
             problem, reconnect = "", True
             others = [a for a in await asyncio.to_thread(ctx.rounds.read_peers) if a.peer_id != ctx.me]
-            if not servers_for(others, ctx.stage, 1 << 62):  # our DHT node lost its neighbours in a cut?
+            if not any(a.stage == ctx.stage for a in others):  # our DHT node lost its neighbours in a cut?
                 problem = f"no replica of stage {ctx.stage} is in the run's directory (reconnecting)"
                 continue
             dial = ctx.transport.redial if stale else ctx.transport.connect

@@ -157,29 +157,36 @@ async def call_frames(
     part = config.part_bytes
     sending = asyncio.create_task(write_frame(writer, envelope, wire, part, counts))
     try:
-        reply_envelope = await read_envelope(reader, counts)
-        header = open_envelope(reply_envelope, config.max_frame_bytes)
-        if isinstance(header, messages.ErrorReply):
-            raise RemoteRefused(peer, header.code, header.reason)
-        if reply_envelope.verb != messages.REPLY_VERB:
-            raise MessageError(f"expected a reply frame, got verb {reply_envelope.verb!r}")
-        if expect is not None and reply_envelope.tensors != expect:
-            raise MessageError(f"reply carries {reply_envelope.tensors}, expected {expect}")
+        reply_envelope, header = await _read_reply(peer, reader, counts, config, expect)
         tensors = await read_tensors(reader, reply_envelope.tensors, counts, part, writer.transport)
         await sending  # our frame is with p2pd; unless confirmed, the remote has read it before replying
         if confirmed:
-            done = await read_envelope(reader, counts)
-            if done.verb != messages.REPLY_VERB or done.tensors:
-                raise MessageError(
-                    f"expected the confirmation frame, got {done.verb!r} with {len(done.tensors)} tensors"
-                )
-            ack = open_envelope(done, config.max_frame_bytes)
+            _, ack = await _read_reply(peer, reader, counts, config, expect=())
             if not isinstance(ack, messages.Ack):
                 raise MessageError(f"expected the confirmation frame, got {ack.TAG!r}")
         return header, tensors
     finally:
         sending.cancel()
         await asyncio.gather(sending, return_exceptions=True)
+
+
+async def _read_reply(
+    peer: str,
+    reader: asyncio.StreamReader,
+    counts: ByteCounts,
+    config: TransportConfig,
+    expect: tuple[TensorMeta, ...] | None,
+) -> tuple[Envelope, Message]:
+    """The next reply frame's envelope and header, checked (a refusal raises RemoteRefused)."""
+    envelope = await read_envelope(reader, counts)
+    header = open_envelope(envelope, config.max_frame_bytes)
+    if isinstance(header, messages.ErrorReply):
+        raise RemoteRefused(peer, header.code, header.reason)
+    if envelope.verb != messages.REPLY_VERB:
+        raise MessageError(f"expected a reply frame, got verb {envelope.verb!r}")
+    if expect is not None and envelope.tensors != expect:
+        raise MessageError(f"reply carries {envelope.tensors}, expected {expect}")
+    return envelope, header
 
 
 async def reply(stream: InboundStream, header: Message, tensors: Sequence[torch.Tensor]) -> None:
@@ -192,8 +199,7 @@ async def reply(stream: InboundStream, header: Message, tensors: Sequence[torch.
 
 async def confirm(stream: InboundStream) -> None:
     """Server side, after the reply: we have read all of the caller's frame (see call_frames)."""
-    envelope = Envelope(messages.REPLY_VERB, messages.encode(messages.Ack("received")), ())
-    await write_frame(stream.writer, envelope, [], stream.part_bytes, stream.counts)
+    await reply(stream, messages.Ack("received"), ())
 
 
 async def refuse(stream: InboundStream, code: str, reason: str) -> None:
