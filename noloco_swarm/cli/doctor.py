@@ -186,6 +186,7 @@ def _first_line(text: str, limit: int = 200) -> str:
 def manifest_check(cfg: RunConfig, timeout: float) -> Check:
     """Read the run's manifest through a client-mode DHT node and compare it with our config."""
     from noloco_swarm.peer.directory import manifest_key
+    from noloco_swarm.peer.identity import owner_of
     from noloco_swarm.peer.node import start_dht
     from noloco_swarm.protocol import messages
     from noloco_swarm.train.config import NetworkConfig
@@ -200,22 +201,28 @@ def manifest_check(cfg: RunConfig, timeout: float) -> Check:
         return Check(f"run {run_id}", False, f"the DHT did not answer within {timeout:.0f} s", RETRY)
     finally:
         dht.shutdown()
-    existing = None
-    if found is not None:
+    records = found.value if found is not None and isinstance(found.value, dict) else {}
+    manifests, unreadable = [], None
+    for subkey, item in records.items():  # one per author (the DHT checked their signatures)
+        if owner_of(subkey) is None:
+            continue
         try:
-            existing = messages.decode(found.value, messages.RunManifest)
+            manifests.append(messages.decode(item.value, messages.RunManifest))
         except messages.MessageError as e:
-            return Check(
-                f"run {run_id}",
-                False,
-                f"its manifest cannot be read: {e}",
-                "the run uses another noloco-swarm version (protocol): install the one the run uses",
-            )
-    if existing is None:
+            unreadable = e
+    if not manifests and unreadable is not None:
+        return Check(
+            f"run {run_id}",
+            False,
+            f"its manifest cannot be read: {unreadable}",
+            "the run uses another noloco-swarm version (protocol): install the one the run uses",
+        )
+    if not manifests:
         return Check(f"run {run_id}", True, "no manifest yet: the first peer starts it with --new-run")
     mine = messages.RunManifest.create(run_id, cfg.manifest())
-    if existing.config_hash == mine.config_hash:
+    if any(m.config_hash == mine.config_hash for m in manifests):
         return Check(f"run {run_id}", True, "your config matches the run's manifest")
+    existing = manifests[0]
     diff = existing.differences(mine)
     return Check(
         f"run {run_id}",

@@ -18,7 +18,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from noloco_swarm.peer.directory import RunDirectory
+from noloco_swarm.peer.directory import RunDirectory, signed_dht_kwargs
 from noloco_swarm.peer.lifetime import DHT
 from noloco_swarm.peer.rounds import ask_status
 from noloco_swarm.peer.streams import PeerUnavailable, RemoteRefused
@@ -161,7 +161,12 @@ def run_status(
         dht = None
         try:
             dht = await asyncio.to_thread(
-                DHT, initial_peers=list(net.initial_peers), p2p=transport.p2p, client_mode=True, start=True
+                DHT,
+                initial_peers=list(net.initial_peers),
+                p2p=transport.p2p,
+                client_mode=True,
+                start=True,
+                **signed_dht_kwargs(None),  # checks the records' signatures
             )
             directory = RunDirectory(dht, run_id)
             status = await look(transport, directory)

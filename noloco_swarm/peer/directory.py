@@ -1,34 +1,45 @@
 """The run's directory in the hivemind DHT: the manifest, and the peers announced per stage.
 
 Keys (all under the run id, so runs never see each other's records):
-  noloco/<run>/manifest           the RunManifest (stored by the peer that starts the run)
-  noloco/<run>/peers  [peer id]   a PeerAnnouncement per peer, re-stored every heartbeat
-  noloco/<run>/gone   [peer id/reporter/round]   a GoneReport: a member failed another in a round
+  noloco/<run>/manifest  [owner mark]                    the RunManifest, by the peer that starts the run
+  noloco/<run>/peers     [peer id + owner mark]          a PeerAnnouncement per peer, re-stored every heartbeat
+  noloco/<run>/gone      [peer/reporter/round + mark]    a GoneReport: a member failed another in a round
+Every subkey ends with its writer's owner mark (peer/identity.py): DHT nodes store, and readers
+accept, a record only with that writer's signature, and a reader trusts a record only if it speaks
+for its writer (an announcement of the writer itself, a report by the writer). Nobody can forge,
+overwrite or replay with another expiry another peer's records; a stranger's records name only
+the stranger, whom no member counts.
 Records expire, so a peer that stops heartbeating drops out of the next round's membership; a
 gone report takes a crashed peer out sooner, at the next round boundary. Each reporter's report of
 each round is a record of its own: two members that saw the same death in different rounds both
 stay on record, and every peer applies the same rule to all of them.
-Everything read back is decoded with the message codec; a malformed record is skipped (and
-counted), never trusted. The frozen per-round view itself is built by protocol.membership.
+Everything read back is decoded with the message codec; a malformed, unsigned or misattributed
+record is skipped (and counted), never trusted. The frozen per-round view itself is built by
+protocol.membership.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
 from hivemind import DHT
+from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
 from hivemind.p2p import PeerID
 from hivemind.utils import MPFuture, ValueWithExpiration, get_dht_time
 
+from noloco_swarm.peer.identity import Identity, owner_of
 from noloco_swarm.protocol import messages
 from noloco_swarm.protocol.membership import credible_gone
 
-MANIFEST_TTL = 7 * 24 * 3600.0  # the manifest outlives any one peer; re-stored by every heartbeat
+MANIFEST_TTL = (
+    7 * 24 * 3600.0
+)  # the manifest outlives any one peer (a run longer than a week re-publishes it)
 DEFAULT_HEARTBEAT_TTL = 30.0
 R = TypeVar("R", messages.PeerAnnouncement, messages.GoneReport)
 T = TypeVar("T")
@@ -64,26 +75,52 @@ class DirectoryReadout:
 
 
 class RunDirectory:
-    """Publish and read a run's records through a running hivemind DHT."""
+    """Publish and read a run's records through a running hivemind DHT.
 
-    def __init__(self, dht: DHT, run_id: str, *, ttl: float = DEFAULT_HEARTBEAT_TTL) -> None:
+    Writing needs this peer's `identity` (by default the DHT's own, `dht.identity`, set by
+    `start_dht` and the peer's launch), whose key the DHT's record validator signs with (see
+    `signed_dht_kwargs`); a directory without one (`noloco status`) only reads."""
+
+    def __init__(
+        self, dht: DHT, run_id: str, *, ttl: float = DEFAULT_HEARTBEAT_TTL, identity: Identity | None = None
+    ) -> None:
         if ttl <= 0:
             raise ValueError(f"ttl must be > 0, got {ttl}")
         messages.RunManifest.create(run_id, {})  # validates the run id early, with a clear message
         self.dht, self.run_id, self.ttl = dht, run_id, ttl
+        self.identity = identity or getattr(dht, "identity", None)
 
     # ---------------------------------------------------------------- manifest
 
-    def fetch_manifest(self) -> messages.RunManifest | None:
-        """The run's manifest, or None if nobody published one (or it is unreadable)."""
+    def manifests(self) -> list[tuple[str, messages.RunManifest]]:
+        """(author, manifest) of every signed, well-formed manifest of this run, sorted by author.
+        Several authors may have stored one (the peers that were started with --new-run)."""
         found = self._get(manifest_key(self.run_id))
-        if found is None or not isinstance(found.value, bytes):
+        if found is None or not isinstance(found.value, dict):
+            return []
+        out = []
+        for subkey, item in found.value.items():
+            owned = owner_of(subkey)
+            if owned is None or owned[0] != "" or not isinstance(item.value, bytes):
+                continue
+            try:
+                manifest = messages.decode(item.value, messages.RunManifest)
+            except messages.MessageError:
+                continue
+            if manifest.run_id == self.run_id:
+                out.append((owned[1], manifest))
+        return sorted(out, key=lambda pair: pair[0])
+
+    def fetch_manifest(self) -> messages.RunManifest | None:
+        """The run's manifest, or None if nobody published one (or none is readable). When authors
+        disagree, the config the most of them stored (the first author's on a tie): for display;
+        a joiner checks its own config against every one (`join_manifest`)."""
+        found = self.manifests()
+        if not found:
             return None
-        try:
-            manifest = messages.decode(found.value, messages.RunManifest)
-        except messages.MessageError:
-            return None
-        return manifest if manifest.run_id == self.run_id else None
+        votes = Counter(m.config_hash for _, m in found)
+        best = max(votes.values())
+        return next(m for _, m in found if votes[m.config_hash] == best)
 
     def publish_manifest(self, manifest: messages.RunManifest) -> None:
         if manifest.run_id != self.run_id:
@@ -93,6 +130,7 @@ class RunDirectory:
                 manifest_key(self.run_id),
                 messages.encode(manifest),
                 get_dht_time() + MANIFEST_TTL,
+                subkey=self._writer().mark,
                 return_future=True,
             )
         )
@@ -102,11 +140,13 @@ class RunDirectory:
     def join_manifest(self, mine: messages.RunManifest, *, new_run: bool) -> messages.RunManifest:
         """Check our config against the run's manifest; publish it first if we start the run.
 
+        Accepted when any signed manifest of the run has our config: a stranger who stores
+        another config under the run's id cannot replace the creator's record, only add one.
         Raises ManifestMismatchError (listing the differing keys) when the run exists with another
         config, and LookupError when it does not exist and we were not asked to start it.
         """
-        existing = self.fetch_manifest()
-        if existing is None:
+        found = self.manifests()
+        if not found:
             if not new_run:
                 raise LookupError(
                     f"run {self.run_id!r} has no manifest in the DHT: check --run-id and --initial-peers, "
@@ -114,12 +154,22 @@ class RunDirectory:
                 )
             self.publish_manifest(mine)
             return mine
-        if existing.config_hash != mine.config_hash:
-            diff = "\n  ".join(existing.differences(mine))
-            raise ManifestMismatchError(
-                f"run {self.run_id!r} was started with another config; differences (run != yours):\n  {diff}"
-            )
-        return existing
+        for _, existing in found:
+            if existing.config_hash == mine.config_hash:
+                return existing
+        lines = []
+        for author, existing in found:
+            diff = "\n    ".join(existing.differences(mine))
+            lines.append(f"manifest stored by {author}:\n    {diff}")
+        raise ManifestMismatchError(
+            f"run {self.run_id!r} was started with another config; differences (run != yours):\n  "
+            + "\n  ".join(lines)
+        )
+
+    def _writer(self) -> Identity:
+        if self.identity is None:
+            raise RuntimeError("this directory has no identity: it can read records, not write them")
+        return self.identity
 
     # ---------------------------------------------------------------- peers
 
@@ -127,7 +177,9 @@ class RunDirectory:
         """Store (or refresh) our announcement; call it every ttl/3 seconds as the heartbeat."""
         if announcement.run_id != self.run_id:
             raise ValueError("announcement names another run")
-        return self._store(peers_key(self.run_id), announcement, announcement.peer_id, self.ttl)
+        if announcement.peer_id != self._writer().peer_id:
+            raise ValueError("a peer announces only itself")
+        return self._store(peers_key(self.run_id), announcement, self.ttl)
 
     def read_peers(self) -> DirectoryReadout:
         """Every live, well-formed announcement of this run (subkey must equal the peer id)."""
@@ -142,8 +194,9 @@ class RunDirectory:
         ping = functools.partial(_ping_entry_points, tuple(peer_ids))  # runs in the DHT process
         return self._wait(self.dht.run_coroutine(ping, return_future=True))
 
-    def _store(self, key: str, record: messages.Message, subkey: str, ttl: float) -> bool:
-        expiration = get_dht_time() + ttl
+    def _store(self, key: str, record: messages.PeerAnnouncement | messages.GoneReport, ttl: float) -> bool:
+        """Store `record` under its subkey with our owner mark: the DHT signs it with our key."""
+        subkey, expiration = self._writer().owned(subkey_of(record)), get_dht_time() + ttl
         return bool(
             self._wait(
                 self.dht.store(key, messages.encode(record), expiration, subkey=subkey, return_future=True)
@@ -162,19 +215,21 @@ class RunDirectory:
             raise TimeoutError(f"the DHT did not answer within {DHT_CALL_TIMEOUT:.0f} s") from None
 
     def _read(self, key: str, cls: type[R]) -> tuple[list[R], int]:
-        """Well-formed records of `cls` under `key` naming this run and their own subkey, and how
-        many others there were (garbage, another run, a subkey that lies about its record)."""
+        """Well-formed records of `cls` under `key` that name this run, sit under their own subkey
+        and speak for the peer who signed them, and how many others there were (garbage, another
+        run, unsigned, a subkey that lies about its record, a writer speaking for someone else)."""
         found = self._get(key)
         if found is None or not isinstance(found.value, dict):
             return [], 0
         good, bad = [], 0
         for subkey, item in found.value.items():
+            owned = owner_of(subkey)
             try:
                 record = messages.decode(item.value, cls)
             except messages.MessageError:
                 bad += 1
                 continue
-            if record.run_id != self.run_id or subkey_of(record) != subkey:
+            if owned is None or record.run_id != self.run_id or owned != (subkey_of(record), author(record)):
                 bad += 1
                 continue
             good.append(record)
@@ -186,17 +241,25 @@ class RunDirectory:
         """Tell the swarm a member failed us, so that everyone drops it at the next boundary."""
         if report.run_id != self.run_id:
             raise ValueError("report names another run")
-        return self._store(gone_key(self.run_id), report, subkey_of(report), GONE_TTL)
+        if report.reporter != self._writer().peer_id:
+            raise ValueError("a peer files reports only as itself")
+        return self._store(gone_key(self.run_id), report, GONE_TTL)
 
     def read_gone(
         self, members: set[str] | None = None, seen: Iterable[tuple[str, str, int]] = ()
     ) -> dict[str, set[int]]:
         """peer id -> every round it was credibly reported gone in (`membership.credible_gone`),
         from the reports on record and those in `seen` (peer, reporter, round), e.g. our own;
-        reports by non-members are ignored when `members` is given (a stranger cannot evict anyone)."""
+        reports by non-members are ignored when `members` is given (a stranger cannot evict anyone:
+        a report counts as its signer's, whatever it says)."""
+        return credible_gone(
+            item for item in [*self.read_reports(), *seen] if members is None or item[1] in members
+        )
+
+    def read_reports(self) -> list[tuple[str, str, int]]:
+        """(peer, reporter, round) of every signed gone report on record (each by its reporter)."""
         reports, _ = self._read(gone_key(self.run_id), messages.GoneReport)
-        on_record = [(r.peer_id, r.reporter, r.round) for r in reports]
-        return credible_gone(item for item in [*on_record, *seen] if members is None or item[1] in members)
+        return [(r.peer_id, r.reporter, r.round) for r in reports]
 
 
 async def _ping_entry_points(peer_ids: tuple[str, ...], _: DHT, node: DHTNode) -> int:
@@ -208,8 +271,19 @@ async def _ping_entry_points(peer_ids: tuple[str, ...], _: DHT, node: DHTNode) -
     return sum(a is not None for a in answers)
 
 
+def author(record: messages.PeerAnnouncement | messages.GoneReport) -> str:
+    """The peer a record speaks for, who alone may write it: the announced peer, or the reporter."""
+    return record.reporter if isinstance(record, messages.GoneReport) else record.peer_id
+
+
+def signed_dht_kwargs(identity: Identity | None) -> dict[str, object]:
+    """hivemind DHT arguments that sign our records with `identity` and check everyone's (with
+    None, only check: a node that reads and never writes)."""
+    return {"record_validators": [identity.validator() if identity else RSASignatureValidator()]}
+
+
 def subkey_of(record: messages.PeerAnnouncement | messages.GoneReport) -> str:
-    """The DHT subkey a record is stored under: one per peer for announcements (a heartbeat
+    """The DHT subkey a record is stored under (before its writer's owner mark): one per peer for announcements (a heartbeat
     replaces the last), one per reporter and round for gone reports (none replaces another)."""
     if isinstance(record, messages.GoneReport):
         return f"{record.peer_id}/{record.reporter}/{record.round}"

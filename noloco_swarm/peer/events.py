@@ -235,6 +235,19 @@ class PeerGone(Event):
 
 
 @dataclass(frozen=True)
+class FalseReport(Event):
+    """`reporter` reported `peer` gone in `round`, but `peer` answered our probe: the report is
+    void (`ignored_until`: the round until which the reporter's reports go unheard, if it keeps
+    reporting live peers)."""
+
+    KIND: ClassVar[str] = "false_report"
+    reporter: str
+    peer: str
+    round: int
+    ignored_until: int = 0
+
+
+@dataclass(frozen=True)
 class Left(Event):
     """This peer left the swarm at a boundary, as it had announced in `announced_round`."""
 

@@ -13,8 +13,8 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
-from noloco_swarm.peer import checkpoint, events
-from noloco_swarm.peer.directory import RunDirectory
+from noloco_swarm.peer import checkpoint, events, identity
+from noloco_swarm.peer.directory import RunDirectory, signed_dht_kwargs
 from noloco_swarm.peer.lifetime import DHT
 from noloco_swarm.peer.node import reachability
 from noloco_swarm.peer.rounds import ask_status_at
@@ -59,14 +59,17 @@ async def run_peer(
         raise ValueError("a peer needs a run id: --run-id or peer.run_id")
     if resume and not opts.checkpoint_dir:
         raise ValueError("--resume needs the checkpoint directory the peer wrote: --checkpoint-dir")
-    transport = await Transport.create(
-        host_maddrs=net.host_maddrs,
-        initial_peers=net.initial_peers,
-        identity_path=net.identity_path,
-        announce_maddrs=list(net.announce_maddrs) or None,
-        use_relay=net.use_relay,
-        use_auto_relay=net.use_auto_relay,
-    )
+    with identity.identity_file(net.identity_path) as (key_path, fresh):
+        me = identity.load(key_path)  # also signs our DHT records: read before the daemon starts
+        transport = await Transport.create(
+            host_maddrs=net.host_maddrs,
+            initial_peers=net.initial_peers,
+            identity_path=key_path,
+            check_if_identity_free=not fresh,
+            announce_maddrs=list(net.announce_maddrs) or None,
+            use_relay=net.use_relay,
+            use_auto_relay=net.use_auto_relay,
+        )
     dht = None
     sink = events.Events([events.JsonLines(opts.metrics)] if opts.metrics else [])
     try:
@@ -74,9 +77,9 @@ async def run_peer(
             sink.sinks.append(_prometheus(cfg, transport))
         # The DHT shares the transport's daemon: one libp2p identity and one p2pd per peer.
         dht = await asyncio.to_thread(
-            DHT, initial_peers=list(net.initial_peers), p2p=transport.p2p, start=True
+            DHT, initial_peers=list(net.initial_peers), p2p=transport.p2p, start=True, **signed_dht_kwargs(me)
         )
-        directory = RunDirectory(dht, opts.run_id, ttl=opts.heartbeat_ttl)
+        directory = RunDirectory(dht, opts.run_id, ttl=opts.heartbeat_ttl, identity=me)
         manifest = messages.RunManifest.create(opts.run_id, cfg.manifest())
         await _join_manifest(directory, manifest, new_run, opts.start_timeout)
         stage = opts.stage

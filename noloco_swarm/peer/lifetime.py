@@ -23,9 +23,12 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import hivemind
+
+if TYPE_CHECKING:
+    from noloco_swarm.peer.identity import Identity
 
 _PR_SET_PDEATHSIG = 1
 _ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("children_die_with_us", default=False)
@@ -98,7 +101,11 @@ def exit_when_orphaned(period: float = ORPHAN_POLL) -> None:
 
 
 class DHT(hivemind.DHT):
-    """hivemind's DHT, whose forked process ends with the process that started it, however it ends."""
+    """hivemind's DHT, whose forked process ends with the process that started it, however it ends.
+
+    `identity` is the key its records are signed with, where the starter set one."""
+
+    identity: Identity | None = None
 
     def run(self) -> None:  # runs in the forked child
         exit_when_orphaned()

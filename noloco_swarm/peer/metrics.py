@@ -136,6 +136,11 @@ class Prometheus:
         )
         self.refused = Counter("noloco_refused_calls", "Our rows refused by a live peer", registry=registry)
         self.gone = Counter("noloco_peers_reported_gone", "Peers this peer reported gone", registry=registry)
+        self.false_reports = Counter(
+            "noloco_false_reports",
+            "Gone reports of peers that still answered our probe (void)",
+            registry=registry,
+        )
         self.excluded = Counter(
             "noloco_excluded", "Times the swarm's view left this live peer out", registry=registry
         )
@@ -233,6 +238,9 @@ class Prometheus:
 
     def _on_peer_gone(self, e: events.PeerGone) -> None:
         self.gone.inc()
+
+    def _on_false_report(self, e: events.FalseReport) -> None:
+        self.false_reports.inc()
 
     def _on_excluded(self, e: events.Excluded) -> None:
         self.excluded.inc()

@@ -4,15 +4,28 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from noloco_swarm.peer import identity
+from noloco_swarm.peer.directory import signed_dht_kwargs
 from noloco_swarm.peer.lifetime import DHT
 from noloco_swarm.train.config import NetworkConfig
 
 
 def start_dht(net: NetworkConfig) -> DHT:
-    """A running DHT node joined to `net.initial_peers` (an empty list starts a new swarm)."""
-    return DHT(
-        initial_peers=list(net.initial_peers), start=True, client_mode=net.client_mode, **net.p2p_kwargs()
-    )
+    """A running DHT node joined to `net.initial_peers` (an empty list starts a new swarm). It
+    signs its records with its libp2p key, `dht.identity` (a fresh one without
+    `net.identity_path`), and checks everyone's signatures."""
+    with identity.identity_file(net.identity_path) as (path, fresh):
+        me = identity.load(path)
+        options = net.p2p_kwargs() | {"identity_path": path, "check_if_identity_free": not fresh}
+        dht = DHT(
+            initial_peers=list(net.initial_peers),
+            start=True,
+            client_mode=net.client_mode,
+            **signed_dht_kwargs(me),
+            **options,
+        )
+    dht.identity = me
+    return dht
 
 
 def reachability(addresses: Sequence[str]) -> list[str]:

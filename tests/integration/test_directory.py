@@ -15,7 +15,7 @@ from hivemind import DHT
 from hivemind.utils import get_dht_time
 
 from noloco_swarm.peer import directory
-from noloco_swarm.peer.directory import ManifestMismatchError, RunDirectory, gone_key, peers_key
+from noloco_swarm.peer.directory import ManifestMismatchError, RunDirectory, gone_key, manifest_key, peers_key
 from noloco_swarm.peer.node import NetworkConfig, reachability, start_dht
 from noloco_swarm.protocol import messages
 from noloco_swarm.protocol.membership import Listing, MembershipView, next_view
@@ -51,11 +51,25 @@ def two_peers(bootstrap: str) -> Iterator[tuple[DHT, DHT]]:
     assert p2pd_descendants() <= before, "a DHT left its p2pd running"
 
 
+@pytest.fixture
+def stranger(bootstrap: str) -> Iterator[DHT]:
+    """A third DHT node with a key of its own: no member of any run below."""
+    node = start_dht(NetworkConfig(initial_peers=(bootstrap,), host_maddrs=LOOPBACK))
+    try:
+        yield node
+    finally:
+        node.shutdown()
+
+
+def me(dht: DHT) -> str:
+    return str(dht.peer_id)
+
+
 def manifest(run_id: str, **overrides: object) -> messages.RunManifest:
     return messages.RunManifest.create(run_id, RunConfig.create("tiny", "noloco", **overrides).manifest())
 
 
-def test_manifest_publish_join_and_mismatch(two_peers: tuple[DHT, DHT]) -> None:
+def test_manifest_publish_join_and_mismatch(two_peers: tuple[DHT, DHT], stranger: DHT) -> None:
     a, b = two_peers
     mine = manifest("run-m")
     starter, joiner = RunDirectory(a, "run-m"), RunDirectory(b, "run-m")
@@ -66,22 +80,34 @@ def test_manifest_publish_join_and_mismatch(two_peers: tuple[DHT, DHT]) -> None:
     other = manifest("run-m", outer={"inner_steps": 20})
     with pytest.raises(ManifestMismatchError, match=r"outer\.inner_steps: 50 != 20"):
         joiner.join_manifest(other, new_run=True)
-
-
-def test_announcements_build_the_same_view_everywhere(two_peers: tuple[DHT, DHT]) -> None:
-    a, b = two_peers
-    da, db = RunDirectory(a, "run-v"), RunDirectory(b, "run-v")
-    assert da.announce(messages.PeerAnnouncement("run-v", str(a.peer_id), 1, 0))
-    assert db.announce(messages.PeerAnnouncement("run-v", str(b.peer_id), 0, 0))
-    assert db.announce(messages.PeerAnnouncement("run-v", "late-peer", 0, 3))
-    # garbage under the peers key, and a record whose subkey lies about its peer id
-    a.store(peers_key("run-v"), b"\x00garbage", get_dht_time() + 30, subkey="mallory")
-    a.store(
-        peers_key("run-v"),
-        messages.encode(messages.PeerAnnouncement("run-v", "someone-else", 0, 0)),
-        get_dht_time() + 30,
-        subkey="liar",
+    # A stranger stores another config under the run's id: it cannot replace the creator's record
+    # (the subkey is the creator's, signed), only add its own, and joiners of the run still join.
+    RunDirectory(stranger, "run-m").publish_manifest(other)
+    assert [author for author, _ in joiner.manifests()] == sorted([me(a), me(stranger)])
+    assert joiner.join_manifest(mine, new_run=False) == mine
+    # Under the creator's mark, unsigned: our nodes refuse it (hivemind's bootstrap node here
+    # checks nothing, so the store may "succeed" there) and every reader checks every answer.
+    stranger.store(
+        manifest_key("run-m"), messages.encode(other), get_dht_time() + 600, subkey=a.identity.mark
     )
+    assert dict(joiner.manifests())[me(a)] == mine
+
+
+def test_announcements_build_the_same_view_everywhere(two_peers: tuple[DHT, DHT], stranger: DHT) -> None:
+    a, b = two_peers
+    da, db, late = RunDirectory(a, "run-v"), RunDirectory(b, "run-v"), RunDirectory(stranger, "run-v")
+    assert da.announce(messages.PeerAnnouncement("run-v", me(a), 1, 0))
+    assert db.announce(messages.PeerAnnouncement("run-v", me(b), 0, 0))
+    assert late.announce(messages.PeerAnnouncement("run-v", me(stranger), 0, 3))
+    with pytest.raises(ValueError, match="announces only itself"):
+        da.announce(messages.PeerAnnouncement("run-v", me(b), 0, 0))
+    # Garbage, and forged announcements of b (far round, an hour's expiry, as the attack in issue
+    # 10): unsigned under b's plain id; signed by a but speaking for b; under b's mark, unsigned.
+    a.store(peers_key("run-v"), b"\x00garbage", get_dht_time() + 30, subkey=a.identity.owned("mallory"))
+    forged = messages.encode(messages.PeerAnnouncement("run-v", me(b), 0, 1000))
+    assert a.store(peers_key("run-v"), forged, get_dht_time() + 3600, subkey=me(b))
+    assert a.store(peers_key("run-v"), forged, get_dht_time() + 3600, subkey=a.identity.owned(me(b)))
+    a.store(peers_key("run-v"), forged, get_dht_time() + 3600, subkey=b.identity.owned(me(b)))  # see above
 
     def views(directory: RunDirectory) -> list[MembershipView]:
         """Rounds 0..3 as a peer builds them: round 0 from its announcements, then next_view."""
@@ -95,33 +121,45 @@ def test_announcements_build_the_same_view_everywhere(two_peers: tuple[DHT, DHT]
 
     views_a, views_b = views(da), views(db)
     assert views_a == views_b
-    assert views_a[2].stages == ((str(b.peer_id),), (str(a.peer_id),))  # late-peer joins at round 3
-    assert "late-peer" in views_a[3].stages[0]
-    assert da.read_peers().malformed == 2
+    assert views_a[2].stages == ((me(b),), (me(a),))  # the third node joins at round 3
+    assert me(stranger) in views_a[3].stages[0]
+    assert me(b) in views_a[3].stages[0], "a forged announcement took b out"
+    assert da.read_peers().malformed == 3
 
 
-def test_gone_reports_are_shared_and_only_members_count(two_peers: tuple[DHT, DHT]) -> None:
+def test_gone_reports_are_shared_and_only_members_count(two_peers: tuple[DHT, DHT], stranger: DHT) -> None:
     a, b = two_peers
-    da, db = RunDirectory(a, "run-g"), RunDirectory(b, "run-g")
-    assert da.report_gone(messages.GoneReport("run-g", "crashed", str(a.peer_id), 4))
+    da, db, ds = RunDirectory(a, "run-g"), RunDirectory(b, "run-g"), RunDirectory(stranger, "run-g")
+    assert da.report_gone(messages.GoneReport("run-g", "crashed", me(a), 4))
     # another member saw the same death a round later: both reports stay, neither replaces the other
-    assert db.report_gone(messages.GoneReport("run-g", "crashed", str(b.peer_id), 5))
-    assert da.report_gone(messages.GoneReport("run-g", "framed", "stranger", 4))
-    a.store(gone_key("run-g"), b"\x01junk", get_dht_time() + 30, subkey="junk")
-    # a report stored under a subkey that is not its own (peer/reporter/round) is not trusted
-    lie = messages.GoneReport("run-g", "honest", str(a.peer_id), 4)
-    a.store(gone_key("run-g"), messages.encode(lie), get_dht_time() + 30, subkey="honest")
-    members = {str(a.peer_id), str(b.peer_id), "crashed"}
-    assert db.read_gone() == {"crashed": {4, 5}, "framed": {4}}
+    assert db.report_gone(messages.GoneReport("run-g", "crashed", me(b), 5))
+    with pytest.raises(ValueError, match="only as itself"):
+        da.report_gone(messages.GoneReport("run-g", "framed", me(b), 4))
+    # A stranger reports b in its own name, then in a's: unsigned, under its own mark, under a's.
+    assert ds.report_gone(messages.GoneReport("run-g", me(b), me(stranger), 4))
+    lie = messages.GoneReport("run-g", me(b), me(a), 4)
+    base = f"{me(b)}/{me(a)}/4"
+    assert stranger.store(gone_key("run-g"), messages.encode(lie), get_dht_time() + 30, subkey=base)
+    owned = stranger.identity.owned(base)
+    assert stranger.store(gone_key("run-g"), messages.encode(lie), get_dht_time() + 30, subkey=owned)
+    stranger.store(
+        gone_key("run-g"), messages.encode(lie), get_dht_time() + 30, subkey=a.identity.owned(base)
+    )
+    a.store(gone_key("run-g"), b"\x01junk", get_dht_time() + 30, subkey=a.identity.owned("junk"))
+    members = {me(a), me(b), "crashed"}
+    assert db.read_gone() == {"crashed": {4, 5}, me(b): {4}}  # the stranger's report, in its name
     assert db.read_gone(members=members) == da.read_gone(members=members) == {"crashed": {4, 5}}
+    assert sorted(db.read_reports()) == sorted(
+        [("crashed", me(a), 4), ("crashed", me(b), 5), (me(b), me(stranger), 4)]
+    )
     assert db.read_peers().announcements == []  # reports are not announcements
 
 
 def test_announcements_expire(two_peers: tuple[DHT, DHT]) -> None:
     a, b = two_peers
     short = RunDirectory(a, "run-x", ttl=2.0)
-    assert short.announce(messages.PeerAnnouncement("run-x", "ephemeral", 0, 0))
-    assert [x.peer_id for x in RunDirectory(b, "run-x").read_peers().announcements] == ["ephemeral"]
+    assert short.announce(messages.PeerAnnouncement("run-x", me(a), 0, 0))
+    assert [x.peer_id for x in RunDirectory(b, "run-x").read_peers().announcements] == [me(a)]
     time.sleep(3.0)
     assert RunDirectory(b, "run-x").read_peers().announcements == []
 

@@ -119,7 +119,12 @@ def test_a_config_that_differs_from_the_runs_manifest_is_named(cache, tmp_path) 
             other = doctor(*flags, "--seed", "7")
             # A manifest written by a client of another protocol version, stored later: it wins.
             alien = msgpack.packb({"v": 99, "t": "manifest", "b": {}}, use_bin_type=True)
-            assert publisher.store(manifest_key("doctor-run"), alien, get_dht_time() + MANIFEST_TTL + 600)
+            assert publisher.store(
+                manifest_key("doctor-run"),
+                alien,
+                get_dht_time() + MANIFEST_TTL + 600,
+                subkey=publisher.identity.mark,  # the creator's own record, replaced
+            )
             newer = doctor(*flags)
         finally:
             publisher.shutdown()
