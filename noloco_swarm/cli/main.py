@@ -170,6 +170,24 @@ def parser() -> argparse.ArgumentParser:
     )
     plot.add_argument("--out", type=Path, default=None, help="output folder (default: RUN_DIR/plots)")
 
+    authority = sub.add_parser(
+        "authority",
+        help="make a closed run's authority key (the organiser's): only peers with its tickets serve",
+        description="Write a new authority key and print the `authority` line for the run's config.",
+    )
+    authority.add_argument("--out", type=Path, required=True, help="where to write the key (keep it private)")
+    ticket = sub.add_parser(
+        "ticket",
+        help="issue a join ticket of a closed run for one peer",
+        description="Sign a ticket that lets one peer id serve in a closed run until it expires.",
+    )
+    ticket.add_argument("--authority", type=Path, required=True, help="the run's authority key file")
+    ticket.add_argument("--run-id", required=True, help="the run the ticket admits to")
+    ticket.add_argument("--peer-id", default=None, help="the peer's id (or give --identity)")
+    ticket.add_argument("--identity", type=Path, default=None, help="the peer's identity key file")
+    ticket.add_argument("--hours", type=float, default=24.0 * 30, help="validity in hours (default: 720)")
+    ticket.add_argument("--out", type=Path, required=True, help="where to write the ticket")
+
     sub.add_parser("presets", help="list model presets and their parameter counts")
     sub.add_parser("keys", help="list every config key with its type and meaning")
     return p
@@ -184,6 +202,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             from noloco_swarm.cli.plot import run_plot
 
             return run_plot(args.run_dir, args.out)
+        if args.command in ("authority", "ticket"):
+            from noloco_swarm.cli import closed
+
+            if args.command == "authority":
+                return closed.run_authority(args.out)
+            return closed.run_ticket(
+                args.authority, args.run_id, args.peer_id, args.identity, args.hours, args.out
+            )
         if args.command == "keys":
             from noloco_swarm.cli.keys import describe_keys
 

@@ -13,7 +13,7 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
-from noloco_swarm.peer import checkpoint, events, identity
+from noloco_swarm.peer import checkpoint, events, identity, tickets
 from noloco_swarm.peer.directory import RunDirectory, signed_dht_kwargs
 from noloco_swarm.peer.lifetime import DHT
 from noloco_swarm.peer.node import reachability
@@ -82,6 +82,7 @@ async def run_peer(
         directory = RunDirectory(dht, opts.run_id, ttl=opts.heartbeat_ttl, identity=me)
         manifest = messages.RunManifest.create(opts.run_id, cfg.manifest())
         await _join_manifest(directory, manifest, new_run, opts.start_timeout)
+        ticket = own_ticket(cfg, transport.peer_id) if cfg.authority else b""
         stage = opts.stage
         ckpt = None
         if resume:
@@ -100,7 +101,15 @@ async def run_peer(
         for line in reachability(addresses):
             logger.warning("reachable as %s", line)  # warning: shown by default, once, at start
         peer = Peer(
-            cfg, steps, transport, directory, stage, sink, addresses, config_hash=manifest.config_hash
+            cfg,
+            steps,
+            transport,
+            directory,
+            stage,
+            sink,
+            addresses,
+            config_hash=manifest.config_hash,
+            ticket=ticket,
         )
         if leave is None:
             return await peer.run(ckpt)
@@ -110,6 +119,24 @@ async def run_peer(
         if dht is not None:
             await asyncio.to_thread(dht.shutdown)
         await transport.shutdown()
+
+
+def own_ticket(cfg: RunConfig, peer_id: str) -> bytes:
+    """This peer's join ticket for a closed run, checked (encoded, for its announcement); a
+    ValueError that says what to do if it has none or it would not admit us."""
+    run_id, path = cfg.peer.run_id, cfg.peer.ticket
+    if not path:
+        raise ValueError(
+            f"run {run_id!r} is closed (its config names an authority): ask its organiser for a join "
+            f"ticket for your peer id {peer_id} and pass it with --set peer.ticket=FILE (keep the "
+            "--identity it was issued for)"
+        )
+    try:
+        ticket = tickets.read(path)
+        tickets.check(ticket, cfg.authority, run_id, peer_id, time.time())
+    except tickets.TicketError as e:
+        raise ValueError(f"{path}: {e}; ask the run's organiser for a new ticket") from e
+    return messages.encode(ticket)
 
 
 def _prometheus(cfg: RunConfig, transport: Transport) -> events.Sink:

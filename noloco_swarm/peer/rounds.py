@@ -26,6 +26,7 @@ from typing import TypeVar
 from noloco_swarm.peer import events
 from noloco_swarm.peer.directory import RunDirectory
 from noloco_swarm.peer.streams import PeerUnavailable, RemoteRefused
+from noloco_swarm.peer.tickets import Gate
 from noloco_swarm.peer.transport import Transport
 from noloco_swarm.protocol import messages
 from noloco_swarm.protocol.clock import StepClock
@@ -112,6 +113,7 @@ class Rounds:
         self.strikes: dict[str, int] = {}  # reporter -> live peers it reported since its last sentence
         self.unheard: dict[str, int] = {}  # reporter -> the round until which its reports are ignored
         self._reports: set[asyncio.Task[None]] = set()
+        self.gate: Gate | None = None  # a closed run's: members are peers with a valid ticket
 
     # ------------------------------------------------------------------ views
 
@@ -163,8 +165,11 @@ class Rounds:
     # ------------------------------------------------------------------ reading the directory
 
     def read_peers(self) -> list[messages.PeerAnnouncement]:
-        """Live announcements (blocking: call in a thread); remembers everyone's addresses."""
+        """Live announcements (blocking: call in a thread); remembers everyone's addresses. In a
+        closed run, only those with a valid ticket (whose peers the gate then admits)."""
         announcements = self.directory.read_peers().announcements
+        if self.gate is not None:
+            announcements = [a for a in announcements if self.gate.admit_announced(a)]
         for a in announcements:
             self.addresses[a.peer_id] = a.addresses
         return announcements

@@ -38,6 +38,7 @@ from noloco_swarm.peer.joining import Joining
 from noloco_swarm.peer.outer_steps import OuterSteps
 from noloco_swarm.peer.resume import Resume, SwarmMovedOn
 from noloco_swarm.peer.rounds import DHT_ERRORS, PeerExcluded, Rounds, raise_if_left_behind
+from noloco_swarm.peer.tickets import Gate
 from noloco_swarm.peer.transport import Transport
 from noloco_swarm.protocol import messages
 from noloco_swarm.protocol.messages import MessageError
@@ -61,9 +62,13 @@ class Peer:
         addresses: tuple[str, ...] = (),
         *,
         config_hash: str = "",
+        ticket: bytes = b"",
     ) -> None:
-        self.steps, self.directory, self.addresses = steps, directory, addresses
+        self.steps, self.directory, self.addresses, self.ticket = steps, directory, addresses, ticket
         rounds = Rounds(transport.peer_id, stage, cfg.num_stages, transport, directory, sink)
+        if cfg.authority:  # a closed run: members need a ticket, callers too (peer/tickets.py)
+            rounds.gate = Gate(cfg.authority, directory.run_id, lambda: asyncio.to_thread(rounds.read_peers))
+            transport.admission = rounds.gate.check
         replica = StageReplica(cfg, stage, device=cfg.peer.device)
         self.ctx = ctx = PeerContext(cfg, stage, transport, rounds, replica, sink)
         self.ledger = ByteLedger(transport)
@@ -289,6 +294,7 @@ class Peer:
             self.addresses,
             ctx.device.type,
             ctx.step,
+            self.ticket,
         )
 
     async def _announce(self) -> bool:

@@ -75,6 +75,9 @@ class Transport:
         self._closing: list[Callable[[], None]] = []
         self._inflight = 0
         self._started = self._closed = False
+        # Awaited with (caller, verb, header) before any handler: raises Refused to turn it away
+        # (a closed run's ticket gate, peer/tickets.py).
+        self.admission: Callable[[str, str, Message], Awaitable[None]] | None = None
 
     @classmethod
     async def create(
@@ -311,6 +314,8 @@ class Transport:
     async def _serve(self, stream: InboundStream) -> None:
         envelope = await streams.read_envelope(stream.reader, stream.counts)
         header = streams.open_envelope(envelope, self.config.max_frame_bytes)
+        if self.admission is not None:
+            await self.admission(stream.peer, envelope.verb, header)
         if envelope.verb in self._stream_handlers:
             await self._stream_handlers[envelope.verb](stream, header, envelope)
             return

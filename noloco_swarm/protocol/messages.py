@@ -303,6 +303,7 @@ class PeerAnnouncement(Message):
     addresses: tuple[str, ...] = field(default=())
     device: str = "cpu"
     step: int = 0  # inner steps this peer has completed (refreshed by every heartbeat)
+    ticket: bytes = b""  # an encoded JoinTicket: what a closed run asks of its members
 
     def __post_init__(self) -> None:
         _check_run_id(self.run_id)
@@ -310,6 +311,29 @@ class PeerAnnouncement(Message):
             raise ValueError("peer_id must not be empty")
         if self.stage < 0 or self.joined_round < 0 or self.step < 0:
             raise ValueError("stage, joined_round and step must be >= 0")
+
+
+@dataclass(frozen=True)
+class JoinTicket(Message):
+    """The authority of a closed run lets `peer_id` serve in `run_id` until `expires` (unix
+    seconds): `signature` is its RSA signature of `signed_bytes()` (peer/tickets.py)."""
+
+    TAG: ClassVar[str] = "ticket"
+    run_id: str
+    peer_id: str
+    expires: float
+    signature: bytes = b""
+
+    def __post_init__(self) -> None:
+        _check_run_id(self.run_id)
+        if not self.peer_id:
+            raise ValueError("peer_id must not be empty")
+        if not math.isfinite(self.expires):
+            raise ValueError("expires must be a finite time")
+
+    def signed_bytes(self) -> bytes:
+        """What the authority signs: every field but the signature, unambiguously."""
+        return encode(dataclasses.replace(self, signature=b""))
 
 
 @dataclass(frozen=True)

@@ -67,6 +67,8 @@ class PeerConfig:
     """Checkpoints kept; older ones are deleted after each write."""
     event_loop: str = "uvloop"
     """The peer's asyncio event loop: uvloop (libuv-based, the default) or asyncio (the standard one)."""
+    ticket: str | None = None
+    """Join ticket file for a closed run (from its organiser's `noloco ticket`; ~ is expanded)."""
 
     def __post_init__(self) -> None:
         if self.stage is not None and self.stage < 0:
@@ -85,6 +87,8 @@ class PeerConfig:
             raise ValueError(
                 f"peer.state_serve_rate must be >= 0 MiB/s (0: no cap), got {self.state_serve_rate}"
             )
+        if self.ticket:
+            object.__setattr__(self, "ticket", os.path.expanduser(self.ticket))
         for name in ("step_timeout", "exchange_timeout", "start_timeout", "join_timeout", "heartbeat_ttl"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"peer.{name} must be > 0 seconds, got {getattr(self, name)}")
@@ -136,7 +140,7 @@ LOCAL_SECTIONS = ("peer", "network")
 # peer (`noloco join`), or `noloco local`, which starts real peers and names their run id, stages,
 # metrics files and loopback addresses itself.
 Runner = Literal["simulator", "peer", "local"]
-LOCAL_OWNED = ("peer.run_id", "peer.stage", "peer.metrics")
+LOCAL_OWNED = ("peer.run_id", "peer.stage", "peer.metrics", "peer.ticket")
 
 
 @dataclass(frozen=True)
@@ -165,6 +169,9 @@ class RunConfig:
     """Inner steps between validation passes (0: only at the end)."""
     eval_windows: int = 64
     """Validation windows per evaluation (the same ones every time)."""
+    authority: str = ""
+    """A closed run's authority: its RSA public key (ssh-rsa ..., from `noloco authority`); only
+    peers with a join ticket it signed (`noloco ticket`) may serve. Empty: an open run."""
     peer: PeerConfig = field(default_factory=PeerConfig)
     """How one peer runs (`noloco join`); not part of the manifest."""
     network: NetworkConfig = field(default_factory=NetworkConfig)
@@ -185,6 +192,10 @@ class RunConfig:
             )
         if self.eval_every < 0 or self.eval_windows < 1:
             raise ValueError("eval_every must be >= 0 and eval_windows >= 1")
+        if self.authority and not self.authority.startswith("ssh-rsa "):
+            raise ValueError(
+                "authority must be an RSA public key (ssh-rsa ..., from `noloco authority`) or empty"
+            )
         if self.stage_replicas and (
             len(self.stage_replicas) != self.num_stages or min(self.stage_replicas) < 1
         ):
@@ -281,7 +292,14 @@ class RunConfig:
         def given(key: str) -> str:
             return f" (set by {explicit[key]})" if key in explicit else ""
 
-        if runner == "simulator":  # the simulator runs every setting, uneven stages included
+        # Tickets admit peers of their own (noloco join); the simulator and noloco local have none.
+        if self.authority and runner != "peer":
+            out.append(
+                f"authority{given('authority')}: a closed run admits peers by their tickets, and "
+                f"{'the simulator' if runner == 'simulator' else 'noloco local'} runs its own; drop it "
+                "(closed runs are for noloco join)"
+            )
+        if runner == "simulator":  # the simulator runs every other setting, uneven stages included
             return out
         # Real peers average only through outer steps; per-step all-reduce exists in the simulator.
         if self.outer.method == "allreduce":
