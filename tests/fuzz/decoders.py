@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -247,14 +248,14 @@ def check_chunk_plan(args: tuple[dict[str, m.StateManifest], list[str], list[tup
 
 # -- checkpoints, config text and event logs (local files, read back after a crash or by hand) ----
 
-_SCRATCH = Path(tempfile.gettempdir()) / f"noloco-fuzz-{os.getpid()}"
 
-
-def _scratch_file(name: str, data: bytes) -> Path:
-    _SCRATCH.mkdir(exist_ok=True)
-    path = _SCRATCH / name
-    path.write_bytes(data)
-    return path
+@contextmanager
+def scratch_file(name: str, data: bytes) -> Iterator[Path]:
+    """`data` in a file of its own, removed (with its directory) afterwards."""
+    with tempfile.TemporaryDirectory(prefix="noloco-fuzz-") as directory:
+        path = Path(directory) / name
+        path.write_bytes(data)
+        yield path
 
 
 def checkpoint_dict() -> dict[str, Any]:
@@ -301,13 +302,11 @@ def checkpoint_files(draw: st.DrawFn) -> bytes:
 
 def check_checkpoint(data: bytes) -> None:
     """checkpoint.read: a Checkpoint with the four state tensors, or ValueError."""
-    path = _scratch_file("step-000000020.pt", data)
-    try:
-        ckpt = checkpoint.read(path)
-    except ValueError:
-        return
-    finally:
-        path.unlink()
+    with scratch_file("step-000000020.pt", data) as path:
+        try:
+            ckpt = checkpoint.read(path)
+        except ValueError:
+            return
     assert set(checkpoint.PARTS) <= set(ckpt.parts)
     assert all(isinstance(t, torch.Tensor) for t in ckpt.parts.values())
     for f in dataclasses.fields(ckpt):
@@ -374,13 +373,11 @@ def toml_files(draw: st.DrawFn) -> bytes:
 
 def check_toml(data: bytes) -> None:
     """load_file then build_config: a RunConfig, or ConfigError."""
-    path = _scratch_file("config.toml", data)
-    try:
-        options.resolve([options.Layer("file", options.load_file(path))])
-    except options.ConfigError as e:
-        assert str(e)
-    finally:
-        path.unlink()
+    with scratch_file("config.toml", data) as path:
+        try:
+            options.resolve([options.Layer("file", options.load_file(path))])
+        except options.ConfigError as e:
+            assert str(e)
 
 
 EVENT_KINDS = sorted(events.KINDS)
