@@ -88,6 +88,8 @@ def coerce(key: str, value: Any, hint: Any = None) -> Any:
             return None
         return coerce(key, value, next(a for a in args if a is not type(None)))
     if origin is tuple:
+        if not isinstance(value, str | list | tuple):  # e.g. a TOML number or table
+            raise ConfigError(f"{key} needs a list or comma-separated values, got {value!r}")
         items = [i.strip() for i in value.split(",") if i.strip()] if isinstance(value, str) else list(value)
         item_types = [args[0]] * len(items) if len(args) == 2 and args[1] is Ellipsis else list(args)
         if len(item_types) != len(items):
@@ -135,8 +137,8 @@ def parse_assignments(text: str, sep: str = ";") -> dict[str, str]:
 def load_file(path: str | Path) -> dict[str, Any]:
     """A TOML file's keys flattened to dotted keys; `preset` and `method` may appear at the top."""
     try:
-        data = tomllib.loads(Path(path).read_text())
-    except (OSError, tomllib.TOMLDecodeError) as e:
+        data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:  # TOML is UTF-8 text
         raise ConfigError(f"cannot read config file {path}: {e}") from e
     flat: dict[str, Any] = {}
     for key, value in data.items():
@@ -150,8 +152,8 @@ def load_file(path: str | Path) -> dict[str, Any]:
 def load_run_config(path: str | Path) -> dict[str, Any]:
     """The JSON of `RunConfig.manifest()` that `noloco local` hands its peers (dotted keys)."""
     try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as e:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ConfigError(f"cannot read run config {path}: {e}") from e
     if not isinstance(data, dict):
         raise ConfigError(f"run config {path} is not a JSON object of dotted keys")

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import asdict, dataclass, field
+import pickle
+import struct
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -54,18 +56,29 @@ class Checkpoint:
 
     @classmethod
     def from_dict(cls, raw: object) -> Checkpoint:
+        """The checkpoint a loaded dict holds; ValueError for anything `to_dict` could not have
+        written (a field missing, extra or of the wrong type), so a bad file is skipped, not a crash."""
         if not isinstance(raw, dict):
             raise ValueError(f"a checkpoint is a dict, not {type(raw).__name__}")
-        try:
-            ckpt = cls(**{**raw, "members": tuple(tuple(str(p) for p in s) for s in raw["members"])})
-        except (TypeError, KeyError) as e:
-            raise ValueError(f"malformed checkpoint: {e}") from e
-        named = set(ckpt.parts) - set(OPTIONAL_PARTS) == set(PARTS)
-        if not named or not all(isinstance(t, torch.Tensor) for t in ckpt.parts.values()):
+        names = {f.name: f.type for f in fields(cls)}
+        if set(raw) != set(names):
+            missing, extra = set(names) - set(raw), set(raw) - set(names)
+            raise ValueError(
+                f"malformed checkpoint: missing {sorted(missing)}, unknown {sorted(map(str, extra))}"
+            )
+        for name, kind in names.items():
+            scalar = {"int": int, "str": str}.get(str(kind))
+            if scalar is not None and (not isinstance(raw[name], scalar) or isinstance(raw[name], bool)):
+                raise ValueError(f"malformed checkpoint: {name} is not a {kind}")
+        members, parts = raw["members"], raw["parts"]
+        if not isinstance(members, list | tuple) or not all(isinstance(s, list | tuple) for s in members):
+            raise ValueError("malformed checkpoint: members must be one list of peer ids per stage")
+        named = isinstance(parts, dict) and set(parts) - set(OPTIONAL_PARTS) == set(PARTS)
+        if not named or not all(isinstance(t, torch.Tensor) for t in parts.values()):
             raise ValueError(
                 f"a checkpoint's parts must be tensors named {', '.join(PARTS)} (and maybe theta)"
             )
-        return ckpt
+        return cls(**{**raw, "members": tuple(tuple(str(p) for p in s) for s in members)})
 
 
 def path_for(directory: Path, step: int) -> Path:
@@ -103,11 +116,21 @@ def save(directory: Path, ckpt: Checkpoint, keep: int) -> Path:
     return final
 
 
+# What torch.load raises on a torn or corrupt file: its zip reader's RuntimeError, and whatever the
+# weights-only unpickler's stack machine hits on garbage (an empty stack, a bad opcode argument, a
+# global it refuses). Found by fuzzing (tests/fuzz/decoders.py, docs/security.md); all of them
+# mean "not a checkpoint we can read", and `load` falls back to an older file.
+_UNREADABLE = (
+    OSError, RuntimeError, EOFError, ValueError, AttributeError, TypeError, IndexError, KeyError,
+    OverflowError, struct.error, pickle.UnpicklingError,
+)  # fmt: skip
+
+
 def read(path: Path) -> Checkpoint:
     """One checkpoint file; ValueError if it is unreadable or malformed."""
     try:
         raw = torch.load(path, map_location="cpu", weights_only=True)
-    except (OSError, RuntimeError, EOFError, ValueError, AttributeError) as e:
+    except _UNREADABLE as e:
         raise ValueError(f"cannot read {path.name}: {e}") from e
     return Checkpoint.from_dict(raw)
 
