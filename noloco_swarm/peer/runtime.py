@@ -68,7 +68,7 @@ class Peer:
         self.ctx = ctx = PeerContext(cfg, stage, transport, rounds, replica, sink)
         self.ledger = ByteLedger(transport)
         self.inner = InnerSteps(ctx)
-        self.board = ExchangeBoard(transport)
+        self.board = ExchangeBoard(transport, replica.phi.numel())
         self.outer = OuterSteps(ctx, self.board, self.ledger)
         self.joining = Joining(ctx, self.ledger, self._announce)
         self.evaluation = Evaluation(ctx, self.inner)
