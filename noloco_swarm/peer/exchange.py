@@ -267,9 +267,7 @@ class ByteLedger:
     bytes then count here instead of there, and only the sum over exchanges is exact.
     """
 
-    def __init__(self, transport: Transport, numel: int) -> None:
-        """Serve rpc_exchange on `transport` for a stage of `numel` flat weights: a request
-        carrying more than that stage's theta and phi is refused unread (peer/limits.py)."""
+    def __init__(self, transport: Transport) -> None:
         self.transport = transport
         self._seen: dict[str, tuple[int, int]] = {}
 
