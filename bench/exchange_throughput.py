@@ -44,7 +44,7 @@ from hivemind.p2p import P2PContext, P2PHandlerError, PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.utils.streaming import STREAMING_CHUNK_SIZE_BYTES, combine_from_streaming, split_for_streaming
 
-from noloco_swarm.peer.transport import RemoteRefused, Transport, TransportConfig
+from noloco_swarm.peer.transport import Accepts, RemoteRefused, Transport, TransportConfig
 from noloco_swarm.protocol import messages
 
 FAILURES: dict[tuple[int, str], int] = {}
@@ -90,7 +90,12 @@ class RssPeak:
 
 async def serve(part_bytes: int, listen: str) -> None:
     rss = RssPeak()
-    config = TransportConfig(part_bytes=part_bytes, max_frame_bytes=2 << 30, max_inflight_bytes=4 << 30)
+    config = TransportConfig(
+        part_bytes=part_bytes,
+        max_frame_bytes=2 << 30,
+        max_peer_inflight_bytes=2 << 30,
+        max_inflight_bytes=4 << 30,
+    )
     transport = await Transport.create(config=config, host_maddrs=[listen])
     p2p = transport.p2p
 
@@ -123,7 +128,7 @@ async def serve(part_bytes: int, listen: str) -> None:
         return runtime_pb2.ExpertUID(uid=report(tensor))
 
     transport.register("rpc_bench_reset", reset)
-    transport.register("rpc_bench", ours)
+    transport.register("rpc_bench", ours, Accepts(1, 2 << 30, frozenset({"float32"})))
     for name, handler in (
         ("pbparts", pbparts),
         ("hivemind", hivemind_path),

@@ -15,6 +15,7 @@ import torch
 from noloco_swarm.data.stream import validation_windows
 from noloco_swarm.peer.context import PeerContext
 from noloco_swarm.peer.inner import InnerSteps, check_sender, checked_rows
+from noloco_swarm.peer.limits import Accepts
 from noloco_swarm.peer.streams import PeerUnavailable, RemoteRefused
 from noloco_swarm.protocol import messages
 from noloco_swarm.protocol.membership import MembershipView
@@ -32,7 +33,11 @@ class Evaluation:
         self.ctx, self.inner = ctx, inner
         self.trained = asyncio.Event()  # set once our own last training step is done
         self._served: asyncio.Queue[None] = asyncio.Queue()  # one item per batch we passed on
-        ctx.transport.register("rpc_eval", self.rpc_eval)
+        # fp32 activations of one validation batch and their token ids.
+        model = ctx.cfg.model
+        ctx.transport.register(
+            "rpc_eval", self.rpc_eval, Accepts.rows(EVAL_BATCH, model.seq_len, model.hidden_size, "fp32")
+        )
 
     def _paths(self) -> tuple[MembershipView, int]:
         """The last round's view and how many fixed paths it has."""

@@ -29,6 +29,7 @@ import torch
 
 from noloco_swarm.peer import events, failpoints, streams
 from noloco_swarm.peer.context import PeerContext
+from noloco_swarm.peer.limits import Accepts
 from noloco_swarm.peer.rounds import PROBE_PERIOD
 from noloco_swarm.peer.streams import (
     InboundStream,
@@ -64,7 +65,9 @@ class ExchangeBoard:
     key we provided, so no remote can grow it by asking for keys we never offer.
     """
 
-    def __init__(self, transport: Transport) -> None:
+    def __init__(self, transport: Transport, numel: int) -> None:
+        """Serve rpc_exchange on `transport` for a stage of `numel` flat weights: a request
+        carrying more than that stage's theta and phi is refused unread (peer/limits.py)."""
         self.transport = transport
         self._provided: dict[Key, Tensors] = {}
         self._provided_to: dict[tuple[Key, str], Tensors] = {}  # per partner (an all-reduce shard)
@@ -78,7 +81,7 @@ class ExchangeBoard:
         self._tasks: dict[Key, set[asyncio.Task[object]]] = {}
         self._serving: set[tuple[Key, str]] = set()  # (key, caller) of calls being served now
         self._retired: Key | None = None  # newest finished key; older ones are refused
-        transport.register_stream(VERB, self._serve, on_close=self.close)
+        transport.register_stream(VERB, self._serve, on_close=self.close, accepts=Accepts.weights(numel))
 
     # -- the local peer's side -------------------------------------------------------------
 
@@ -207,38 +210,37 @@ class ExchangeBoard:
     ) -> tuple[Tensors, Tensors]:
         """(theirs, ours): read the caller's tensors while ours become ready, then send ours."""
         part = self.transport.config.part_bytes
-        with self.transport.reserve(envelope.nbytes):
-            receiving = asyncio.create_task(
-                streams.read_tensors(
-                    stream.reader, envelope.tensors, stream.counts, part, stream.writer.transport
-                )
+        receiving = asyncio.create_task(
+            streams.read_tensors(
+                stream.reader, envelope.tensors, stream.counts, part, stream.writer.transport
             )
+        )
+        try:
+            waiting = asyncio.ensure_future(ours_when_ready())
             try:
-                waiting = asyncio.ensure_future(ours_when_ready())
-                try:
-                    await asyncio.wait({receiving, waiting}, return_when=asyncio.FIRST_COMPLETED)
-                    if receiving.done():
-                        receiving.result()  # raises now if the caller sent garbage
-                    ours = await waiting
-                finally:
-                    waiting.cancel()
-                mine = tuple(TensorMeta.of(t) for t in ours)
-                if mine != envelope.tensors:
-                    raise Refused("mismatch", f"we hold {mine}, you sent {envelope.tensors}: check the run")
-                if failpoints.fire("close_unanswered", VERB):
-                    raise StreamClosed("failpoint: closed the exchange stream without our answer")
-                await streams.reply(stream, Ack(), ours)
-                theirs = tuple(await receiving)
-                # The caller's call ends at this confirmation, not at our reply. Both directions
-                # are complete here: if the confirmation is lost, the caller calls again and gets
-                # the same answer (kept in `_served`), so this side counts as done either way.
-                if not failpoints.fire("close_unconfirmed", VERB):
-                    with contextlib.suppress(OSError):
-                        await streams.confirm(stream)
-                return theirs, ours
+                await asyncio.wait({receiving, waiting}, return_when=asyncio.FIRST_COMPLETED)
+                if receiving.done():
+                    receiving.result()  # raises now if the caller sent garbage
+                ours = await waiting
             finally:
-                receiving.cancel()
-                await asyncio.gather(receiving, return_exceptions=True)
+                waiting.cancel()
+            mine = tuple(TensorMeta.of(t) for t in ours)
+            if mine != envelope.tensors:
+                raise Refused("mismatch", f"we hold {mine}, you sent {envelope.tensors}: check the run")
+            if failpoints.fire("close_unanswered", VERB):
+                raise StreamClosed("failpoint: closed the exchange stream without our answer")
+            await streams.reply(stream, Ack(), ours)
+            theirs = tuple(await receiving)
+            # The caller's call ends at this confirmation, not at our reply. Both directions
+            # are complete here: if the confirmation is lost, the caller calls again and gets
+            # the same answer (kept in `_served`), so this side counts as done either way.
+            if not failpoints.fire("close_unconfirmed", VERB):
+                with contextlib.suppress(OSError):
+                    await streams.confirm(stream)
+            return theirs, ours
+        finally:
+            receiving.cancel()
+            await asyncio.gather(receiving, return_exceptions=True)
 
 
 async def _given(tensors: Tensors) -> Tensors:

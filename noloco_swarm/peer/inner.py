@@ -33,6 +33,7 @@ import torch
 from noloco_swarm.data.stream import train_batches
 from noloco_swarm.peer import events
 from noloco_swarm.peer.context import PeerContext
+from noloco_swarm.peer.limits import ROW_MARGIN, Accepts
 from noloco_swarm.peer.rounds import PROBE_PERIOD, PeerExcluded, raise_if_left_behind
 from noloco_swarm.peer.sending import RowSender
 from noloco_swarm.peer.streams import Refused
@@ -157,7 +158,10 @@ class InnerSteps:
         self.sender = RowSender(ctx)
         self._data: Iterator[torch.Tensor] | None = None  # stage 0's batches
         self._data_at: tuple[tuple[int, int], int] = ((0, 0), 0)  # (shard layout, next step) of _data
-        ctx.transport.register("rpc_forward", self.rpc_forward)
+        # A request's rows: at most ROW_MARGIN batches of the run's shape (uneven stages).
+        model = ctx.cfg.model
+        rows = Accepts.rows(ctx.B * ROW_MARGIN, model.seq_len, model.hidden_size, ctx.cfg.wire.activations)
+        ctx.transport.register("rpc_forward", self.rpc_forward, rows)
 
     @property
     def dropped_samples(self) -> int:

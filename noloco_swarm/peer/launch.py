@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 from noloco_swarm.peer import checkpoint, events, identity, tickets
 from noloco_swarm.peer.directory import RunDirectory, signed_dht_kwargs
 from noloco_swarm.peer.lifetime import DHT
+from noloco_swarm.peer.limits import caps_for
 from noloco_swarm.peer.node import reachability
 from noloco_swarm.peer.rounds import ask_status_at
 from noloco_swarm.peer.runtime import Peer
@@ -69,6 +70,7 @@ async def run_peer(
             announce_maddrs=list(net.announce_maddrs) or None,
             use_relay=net.use_relay,
             use_auto_relay=net.use_auto_relay,
+            config=caps_for(cfg.inner.microbatches),
         )
     dht = None
     sink = events.Events([events.JsonLines(opts.metrics)] if opts.metrics else [])

@@ -68,12 +68,12 @@ class Peer:
         rounds = Rounds(transport.peer_id, stage, cfg.num_stages, transport, directory, sink)
         if cfg.authority:  # a closed run: members need a ticket, callers too (peer/tickets.py)
             rounds.gate = Gate(cfg.authority, directory.run_id, lambda: asyncio.to_thread(rounds.read_peers))
-            transport.admission = rounds.gate.check
+            transport.gatekeeper = rounds.gate.check
         replica = StageReplica(cfg, stage, device=cfg.peer.device)
         self.ctx = ctx = PeerContext(cfg, stage, transport, rounds, replica, sink)
         self.ledger = ByteLedger(transport)
         self.inner = InnerSteps(ctx)
-        self.board = ExchangeBoard(transport)
+        self.board = ExchangeBoard(transport, replica.phi.numel())
         self.outer = OuterSteps(ctx, self.board, self.ledger)
         self.joining = Joining(ctx, self.ledger, self._announce)
         self.evaluation = Evaluation(ctx, self.inner)

@@ -37,7 +37,7 @@ _PREAMBLE = len(MAGIC) + 4
 # the network. 2**20 values of at most 3.4e38 sum to < 1e45, far inside float64's range, so a slice's
 # float64 sum is finite exactly when all its values are (NaN and inf propagate through a sum).
 _CHECK_ELEMENTS = 1 << 20
-_REFUSAL_DEADLINE = 5.0  # seconds to write an ErrorReply and linger for the caller to read it
+REFUSAL_DEADLINE = 5.0  # seconds to write an ErrorReply and linger for the caller to read it
 
 if sys.byteorder != "little":  # pragma: no cover - every platform torch ships for is little-endian
     raise ImportError("the tensor transport sends raw little-endian bytes; this host is big-endian")
@@ -86,16 +86,29 @@ class TransportConfig:
     """Most tensor bytes one received frame may announce; bigger frames are refused unread."""
     max_inflight_bytes: int = 2 << 30
     """Most tensor bytes all requests being received at once may hold; beyond it we answer 'busy'."""
+    max_peer_inflight_bytes: int = 1 << 30
+    """Most tensor bytes the requests of one caller may hold at once (an honest exchange partner
+    sends one stage's weights at a time); beyond it that caller gets 'busy'."""
+    max_peer_streams: int = 64
+    """Most inbound streams one caller may have open at once (an honest sender has a few per
+    microbatch in flight, plus probes); beyond it that caller gets 'busy'."""
+    max_streams: int = 1024
+    """Most inbound streams open at once, all callers together; beyond it we answer 'busy'."""
     serve_timeout: float = 300.0
     """Deadline for serving one inbound request, including an exchange's wait for our own tensor."""
+    header_timeout: float = 30.0
+    """Deadline for a request's envelope to arrive once its stream opened: a caller writes it at
+    once, so a stream silent for longer is refused ('timeout') and frees its slot."""
 
     def __post_init__(self) -> None:
         if not 64 << 10 <= self.part_bytes <= 4 << 20:
             raise ValueError(f"part_bytes={self.part_bytes} must be within 64 KiB .. 4 MiB")
-        if not 0 < self.max_frame_bytes <= self.max_inflight_bytes:
-            raise ValueError("need 0 < max_frame_bytes <= max_inflight_bytes")
-        if self.serve_timeout <= 0:
-            raise ValueError("serve_timeout must be > 0 seconds")
+        if not 0 < self.max_frame_bytes <= self.max_peer_inflight_bytes <= self.max_inflight_bytes:
+            raise ValueError("need 0 < max_frame_bytes <= max_peer_inflight_bytes <= max_inflight_bytes")
+        if not 1 <= self.max_peer_streams <= self.max_streams:
+            raise ValueError("need 1 <= max_peer_streams <= max_streams")
+        if self.serve_timeout <= 0 or self.header_timeout <= 0:
+            raise ValueError("serve_timeout and header_timeout must be > 0 seconds")
 
 
 @dataclass
@@ -202,16 +215,17 @@ async def confirm(stream: InboundStream) -> None:
     await reply(stream, messages.Ack("received"), ())
 
 
-async def refuse(stream: InboundStream, code: str, reason: str) -> None:
+async def refuse(stream: InboundStream, code: str, reason: str, linger: float = REFUSAL_DEADLINE) -> None:
     """Server side: answer ErrorReply if no reply has started, then linger so the caller can read it.
 
     Closing at once would make p2pd reset the stream while the caller is still sending, which can
-    discard our answer; so we read and drop the rest of its frame, for a bounded time.
+    discard our answer; so we read and drop the rest of its frame part by part (nothing of it is
+    kept), for at most `linger` seconds.
     """
     if stream.replied:
         return
     with contextlib.suppress(OSError, TimeoutError, PeerUnavailable):
-        async with asyncio.timeout(_REFUSAL_DEADLINE):
+        async with asyncio.timeout(linger):
             await reply(stream, messages.ErrorReply(code, reason[: messages.MAX_STRING]), ())
             while await stream.reader.read(stream.part_bytes):
                 pass
@@ -269,6 +283,8 @@ def declared_tensors(header: Message) -> tuple[TensorMeta, ...] | None:
     """The tensors a header says follow it, in order; None for headers that declare none."""
     if isinstance(header, messages.ForwardHeader | messages.BackwardHeader):
         return header.tensors
+    if isinstance(header, messages.EvalHeader):
+        return (header.activations, header.tokens)
     if isinstance(header, messages.ExchangeHeader):
         return (header.meta,) * len(header.parts)
     if isinstance(header, messages.StateChunk):

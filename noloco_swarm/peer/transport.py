@@ -9,7 +9,9 @@ starts its reply while the request's tensors still arrive; peer/exchange.py).
 Errors a caller sees: `PeerUnavailable` (cannot connect, deadline passed, stream broke),
 `RemoteRefused` (the remote answered with an ErrorReply), `MessageError` (the remote sent garbage).
 A server never lets a bad request escape its stream: it answers ErrorReply when it still can, counts
-the bad message against the sender, and keeps serving.
+the bad message against the sender, and keeps serving. Each verb is registered with the tensors its
+request may carry (`Accepts`), and each caller may hold only so many streams and bytes at once
+(peer/limits.py): both are checked before any tensor byte is read.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import torch
@@ -28,6 +30,7 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from noloco_swarm.peer import failpoints, streams
 from noloco_swarm.peer.lifetime import children_die_with_us
+from noloco_swarm.peer.limits import NONE, Accepts, Admission
 from noloco_swarm.peer.streams import (
     ByteCounts,
     InboundStream,
@@ -43,6 +46,7 @@ from noloco_swarm.protocol.messages import REPLY_VERB, Envelope, Message
 
 __all__ = [
     "PROTOCOL",
+    "Accepts",
     "Handler",
     "InboundStream",
     "PeerUnavailable",
@@ -57,6 +61,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 PROTOCOL = "noloco_swarm.transport.v1"
+_BUSY_LINGER = 1.0  # seconds a 'busy' refusal waits for the caller to read it
 Handler = Callable[[str, Message, list[torch.Tensor]], Awaitable[tuple[Message, Sequence[torch.Tensor]]]]
 # Serves a verb from the envelope on: reads the request's tensors and writes the reply itself.
 StreamHandler = Callable[[InboundStream, Message, Envelope], Awaitable[None]]
@@ -70,14 +75,15 @@ class Transport:
         self._p2p, self._owns_p2p = p2p, owns_p2p
         self._handlers: dict[str, Handler] = {}
         self._stream_handlers: dict[str, StreamHandler] = {}
+        self._accepts: dict[str, Accepts] = {}
+        self._admission = Admission(self.config)
         self._counts: dict[str, ByteCounts] = {}
         self._serving: set[asyncio.Task[Any]] = set()
         self._closing: list[Callable[[], None]] = []
-        self._inflight = 0
         self._started = self._closed = False
         # Awaited with (caller, verb, header) before any handler: raises Refused to turn it away
         # (a closed run's ticket gate, peer/tickets.py).
-        self.admission: Callable[[str, str, Message], Awaitable[None]] | None = None
+        self.gatekeeper: Callable[[str, str, Message], Awaitable[None]] | None = None
 
     @classmethod
     async def create(
@@ -129,35 +135,43 @@ class Transport:
         """Multiaddrs (with /p2p/<id>) that other peers can dial."""
         return [str(addr) for addr in await self._p2p.get_visible_maddrs()]
 
-    def register(self, verb: str, handler: Handler) -> None:
+    def register(self, verb: str, handler: Handler, accepts: Accepts = NONE) -> None:
         """Serve `verb` with `handler(peer_id, header, tensors) -> (reply_header, reply_tensors)`.
 
-        The handler may raise MessageError (bad input: the caller gets ErrorReply 'bad_request') or
-        Refused (the caller gets ErrorReply with its code). Received tensors are already checked
-        against the header's metas and for finiteness.
+        A request may carry only the tensors `accepts` allows (by default none); others are refused
+        before a byte of them is read. The handler may raise MessageError (bad input: the caller
+        gets ErrorReply 'bad_request') or Refused (the caller gets ErrorReply with its code).
+        Received tensors are already checked against the header's metas and for finiteness.
         """
-        self._check_new_verb(verb)
+        self._check_new_verb(verb, accepts)
         self._handlers[verb] = handler
 
-    def register_stream(self, verb: str, handler: StreamHandler, on_close: Callable[[], None]) -> None:
+    def register_stream(
+        self, verb: str, handler: StreamHandler, on_close: Callable[[], None], accepts: Accepts = NONE
+    ) -> None:
         """Serve `verb` with `handler(stream, header, envelope)`, which reads the request's tensors
-        and writes the reply itself (use `reserve` for the bytes it receives). It may raise what a
-        handler may. `on_close` runs at shutdown, after serving has stopped."""
-        self._check_new_verb(verb)
+        (those `accepts` allows; their bytes are reserved for it) and writes the reply itself. It
+        may raise what a handler may. `on_close` runs at shutdown, after serving has stopped."""
+        self._check_new_verb(verb, accepts)
         self._stream_handlers[verb] = handler
         self._closing.append(on_close)
 
-    def _check_new_verb(self, verb: str) -> None:
+    def _check_new_verb(self, verb: str, accepts: Accepts) -> None:
         Envelope(verb, b"")  # validates the verb's form
         if verb == REPLY_VERB:
             raise ValueError(f"{REPLY_VERB!r} is not a verb")
         if verb in self._handlers or verb in self._stream_handlers:
             raise ValueError(f"{verb} is served already")
+        self._accepts[verb] = accepts
 
     def received_from(self, peer: str) -> int:
         """Bytes received from `peer` so far (framing included, counted as they arrive)."""
         counts = self._counts.get(peer)
         return 0 if counts is None else counts.received_total
+
+    def streams_from(self, peer: str) -> int:
+        """Inbound streams of `peer`'s that hold a slot now (being served, or a refusal lingering)."""
+        return self._admission.streams.get(peer, 0)
 
     def byte_counts(self) -> dict[str, dict[str, int]]:
         """Snapshot of bytes moved per remote peer id (diff two snapshots for one outer step)."""
@@ -286,11 +300,24 @@ class Transport:
         self, info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         """Serve one inbound stream; nothing a remote sends escapes this function."""
-        peer = info.peer_id.to_base58()
+        peer = info.peer_id.to_base58()  # authenticated by p2pd: the caller cannot choose it
         stream = InboundStream(peer, self._counts_for(peer), reader, writer, self.config.part_bytes)
         task = asyncio.current_task()
         assert task is not None
         self._serving.add(task)
+        try:
+            # The slot is held until a refusal has lingered too: a caller flooding us with garbage
+            # holds at most its cap of streams, lingering ones included.
+            with self._admission.stream(peer):
+                await self._answer(stream)
+        except Refused as e:  # no slot for this caller: 'busy', answered briefly
+            await streams.refuse(stream, e.code, e.reason, _BUSY_LINGER)
+        finally:
+            self._serving.discard(task)
+            writer.close()
+
+    async def _answer(self, stream: InboundStream) -> None:
+        """Serve one stream within its deadline; answer ErrorReply for whatever goes wrong."""
         try:
             async with asyncio.timeout(self.config.serve_timeout):
                 await self._serve(stream)
@@ -299,7 +326,9 @@ class Transport:
             logger.info("rejected a malformed request from %s: %s", stream.peer, e)
             await streams.refuse(stream, "bad_request", str(e))
         except Refused as e:
-            await streams.refuse(stream, e.code, e.reason)
+            # A busy refusal lingers briefly: a flood of requests must not pile up lingering tasks.
+            linger = _BUSY_LINGER if e.code == "busy" else streams.REFUSAL_DEADLINE
+            await streams.refuse(stream, e.code, e.reason, linger)
         except TimeoutError:
             await streams.refuse(stream, "timeout", f"not served within {self.config.serve_timeout:.0f} s")
         except (PeerUnavailable, OSError) as e:  # the caller went away; nothing to answer
@@ -307,40 +336,35 @@ class Transport:
         except Exception as e:  # a bug in a handler: tell the caller, then let it surface
             await streams.refuse(stream, "internal", f"the remote failed: {type(e).__name__}")
             raise
-        finally:
-            self._serving.discard(task)
-            writer.close()
 
     async def _serve(self, stream: InboundStream) -> None:
-        envelope = await streams.read_envelope(stream.reader, stream.counts)
+        try:
+            async with asyncio.timeout(self.config.header_timeout):
+                envelope = await streams.read_envelope(stream.reader, stream.counts)
+        except TimeoutError:
+            raise Refused("timeout", f"no request within {self.config.header_timeout:.0f} s") from None
         header = streams.open_envelope(envelope, self.config.max_frame_bytes)
-        if self.admission is not None:
-            await self.admission(stream.peer, envelope.verb, header)
-        if envelope.verb in self._stream_handlers:
-            await self._stream_handlers[envelope.verb](stream, header, envelope)
-            return
-        handler = self._handlers.get(envelope.verb)
-        if handler is None:
-            raise Refused("unknown_verb", f"this peer does not serve {envelope.verb}")
-        with self.reserve(envelope.nbytes):
+        verb = envelope.verb
+        if verb not in self._handlers and verb not in self._stream_handlers:
+            raise Refused("unknown_verb", f"this peer does not serve {verb}")
+        if self.gatekeeper is not None:  # who may call at all, before what they send
+            await self.gatekeeper(stream.peer, verb, header)
+        try:  # from the envelope alone: not a byte of the tensors is read or allocated yet
+            self._accepts[verb].check(envelope.tensors, verb)
+        except Refused:
+            stream.counts.bad_messages += 1
+            raise
+        with self._admission.reserve(stream.peer, envelope.nbytes):
+            if verb in self._stream_handlers:
+                await self._stream_handlers[verb](stream, header, envelope)
+                return
             tensors = await streams.read_tensors(
                 stream.reader, envelope.tensors, stream.counts, stream.part_bytes, stream.writer.transport
             )
-            reply_header, reply_tensors = await handler(stream.peer, header, tensors)
-        if failpoints.fire("close_unanswered", envelope.verb):
+            reply_header, reply_tensors = await self._handlers[verb](stream.peer, header, tensors)
+        if failpoints.fire("close_unanswered", verb):
             return  # closed without a reply, as p2pd now and then does under load
         await streams.reply(stream, reply_header, reply_tensors)
-
-    @contextlib.contextmanager
-    def reserve(self, nbytes: int) -> Iterator[None]:
-        """Account tensor bytes being received, so many concurrent callers cannot exhaust memory."""
-        if self._inflight + nbytes > self.config.max_inflight_bytes:
-            raise Refused("busy", f"receiving {self._inflight} bytes already; retry shortly")
-        self._inflight += nbytes
-        try:
-            yield
-        finally:
-            self._inflight -= nbytes
 
     def _counts_for(self, peer: str) -> ByteCounts:
         return self._counts.setdefault(peer, ByteCounts())

@@ -51,6 +51,14 @@ def alive(pids: set[int]) -> set[int]:
     return out
 
 
+def rss_mib(pid: int) -> float:
+    """The resident memory of process `pid` now, in MiB (/proc/<pid>/status VmRSS)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise ValueError(f"process {pid} reports no VmRSS")
+
+
 def p2pd_descendants(pid: int | None = None) -> set[int]:
     out = set()
     for child in descendants(os.getpid() if pid is None else pid):

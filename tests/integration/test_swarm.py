@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import math
@@ -45,7 +46,15 @@ from noloco_swarm.protocol import wire
 from noloco_swarm.sim.engine import Simulator
 from noloco_swarm.sim.run import data_batches
 from noloco_swarm.train.config import RunConfig
-from tests.integration.helpers import MADDR, alive, descendants, p2pd_descendants, process_group, troubles
+from tests.integration.helpers import (
+    MADDR,
+    alive,
+    descendants,
+    p2pd_descendants,
+    process_group,
+    rss_mib,
+    troubles,
+)
 
 pytestmark = pytest.mark.integration
 STEPS = 7  # H = 3: two outer steps, then one inner step so that replicas differ at the end
@@ -331,9 +340,12 @@ def test_diloco_with_three_replicas_all_reduces_to_the_simulators_weights(
             assert 2 * 4 / 3 * stage_bytes <= moved <= 2 * (4 / 3 * stage_bytes * 1.01 + 8192), events
 
 
-async def poke_with_bad_requests(swarm) -> tuple[dict[str, str], tuple[int, int]]:
-    """Send a running stage-0 and stage-1 peer requests they must refuse; return the refusals and
-    stage 0's step before and after."""
+async def poke_with_bad_requests(
+    swarm,
+) -> tuple[dict[str, str], tuple[int, int], dict[str, object]]:
+    """Send a running stage-0 and stage-1 peer requests they must refuse; return the refusals,
+    stage 0's step before and after, and what the resource limits did (`undeclared_status`,
+    `flood_of_streams`)."""
     from noloco_swarm.peer.transport import RemoteRefused, Transport
     from noloco_swarm.protocol import messages as m
     from noloco_swarm.protocol.membership import MembershipView
@@ -388,9 +400,95 @@ async def poke_with_bad_requests(swarm) -> tuple[dict[str, str], tuple[int, int]
                 await transport.call(peer, verb, header, tensors, timeout=60)
             refusals[name] = refused.value.reason
         await asyncio.sleep(1.0)
-        return refusals, (now.step, (await status(first)).step)
+        steps = (now.step, (await status(first)).step)
+        # Resource limits (issue 10): tensors a status request does not take, and a flood of streams.
+        stage0 = next(p for p in swarm.peers if p.stage == 0)
+        limits = await undeclared_status(transport, swarm.run_id, first, stage0.proc.pid)
+        limits |= await flood_of_streams(transport, swarm, first)
+        for _ in range(50):  # the flood's streams are closed: this caller is served again
+            with contextlib.suppress(RemoteRefused):
+                limits["status after the flood"] = (await status(first)).step
+                break
+            await asyncio.sleep(0.2)
+        return refusals, steps, limits
     finally:
         await transport.shutdown()
+
+
+async def raw_stream(transport, peer: str, start: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A transport stream to `peer` on which we write `start` and then what we like (libp2p opens a
+    stream at the remote only with its first bytes)."""
+    from hivemind.p2p import PeerID
+
+    from noloco_swarm.peer.transport import PROTOCOL
+
+    _, reader, writer = await transport.p2p.call_binary_stream_handler(PeerID.from_base58(peer), PROTOCOL)
+    writer.write(start)
+    await writer.drain()
+    return reader, writer
+
+
+async def undeclared_status(transport, run_id: str, peer: str, pid: int) -> dict[str, object]:
+    """A status request announcing 512 MiB of tensors, whose bytes we then send until the peer
+    answers (the attack of issue 10: three of these took a peer from 549 to 1941 MiB): the
+    answer, the MiB sent, and how much the peer's resident memory grew meanwhile (sampled)."""
+    from noloco_swarm.peer import streams
+    from noloco_swarm.protocol import messages as m
+
+    meta = m.TensorMeta((128 << 20,), "float32")
+    encoded = m.encode(m.Envelope("rpc_status", m.encode(m.StatusRequest(run_id)), (meta,)))
+    before = peak = rss_mib(pid)
+    reader, writer = await raw_stream(
+        transport, peer, streams.MAGIC + len(encoded).to_bytes(4, "big") + encoded
+    )
+    answer = asyncio.create_task(streams.read_envelope(reader, streams.ByteCounts()))
+    sent, part = 0, bytes(1 << 20)
+    try:
+        while sent < meta.nbytes and not answer.done():
+            writer.write(part)
+            await writer.drain()
+            sent += len(part)
+            peak = max(peak, rss_mib(pid))
+        reply = m.decode((await asyncio.wait_for(answer, 60)).header)
+        await asyncio.sleep(0.5)
+        peak = max(peak, rss_mib(pid))
+    finally:
+        answer.cancel()
+        writer.close()
+    code = reply.code if isinstance(reply, m.ErrorReply) else reply.TAG
+    return {"512 MiB status": code, "MiB sent": sent >> 20, "RSS growth MiB": peak - before}
+
+
+async def flood_of_streams(transport, swarm, peer: str, extra: int = 16) -> dict[str, object]:
+    """From one caller, more half-open streams (a frame's first bytes, then nothing) than a peer
+    serves per caller, held for a few seconds: how many were refused 'busy' at once, how many
+    the peer holds, and every peer's steps before and after."""
+    from noloco_swarm.peer import streams
+    from noloco_swarm.peer.transport import TransportConfig
+    from noloco_swarm.protocol import messages as m
+
+    async def code(reader: asyncio.StreamReader) -> str | None:
+        try:
+            envelope = await asyncio.wait_for(streams.read_envelope(reader, streams.ByteCounts()), 3.0)
+        except TimeoutError:
+            return None
+        reply = m.decode(envelope.header)
+        return reply.code if isinstance(reply, m.ErrorReply) else reply.TAG
+
+    def steps() -> list[int]:
+        return [len(of_kind(p.events(), Step)) for p in swarm.peers]
+
+    cap = TransportConfig().max_peer_streams  # the swarm's peers run one microbatch: the default
+    before = steps()
+    opened = await asyncio.gather(*(raw_stream(transport, peer, streams.MAGIC) for _ in range(cap + extra)))
+    try:
+        codes = await asyncio.gather(*(code(reader) for reader, _ in opened))
+        await asyncio.sleep(2.0)  # held a little longer, while the swarm trains
+        after = steps()
+    finally:
+        for _, writer in opened:
+            writer.close()
+    return {"flood busy": codes.count("busy"), "flood held": codes.count(None), "steps": (before, after)}
 
 
 def views_by_round(peer_events: Iterable[list[Event]]) -> dict[int, set[tuple[tuple[str, ...], ...]]]:
@@ -698,7 +796,9 @@ def test_noloco_status_shows_every_peer_of_a_running_swarm(cache: Path) -> None:
     """`noloco status --once` from a separate process finds the run through the DHT and gets an
     answer from every peer; a run id nobody uses is a clear error. Then a stranger sends the
     running peers requests they must refuse (state they do not owe, rows from a non-member, a
-    status for another run): each is refused with a reason and the peers keep training."""
+    status for another run): each is refused with a reason and the peers keep training. And it
+    tries to exhaust a peer (issue 10's resource limits): a status request announcing 512 MiB of
+    tensors, and more concurrent half-open streams than a peer serves per caller."""
     steps = 1000  # the swarm is stopped once the status has been checked
     cfg = small("noloco", num_replicas="1", **{"inner.total_steps": str(steps), **SLOWER})
     before = p2pd_descendants()
@@ -726,8 +826,17 @@ def test_noloco_status_shows_every_peer_of_a_running_swarm(cache: Path) -> None:
             check=False,
         )
         ids = {next(e.peer_id for e in of_kind(p.events(), Membership)) for p in swarm.peers}
-        refusals, steps = asyncio.run(poke_with_bad_requests(swarm))
+        refusals, steps, limits = asyncio.run(poke_with_bad_requests(swarm))
     assert p2pd_descendants() <= before
+    # A status request announcing 512 MiB of tensors is refused before they are read: the peer's
+    # memory does not grow by them. Streams beyond one caller's cap are refused 'busy' at once,
+    # the peers train on meanwhile, and the caller is served again once its streams are closed.
+    assert limits["512 MiB status"] == "undeclared_tensors", limits
+    assert limits["RSS growth MiB"] < 64, limits
+    assert limits["flood busy"] == 16 and limits["flood held"] == 64, limits
+    before_flood, after_flood = limits["steps"]
+    assert all(b > a for a, b in zip(before_flood, after_flood, strict=True)), limits
+    assert "status after the flood" in limits, limits
     # Bad requests from a stranger are refused with a reason, and the peers keep training.
     assert "this is stage 0" in refusals["state for another stage"]
     assert "too far ahead" in refusals["state for a far round"]

@@ -20,6 +20,7 @@ from noloco_swarm.peer import streams
 from noloco_swarm.peer.exchange import ExchangeBoard
 from noloco_swarm.peer.transport import (
     PROTOCOL,
+    Accepts,
     PeerUnavailable,
     Refused,
     RemoteRefused,
@@ -31,7 +32,14 @@ from tests.integration.helpers import p2pd_descendants
 
 pytestmark = pytest.mark.integration
 LIMIT = 64 << 20  # tensor bytes one frame may announce, in these tests
-CONFIG = TransportConfig(max_frame_bytes=LIMIT, max_inflight_bytes=2 * LIMIT, serve_timeout=20)
+CONFIG = TransportConfig(
+    max_frame_bytes=LIMIT,
+    max_peer_inflight_bytes=LIMIT,
+    max_inflight_bytes=2 * LIMIT,
+    max_peer_streams=8,
+    serve_timeout=20,
+    header_timeout=2,
+)
 T = TypeVar("T")
 BOARDS: dict[str, ExchangeBoard] = {}  # each transport's outer-exchange sessions, by peer id
 
@@ -51,9 +59,10 @@ def pair(loop: asyncio.AbstractEventLoop) -> Iterator[tuple[Transport, Transport
         peers = loop.run_until_complete(a.visible_addresses())
         b = loop.run_until_complete(Transport.create(initial_peers=peers, config=CONFIG))
         started.append(b)
-        for verb, handler in HANDLERS.items():
-            b.register(verb, handler)
-        BOARDS[a.peer_id], BOARDS[b.peer_id] = ExchangeBoard(a), ExchangeBoard(b)
+        for verb, (handler, accepts) in HANDLERS.items():
+            b.register(verb, handler, accepts)
+        numel = LIMIT // 8  # a stage whose theta and phi together are one frame's worth
+        BOARDS[a.peer_id], BOARDS[b.peer_id] = ExchangeBoard(a, numel), ExchangeBoard(b, numel)
         yield a, b
     finally:
         for transport in reversed(started):
@@ -106,7 +115,13 @@ async def fetch_state(peer: str, header: m.Message, tensors: list[torch.Tensor])
     return m.Ack(), [torch.zeros(LIMIT // 4 + 1)]
 
 
-HANDLERS = {"rpc_echo": echo, "rpc_forward": echo, "rpc_fetch_state": fetch_state}
+ANY = Accepts(64, LIMIT)  # up to 64 tensors of any dtype, one frame's worth of bytes
+HANDLERS = {
+    "rpc_echo": (echo, ANY),
+    "rpc_forward": (echo, ANY),
+    "rpc_small": (echo, Accepts(1, 4096, frozenset({"float32"}))),
+    "rpc_fetch_state": (fetch_state, Accepts()),  # carries no tensors
+}
 
 
 def bits(tensor: torch.Tensor) -> torch.Tensor:
@@ -274,7 +289,12 @@ RAW_CASES = {
     "garbage_header": frame(m.Envelope("rpc_echo", b"\x93\x01\x02")),
     "oversize": frame(m.Envelope("rpc_echo", HEADER, (m.TensorMeta((1 << 34,), "float32"),))),
     "truncated": frame(m.Envelope("rpc_echo", HEADER, (m.TensorMeta((1 << 18,), "float32"),))) + b"\0" * 5000,
+    # Tensors that the verb does not take, announced and partly sent: refused before they are read.
+    "undeclared": frame(m.Envelope("rpc_fetch_state", HEADER, (m.TensorMeta((1 << 20,), "float32"),)))
+    + b"\0" * 5000,
+    "too_large": frame(m.Envelope("rpc_small", HEADER, (m.TensorMeta((1025,), "float32"),))),
 }
+REFUSED_AS = {"undeclared": "undeclared_tensors", "too_large": "too_large"}
 
 
 @pytest.mark.parametrize("case", list(RAW_CASES))
@@ -298,9 +318,76 @@ def test_malformed_request_is_rejected_and_the_server_keeps_serving(
 
     reply = run(loop, send_raw())
     if reply is not None:
-        assert isinstance(reply, m.ErrorReply) and reply.code == "bad_request"
+        assert isinstance(reply, m.ErrorReply) and reply.code == REFUSED_AS.get(case, "bad_request")
     counted = eventually(lambda: b.byte_counts()[a.peer_id]["bad_messages"] == bad_before + 1)
     assert run(loop, counted), "b did not count the malformed request against a"
+    healthy(loop, a, b)
+
+
+async def answer_code(reader: asyncio.StreamReader, within: float) -> str | None:
+    """The code of the ErrorReply waiting on a raw stream, or None if none comes within `within`."""
+    try:
+        envelope = await asyncio.wait_for(streams.read_envelope(reader, streams.ByteCounts()), within)
+    except TimeoutError:
+        return None
+    reply = m.decode(envelope.header)
+    assert isinstance(reply, m.ErrorReply)
+    return reply.code
+
+
+def test_a_flood_of_streams_or_bytes_from_one_caller_is_busy_and_silent_streams_time_out(
+    loop: asyncio.AbstractEventLoop, pair: tuple[Transport, Transport]
+) -> None:
+    """One caller holding more streams than its cap gets 'busy' at once for the rest; its silent
+    streams are refused at the header deadline, which frees their slots; and a second request
+    whose bytes would take the caller past its byte cap is 'busy' before a byte is read."""
+    a, b = pair
+    cap, extra = CONFIG.max_peer_streams, 4
+
+    async def open_stream(start: bytes = b"") -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        _, reader, writer = await a.p2p.call_binary_stream_handler(PeerID.from_base58(b.peer_id), PROTOCOL)
+        if start:  # libp2p opens a stream at the remote only with its first bytes
+            writer.write(start)
+            await writer.drain()
+        return reader, writer
+
+    async def flood() -> tuple[list[str | None], list[str | None], float]:
+        # Each sends the start of a frame and no more: half-open.
+        opened = await asyncio.gather(*(open_stream(streams.MAGIC) for _ in range(cap + extra)))
+        try:
+            first = await asyncio.gather(*(answer_code(r, 1.0) for r, _ in opened))
+            start = time.monotonic()
+            held = [r for (r, _), code in zip(opened, first, strict=True) if code is None]
+            later = await asyncio.gather(*(answer_code(r, CONFIG.header_timeout + 5) for r in held))
+            return first, later, time.monotonic() - start
+        finally:
+            for _, writer in opened:
+                writer.close()
+
+    first, later, waited = run(loop, flood())
+    assert first.count("busy") == extra and first.count(None) == cap, first
+    assert later == ["timeout"] * cap and waited < CONFIG.header_timeout + 2
+    assert run(loop, eventually(lambda: b.streams_from(a.peer_id) == 0)), "closed streams kept their slots"
+    healthy(loop, a, b)
+
+    def request(elements: int) -> bytes:
+        return frame(m.Envelope("rpc_echo", HEADER, (m.TensorMeta((elements,), "float32"),)))
+
+    async def over_the_byte_cap() -> tuple[str | None, str | None]:
+        holding, second = await open_stream(), await open_stream()
+        try:
+            holding[1].write(request(LIMIT // 8))  # half of a's byte cap, whose bytes never come
+            await holding[1].drain()
+            held = await answer_code(holding[0], 0.5)  # b waits for them, holding the reservation
+            second[1].write(request(LIMIT // 8 + 1))  # the other half and 4 bytes more
+            await second[1].drain()
+            return held, await answer_code(second[0], 5.0)
+        finally:
+            holding[1].close()
+            second[1].close()
+
+    assert run(loop, over_the_byte_cap()) == (None, "busy")
+    assert run(loop, eventually(lambda: b.streams_from(a.peer_id) == 0)), "closed streams kept their slots"
     healthy(loop, a, b)
 
 
