@@ -25,6 +25,7 @@ from typing import TypeVar
 
 from noloco_swarm.peer import events
 from noloco_swarm.peer.directory import RunDirectory
+from noloco_swarm.peer.evidence import Evidence
 from noloco_swarm.peer.streams import PeerUnavailable, RemoteRefused
 from noloco_swarm.peer.tickets import Gate
 from noloco_swarm.peer.transport import Transport
@@ -45,9 +46,6 @@ PROBE_TIMEOUT = 5.0
 # probe before it is reported gone.
 RECENTLY = 15.0
 KEEP_ROUNDS = 3  # views kept: a request may name the round before ours or the next one
-# A member whose reports named this many live peers goes unheard for LIAR_ROUNDS rounds.
-LIAR_STRIKES = 2
-LIAR_ROUNDS = 20
 
 
 async def ask_status(transport: Transport, peer: str, run_id: str, timeout: float) -> messages.PeerStatus:
@@ -109,9 +107,7 @@ class Rounds:
         self.dead: dict[str, int] = {}  # peer id -> the round it failed us in (also reported in the DHT)
         self.addresses: dict[str, tuple[str, ...]] = {}  # peer id -> announced addresses
         self.answered: dict[str, float] = {}  # peer id -> when it last answered a probe (monotonic)
-        self.voided: set[tuple[str, str, int]] = set()  # (peer, reporter, round) reports of live peers
-        self.strikes: dict[str, int] = {}  # reporter -> live peers it reported since its last sentence
-        self.unheard: dict[str, int] = {}  # reporter -> the round until which its reports are ignored
+        self.evidence = Evidence(me, sink)  # which gone reports we believe
         self._reports: set[asyncio.Task[None]] = set()
         self.gate: Gate | None = None  # a closed run's: members are peers with a valid ticket
 
@@ -233,7 +229,10 @@ class Rounds:
                 group.create_task(self.suspect(p, "its announcement expired"))
         members = current.members()  # a stranger's report counts for nothing
         joined = {item.peer: item.joined_round for item in listings}
-        kept = await self.with_evidence(current, joined, [r for r in {*reports, *seen} if r[1] in members])
+        due = [r for r in {*reports, *seen} if r[1] in members]
+        kept = await self.evidence.weigh(current, joined, due, self.alive)
+        for peer in self.evidence.live:
+            self.dead.pop(peer, None)  # one we marked gone answers again: a member like any other
         listings.insert(0, Listing(self.me, self.stage, joined_round))
         view = next_view(current, listings, credible_gone(kept))
         for peer in view.members() - current.members():
@@ -253,52 +252,6 @@ class Rounds:
     def _read_directory(self) -> tuple[list[Listing], list[tuple[str, str, int]]]:
         listings = [Listing(a.peer_id, a.stage, a.joined_round) for a in self.read_peers()]
         return listings, self.directory.read_reports()
-
-    async def with_evidence(
-        self, current: MembershipView, joined: dict[str, int], reports: list[tuple[str, str, int]]
-    ) -> list[tuple[str, str, int]]:
-        """The (peer, reporter, round) reports that this boundary's view may act on: a member's
-        word alone evicts nobody. Before a report of a member takes effect (its round is over),
-        we probe the accused ourselves; if it answers, the report is void, for good, and its
-        reporter gets a strike. Every member probes the same accused at the same boundary, so
-        they agree unless the network lets some reach it and not others. A peer reporting itself
-        (it leaves) always stands, as do our own reports of peers that still fail our probe;
-        reports of us are void (we run). Only reports that `next_view` would act on are checked:
-        of a round at or after the accused's membership began (`joined`: peer -> joined round, as
-        listed). A reporter with LIAR_STRIKES strikes is not heard (its
-        reports are dropped unprobed) for LIAR_ROUNDS rounds."""
-        members, now = current.members(), current.round
-        due = [
-            r
-            for r in reports
-            if r[0] != r[1] and r[0] in members and joined.get(r[0], 0) <= r[2] < now and r not in self.voided
-        ]
-        unheard = {r for r in due if self.unheard.get(r[1], -1) >= now}
-        accused = sorted({peer for peer, _, _ in set(due) - unheard} - {self.me})
-        async with asyncio.TaskGroup() as group:
-            probes = {peer: group.create_task(self.alive(peer)) for peer in accused}
-        alive = {peer for peer, probe in probes.items() if probe.result()} | {self.me}
-        for report in sorted(r for r in due if r[0] in alive):
-            self._void(report, now)
-        for peer in alive:
-            self.dead.pop(peer, None)  # one we marked gone answers again: a member like any other
-        return [r for r in reports if r not in self.voided and r not in unheard]
-
-    def _void(self, report: tuple[str, str, int], now: int) -> None:
-        peer, reporter, round_ = report
-        self.voided.add(report)
-        self.strikes[reporter] = self.strikes.get(reporter, 0) + (reporter != self.me)
-        if self.strikes[reporter] >= LIAR_STRIKES:
-            self.unheard[reporter] = now + LIAR_ROUNDS
-            self.strikes[reporter] = 0
-        logger.warning(
-            "%s reported %s gone in round %d, but it answers: report ignored", reporter, peer, round_
-        )
-        self.events.emit(
-            events.FalseReport(
-                reporter=reporter, peer=peer, round=round_, ignored_until=self.unheard.get(reporter, 0)
-            )
-        )
 
     # ------------------------------------------------------------------ reaching and losing peers
 

@@ -90,7 +90,7 @@ class Gate:
 
     Tickets come from the announcements we read (`admit_announced`); an unknown caller makes us
     read the directory again (`refresh`, at most every REFRESH_PERIOD), since a joiner announces
-    itself moments before it asks for state. Its `check` is the transport's admission hook."""
+    itself moments before it asks for state. Its `check` is the transport's gatekeeper."""
 
     def __init__(
         self,

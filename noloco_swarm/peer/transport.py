@@ -81,8 +81,7 @@ class Transport:
         self._serving: set[asyncio.Task[Any]] = set()
         self._closing: list[Callable[[], None]] = []
         self._started = self._closed = False
-        # Awaited with (caller, verb, header) before any handler: raises Refused to turn it away
-        # (a closed run's ticket gate, peer/tickets.py).
+        # (caller, verb, header) -> raises Refused to turn a caller away (peer/tickets.py's gate)
         self.gatekeeper: Callable[[str, str, Message], Awaitable[None]] | None = None
 
     @classmethod

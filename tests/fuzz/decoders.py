@@ -31,7 +31,9 @@ HASH = "ab" * 32
 EXAMPLES: list[m.Message] = [
     m.RunManifest.create("run-1", {"model.preset": "tiny", "outer.inner_steps": 50}),
     m.PeerAnnouncement("run-1", "12D3KooWabc", 1, 4, ("/ip4/127.0.0.1/tcp/4001",), "cuda", 9),
+    m.PeerAnnouncement("run-1", "12D3KooWabc", 1, 4, (), "cpu", 9, b"\x83\xa1v\x02"),
     m.GoneReport("run-1", "12D3KooWabc", "12D3KooWdef", 3),
+    m.JoinTicket("run-1", "12D3KooWabc", 1.8e9, b"c2lnbmF0dXJl"),
     m.ForwardHeader("run-1", 2, 117, 0, 3, (936, 937), ACT, TOK, "v" * 8),
     m.ForwardHeader("run-1", 2, 117, 0, 3, (936, 937), Q8, TOK, "", SCALE),
     m.BackwardHeader("run-1", 2, 117, 0, 1, (936, 937), ACT, (3.5, 4.25)),

@@ -217,7 +217,11 @@ def rig() -> tuple[Transport, PeerContext]:
         }
     )
     config = streams.TransportConfig(
-        max_frame_bytes=MAX_FRAME, max_inflight_bytes=2 * MAX_FRAME, serve_timeout=SERVE_TIMEOUT
+        max_frame_bytes=MAX_FRAME,
+        max_peer_inflight_bytes=MAX_FRAME,
+        max_inflight_bytes=2 * MAX_FRAME,
+        serve_timeout=SERVE_TIMEOUT,
+        header_timeout=SERVE_TIMEOUT,
     )
     transport = Transport(_peer(ME), config)  # type: ignore[arg-type]  # serving never touches p2p
     sink = Events()
@@ -239,7 +243,7 @@ def rig() -> tuple[Transport, PeerContext]:
         resume=SimpleNamespace(resuming=False, resumed_from=None),
     )
     transport.register("rpc_status", functools.partial(Peer.rpc_status, status))  # type: ignore[arg-type]
-    board = ExchangeBoard(transport)
+    board = ExchangeBoard(transport, 8)
     board.provide(EXCHANGE_KEY, torch.zeros(8))
     return transport, ctx
 
