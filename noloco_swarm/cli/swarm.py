@@ -20,6 +20,7 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from noloco_swarm.peer import identity, tickets
 from noloco_swarm.peer.directory import RunDirectory
 from noloco_swarm.peer.events import Event, Final, of_kind, read
 from noloco_swarm.peer.node import start_dht
@@ -72,6 +73,7 @@ class LocalSwarm:
     durable: bool = False  # each peer keeps an identity and checkpoints in the workdir
     resume: bool = False  # ... and starts from them (`noloco join --resume`)
     place: Place | None = None  # where each peer runs; None: every peer here, on loopback
+    authority: Path | None = None  # a closed run's authority key: each peer gets an identity and a ticket
 
     @property
     def config_path(self) -> Path:
@@ -95,10 +97,22 @@ class LocalSwarm:
         argv += self.join_argv(stage, metrics, where)
         if self.cfg.peer.metrics_port is not None:  # the first peer's port; the others follow it
             argv += ["--metrics-port", str(self.metrics_port(len(self.peers)))]
-        if self.durable:  # the same files at every start, so a restart is the same peer
-            argv += ["--identity", str(self.workdir / f"peer-{name}-{d}.key")]
+        key = self.workdir / f"peer-{name}-{d}.key"
+        if self.durable or self.authority is not None:  # the same key at every start: the same peer
+            argv += ["--identity", str(key)]
+        if self.durable:
             argv += ["--checkpoint-dir", str(self.checkpoints(stage, d))]
             argv += ["--resume"] if resume else []
+        if self.authority is not None:  # a closed run: a day's ticket for the key's peer id
+            ticket = key.with_suffix(".ticket")
+            if not key.exists():
+                identity.generate(key)
+            peer_id = identity.load(key).peer_id
+            tickets.write(
+                tickets.issue(identity.load(self.authority).key, self.run_id, peer_id, time.time() + 86400),
+                ticket,
+            )
+            argv += ["--set", f"peer.ticket={ticket}"]
         # The run config already holds what NOLOCO_SET said; inherited, it would also override the
         # run config in every peer (a mismatched manifest) and hand them one shared identity file.
         env = {k: v for k, v in os.environ.items() if k != "NOLOCO_SET"}
@@ -164,6 +178,7 @@ def local_swarm(
     resume: bool = False,
     place: Place | None = None,
     host_maddrs: tuple[str, ...] = LOOPBACK,
+    authority: Path | None = None,
 ) -> Iterator[LocalSwarm]:
     """Start the swarm; yields while the peers run; always ends every process it started.
 
@@ -174,7 +189,10 @@ def local_swarm(
     `durable` peers keep their identity and checkpoints in `workdir`; with `resume` they restart
     from them (give the stopped swarm's `workdir` and `run_id`). `place` says where each peer
     runs and `host_maddrs` where our own node listens (`noloco testbed`: namespaces on a bridge).
+    A closed run (`cfg.authority`) needs its `authority` key file: every peer gets a ticket.
     """
+    if bool(cfg.authority) != (authority is not None):
+        raise ValueError("a closed run (cfg.authority) needs its authority key file, and only it")
     if resume and (workdir is None or run_id is None or not durable):
         raise ValueError("resuming needs a durable swarm's workdir and run id")
     if step_timeout is not None:
@@ -187,7 +205,15 @@ def local_swarm(
         workdir = Path(tmp.name)
     run_id = run_id or f"local-{os.getpid()}-{int(time.time())}"
     swarm = LocalSwarm(
-        cfg, steps, run_id, workdir, threads=threads, durable=durable, resume=resume, place=place
+        cfg,
+        steps,
+        run_id,
+        workdir,
+        threads=threads,
+        durable=durable,
+        resume=resume,
+        place=place,
+        authority=authority,
     )
     dht = start_dht(NetworkConfig(initial_peers=initial_peers, host_maddrs=host_maddrs))
     try:

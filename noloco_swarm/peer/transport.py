@@ -209,7 +209,7 @@ class Transport:
         maddrs = []
         for address in addresses:
             with contextlib.suppress(ValueError, TypeError):  # an announcement's address is untrusted
-                maddrs.append(Multiaddr(address))
+                maddrs.append(dialable(Multiaddr(address), peer_id))
         try:
             async with asyncio.timeout(timeout):
                 await self._p2p._client.connect(PeerID.from_base58(peer_id), maddrs)
@@ -367,3 +367,11 @@ class Transport:
 
     def _counts_for(self, peer: str) -> ByteCounts:
         return self._counts.setdefault(peer, ByteCounts())
+
+
+def dialable(address: Multiaddr, peer_id: str) -> Multiaddr:
+    """`address` without its trailing /p2p/<peer_id>: the daemon is given the peer id apart, and
+    py-multiaddr writes a /p2p/ part as a CID, which p2pd cannot parse ("length greater than
+    remaining number of bytes in buffer"): every dial with a full announced address failed."""
+    tail = Multiaddr(f"/p2p/{peer_id}")
+    return address.decapsulate(tail) if str(address).endswith(str(tail)) else address

@@ -1,10 +1,16 @@
-"""A hostile DHT node against a running swarm: as a stranger it forges an honest peer's
-announcement and gone reports in members' names; holding a member's key (as a member that lies
-would), it reports an honest, live peer gone round after round. Nobody is evicted, every peer
-keeps one view per round, nothing is dropped, and the lying member ends up unheard."""
+"""Hostile peers against a running swarm (issue 10).
+
+A hostile DHT node, as a stranger, forges an honest peer's announcement and gone reports in
+members' names; holding a member's key (as a member that lies would), it reports an honest, live
+peer gone round after round. Nobody is evicted, every peer keeps one view per round, nothing is
+dropped, and the lying member ends up unheard. And a peer with no valid ticket of its own gets
+nothing from a closed run."""
 
 from __future__ import annotations
 
+import asyncio
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -12,12 +18,15 @@ import pytest
 from hivemind.utils import get_dht_time
 
 from noloco_swarm.cli.swarm import local_swarm, wait
-from noloco_swarm.peer import identity
+from noloco_swarm.peer import identity, tickets
 from noloco_swarm.peer.directory import RunDirectory, gone_key, peers_key, signed_dht_kwargs
 from noloco_swarm.peer.events import Dropped, Excluded, FalseReport, Joined, Step, of_kind
 from noloco_swarm.peer.lifetime import DHT
+from noloco_swarm.peer.rounds import ask_status
+from noloco_swarm.peer.streams import RemoteRefused
+from noloco_swarm.peer.transport import Transport
 from noloco_swarm.protocol import messages
-from tests.integration.test_swarm import small, views_by_round
+from tests.integration.test_swarm import SLOWER, simulate, small, views_by_round
 
 pytestmark = pytest.mark.integration
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
@@ -65,3 +74,92 @@ def test_forged_records_and_a_lying_member_evict_nobody(cache: Path, tmp_path: P
     assert false and {(e.reporter, e.peer) for e in false} == {(liar.peer_id, victim)}, false
     assert any(e.ignored_until > 0 for e in false), "the lying member was never sentenced"
     assert all(s.steps == steps for s in swarm.summaries())
+
+
+async def intrude(run: str, bootstrap: str, key: Path, tickets_to_try: list[bytes], member: str) -> list[str]:
+    """A real peer that is no member of the closed run `run`: it announces itself with each of
+    `tickets_to_try` in turn and asks `member` for its state; the refusal codes it got. It also
+    asks for `member`'s status, which a closed run answers anyone."""
+    me = identity.load(key)
+    transport = await Transport.create(
+        initial_peers=[bootstrap], identity_path=str(key), check_if_identity_free=False
+    )
+    dht = None
+    try:
+        dht = await asyncio.to_thread(
+            DHT, initial_peers=[bootstrap], p2p=transport.p2p, start=True, **signed_dht_kwargs(me)
+        )
+        directory = RunDirectory(dht, run, identity=me)
+        addresses = {a.peer_id: a.addresses for a in directory.read_peers().announcements}
+        assert await transport.connect(member, addresses[member], timeout=10)
+        mine = tuple(await transport.visible_addresses())
+        codes = []
+        for ticket in tickets_to_try:
+            assert directory.announce(
+                messages.PeerAnnouncement(run, me.peer_id, 1, 2, mine, "cpu", 0, ticket)
+            )
+            try:
+                await transport.call(member, "rpc_fetch_state", messages.StateRequest(run, 1, 0), timeout=30)
+                codes.append("served")
+            except RemoteRefused as e:
+                codes.append(e.code)
+        await ask_status(transport, member, run, 10)  # answered: status is open to anyone
+        return codes
+    finally:
+        if dht is not None:
+            await asyncio.to_thread(dht.shutdown)
+        await transport.shutdown()
+
+
+def test_a_closed_run_admits_only_peers_with_their_own_valid_ticket(cache: Path, tmp_path: Path) -> None:
+    """A closed run's members refuse a peer that announces itself with no ticket, an expired one,
+    one signed by another key and another member's; they never count it, and end with the
+    simulator's weights, as the same run without it. A `noloco join` without a ticket stops at
+    once, saying what to ask for."""
+    steps, H = 45, 3
+    authority = tmp_path / "authority.key"
+    identity.generate(authority)
+    signer = identity.load(authority).key
+    cfg = small(
+        "noloco",
+        **{**SLOWER, "outer.inner_steps": str(H), "inner.total_steps": str(steps)},
+        authority=tickets.public_key_text(signer),
+    )
+    with local_swarm(cfg, steps, workdir=tmp_path, authority=authority) as swarm:
+        run = swarm.run_id
+        deadline = time.monotonic() + 120
+        while not all(of_kind(p.events(), Step) for p in swarm.peers):
+            assert time.monotonic() < deadline, [p.log_tail() for p in swarm.peers]
+            time.sleep(0.2)
+        member = identity.load(tmp_path / "peer-1-0.key").peer_id
+        key = tmp_path / "intruder.key"
+        identity.generate(key)
+        intruder = identity.load(key).peer_id
+        stranger_authority = tmp_path / "other-authority.key"
+        identity.generate(stranger_authority)
+        attempts = [
+            b"",
+            messages.encode(tickets.issue(signer, run, intruder, time.time() - 60)),
+            messages.encode(
+                tickets.issue(identity.load(stranger_authority).key, run, intruder, time.time() + 600)
+            ),
+            (tmp_path / "peer-1-1.ticket").read_bytes(),  # another member's
+        ]
+        codes = asyncio.run(intrude(run, swarm.bootstrap, key, attempts, member))
+        argv = [
+            sys.executable,
+            "-m",
+            "noloco_swarm.cli.main",
+            *swarm.join_argv(1, tmp_path / "no-ticket.jsonl"),
+        ]
+        unticketed = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=300)
+        wait(swarm, timeout=400)
+        events = [p.events() for p in swarm.peers]
+        summaries = swarm.summaries()
+    assert codes == ["no_ticket"] * 4, codes
+    assert unticketed.returncode != 0 and "is closed" in unticketed.stderr + unticketed.stdout, unticketed
+    views = views_by_round(events)
+    assert all(len(v) == 1 and intruder not in sum(next(iter(v)), ()) for v in views.values()), views
+    expected, _ = simulate(cfg, steps)
+    got = {(s.stage, s.rank): s.state_hash for s in summaries}
+    assert len(got) == 4 and all(digest == expected[stage][rank] for (stage, rank), digest in got.items())
