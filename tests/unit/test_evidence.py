@@ -82,3 +82,12 @@ def test_our_own_reports_earn_us_no_strikes() -> None:
     evidence, weigh, _, _ = judge(5, alive={B, C})
     assert weigh([(B, ME, 2), (C, ME, 3)]) == []  # both answer again: our marks are void
     assert ME not in evidence.unheard and evidence.live == {B, C}
+
+
+def test_reports_by_two_members_stand_without_a_probe_even_of_us() -> None:
+    """A peer cut off (or frozen) for a while answers again by the boundary, but everyone it
+    failed reported it: it leaves with all of them agreeing, itself included, and rejoins."""
+    evidence, weigh, probed, sink = judge(5, alive={A, B, C, LIAR})
+    reports = [(B, A, 3), (B, LIAR, 4), (ME, A, 3), (ME, C, 3)]
+    assert sorted(weigh(reports)) == sorted(reports)
+    assert probed == [] and evidence.live == set() and not of_kind(sink.events, FalseReport)
