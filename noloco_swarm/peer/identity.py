@@ -28,8 +28,10 @@ from pathlib import Path
 
 import base58
 import multihash
+from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
+from google.protobuf.message import DecodeError
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.p2p import P2P
 from hivemind.proto import crypto_pb2
@@ -74,14 +76,17 @@ def load(path: str | Path) -> Identity:
     try:
         proto = crypto_pb2.PrivateKey.FromString(Path(path).read_bytes())
         if proto.key_type != crypto_pb2.RSA:
-            raise IdentityError(f"{path}: a {crypto_pb2.KeyType.Name(proto.key_type)} key; noloco needs RSA")
+            kind = crypto_pb2.KeyType.Name(proto.key_type)
+            raise IdentityError(
+                f"{path} holds an {kind} key; noloco needs RSA: move it away to get a new one"
+            )
         private = serialization.load_der_private_key(proto.data, password=None)
-    except (OSError, ValueError, TypeError) as e:
+    except (OSError, ValueError, TypeError, DecodeError, UnsupportedAlgorithm) as e:
         if isinstance(e, IdentityError):
             raise
         raise IdentityError(f"{path} is not a libp2p private key ({e}); move it away to get a new one") from e
     if not isinstance(private, rsa.RSAPrivateKey):
-        raise IdentityError(f"{path}: not an RSA key; noloco needs RSA")
+        raise IdentityError(f"{path} holds no RSA key; noloco needs RSA: move it away to get a new one")
     key = RSAPrivateKey.__new__(RSAPrivateKey)
     key.__setstate__({"_private_key": proto.data})  # hivemind's own way to rebuild one from DER
     return Identity(key, peer_id_of(key.get_public_key()))
@@ -114,7 +119,7 @@ def owner_of(subkey: object) -> tuple[str, str] | None:
 def _peer_id_of_text(text: str) -> str | None:
     try:
         return peer_id_of(RSAPublicKey.from_bytes(text.encode()))
-    except (ValueError, TypeError, UnicodeError):
+    except (ValueError, TypeError, UnicodeError, UnsupportedAlgorithm):  # the key is a stranger's text
         return None
 
 

@@ -19,6 +19,7 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 
@@ -60,7 +61,7 @@ def check_public_key(text: str) -> None:
     """ValueError unless `text` is an RSA public key in OpenSSH form (the config's `authority`)."""
     try:
         _public_key(text)
-    except (ValueError, TypeError, UnicodeError) as e:
+    except (ValueError, TypeError, UnicodeError, UnsupportedAlgorithm) as e:
         raise ValueError(
             f"authority must be an RSA public key (ssh-rsa ..., from `noloco authority`): {e}"
         ) from e
