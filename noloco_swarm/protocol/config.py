@@ -22,6 +22,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
+from noloco_swarm.protocol import plausible
 from noloco_swarm.protocol.wire import FORMATS, WireFormat
 
 Method = Literal["noloco", "diloco", "allreduce", "local"]
@@ -62,6 +63,18 @@ class OuterConfig:
     a replica snapshots theta at the boundary, trains k more inner steps while the exchange runs,
     then applies the outer step to the snapshot and carries the k steps' progress over
     (fast = new phi + (theta now - snapshot), protocol/outer.py `carry_over`). Needs k < H."""
+    plausible_factor: float = plausible.DEFAULT_FACTOR
+    """A received theta (phi, shard) is averaged in only if ||received - phi|| <= factor *
+    ||theta_own - phi|| + plausible_floor * ||phi|| (phi: this replica's slow weights; finite and of
+    our shape and dtype too), else the member is left out of the step (protocol/plausible.py).
+    Honest partners measured up to 6.6x with the tiny preset (docs/membership.md); raise it, not
+    lower it, if a healthy run reports `rejected` events."""
+    plausible_floor: float = plausible.DEFAULT_FLOOR
+    """Relative floor of that bound, a fraction of ||phi||: replicas' slow weights differ by this
+    much in NoLoCo, which a tiny own update (late in the cosine schedule) alone would not cover."""
+    avoid_rounds: int = 3
+    """Outer steps after a rejected one at which that member is avoided: not called, its calls
+    refused at once; both sides step without each other. 0: judge every exchange afresh."""
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -87,6 +100,13 @@ class OuterConfig:
                 f"overlap_steps (k) overlaps an outer exchange, which {self.method} does not have: "
                 "set it to 0 or use noloco or diloco"
             )
+        if not self.plausible_factor > 0 or not self.plausible_floor >= 0:
+            raise ValueError(
+                f"plausible_factor must be > 0 and plausible_floor >= 0, got {self.plausible_factor} "
+                f"and {self.plausible_floor}: raise them to accept more, never disable the check"
+            )
+        if self.avoid_rounds < 0:
+            raise ValueError(f"avoid_rounds must be >= 0, got {self.avoid_rounds}")
         if self.overlap_steps >= self.inner_steps:
             raise ValueError(
                 f"overlap_steps (k = {self.overlap_steps}) must be below inner_steps (H = "
