@@ -36,10 +36,11 @@ from noloco_swarm.peer.context import PeerContext
 from noloco_swarm.peer.rounds import PROBE_PERIOD, PeerExcluded, raise_if_left_behind
 from noloco_swarm.peer.sending import RowSender
 from noloco_swarm.peer.streams import Refused
-from noloco_swarm.protocol import messages, wire
+from noloco_swarm.protocol import messages, plausible, wire
 from noloco_swarm.protocol.membership import MembershipView
 from noloco_swarm.protocol.messages import BackwardHeader, ForwardHeader, MessageError, PeerStatus, TensorMeta
 from noloco_swarm.protocol.plan import Incoming, Row
+from noloco_swarm.protocol.plausible import Implausible
 
 Slot = tuple[int, int]  # (inner step, microbatch)
 # A receiver holds rows for at most this many steps, its current one included: a sender may run
@@ -376,6 +377,13 @@ class InnerSteps:
             raise MessageError(f"samples {list(header.samples)} are not rows of step {header.step}")
         acts, toks = checked_rows(ctx, [decoded, tensors[-1]])
         rows = Arrival(header.sender_rank, positions, acts, toks)
+        try:  # absurd rows (plausible.MAX_ROW_RMS) are dropped from the step, and refused
+            plausible.check_rows(acts, f"activations from {peer_id} for step {header.step}")
+        except Implausible:
+            slot = (header.step, ctx.plan_at(header.step).microbatch_of(positions[0]))
+            if (held := self.collectors.get(slot)) is not None and header.sender_rank not in held.arrivals:
+                self._give_up_on(held, [header.sender_rank])  # the step need not wait for them
+            raise
         # A microbatch already collected takes only a resend of rows it holds (a broken stream).
         slot = (header.step, ctx.plan_at(header.step).microbatch_of(positions[0]))
         if (collector := self.collected.get(slot)) is None:
