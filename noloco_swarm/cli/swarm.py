@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,6 +72,8 @@ class LocalSwarm:
     durable: bool = False  # each peer keeps an identity and checkpoints in the workdir
     resume: bool = False  # ... and starts from them (`noloco join --resume`)
     place: Place | None = None  # where each peer runs; None: every peer here, on loopback
+    # Environment variables of one peer, by (stage, replica): e.g. a test's failpoints in one peer.
+    peer_env: Callable[[int | None, int], Mapping[str, str]] | None = None
 
     @property
     def config_path(self) -> Path:
@@ -102,6 +104,7 @@ class LocalSwarm:
         # The run config already holds what NOLOCO_SET said; inherited, it would also override the
         # run config in every peer (a mismatched manifest) and hand them one shared identity file.
         env = {k: v for k, v in os.environ.items() if k != "NOLOCO_SET"}
+        env |= self.peer_env(stage, d) if self.peer_env is not None else {}
         with log.open("wb") as out:
             proc = subprocess.Popen(
                 argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env
@@ -164,6 +167,7 @@ def local_swarm(
     resume: bool = False,
     place: Place | None = None,
     host_maddrs: tuple[str, ...] = LOOPBACK,
+    peer_env: Callable[[int | None, int], Mapping[str, str]] | None = None,
 ) -> Iterator[LocalSwarm]:
     """Start the swarm; yields while the peers run; always ends every process it started.
 
@@ -174,6 +178,7 @@ def local_swarm(
     `durable` peers keep their identity and checkpoints in `workdir`; with `resume` they restart
     from them (give the stopped swarm's `workdir` and `run_id`). `place` says where each peer
     runs and `host_maddrs` where our own node listens (`noloco testbed`: namespaces on a bridge).
+    `peer_env(stage, replica)` adds environment variables to one peer (a test's failpoints).
     """
     if resume and (workdir is None or run_id is None or not durable):
         raise ValueError("resuming needs a durable swarm's workdir and run id")
@@ -187,7 +192,15 @@ def local_swarm(
         workdir = Path(tmp.name)
     run_id = run_id or f"local-{os.getpid()}-{int(time.time())}"
     swarm = LocalSwarm(
-        cfg, steps, run_id, workdir, threads=threads, durable=durable, resume=resume, place=place
+        cfg,
+        steps,
+        run_id,
+        workdir,
+        threads=threads,
+        durable=durable,
+        resume=resume,
+        place=place,
+        peer_env=peer_env,
     )
     dht = start_dht(NetworkConfig(initial_peers=initial_peers, host_maddrs=host_maddrs))
     try:
