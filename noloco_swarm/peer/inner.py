@@ -377,13 +377,6 @@ class InnerSteps:
             raise MessageError(f"samples {list(header.samples)} are not rows of step {header.step}")
         acts, toks = checked_rows(ctx, [decoded, tensors[-1]])
         rows = Arrival(header.sender_rank, positions, acts, toks)
-        try:  # absurd rows (plausible.MAX_ROW_RMS) are dropped from the step, and refused
-            plausible.check_rows(acts, f"activations from {peer_id} for step {header.step}")
-        except Implausible:
-            slot = (header.step, ctx.plan_at(header.step).microbatch_of(positions[0]))
-            if (held := self.collectors.get(slot)) is not None and header.sender_rank not in held.arrivals:
-                self._give_up_on(held, [header.sender_rank])  # the step need not wait for them
-            raise
         # A microbatch already collected takes only a resend of rows it holds (a broken stream).
         slot = (header.step, ctx.plan_at(header.step).microbatch_of(positions[0]))
         if (collector := self.collected.get(slot)) is None:
@@ -397,6 +390,12 @@ class InnerSteps:
                     f"and holds rows at most {STEPS_AHEAD - 1} steps ahead"
                 )
             collector = self._collector(*slot)
+        try:  # absurd rows (plausible.MAX_ROW_RMS) are refused and dropped from the step at once
+            plausible.check_rows(acts, f"activations from {peer_id} for step {header.step}")
+        except Implausible:
+            if not collector.closed and header.sender_rank not in collector.arrivals:
+                self._give_up_on(collector, [header.sender_rank])
+            raise
         arrival = collector.add(rows)
         # Shielded: a sender's resend waits on the same arrival, and one waiter's deadline must
         # not cancel the other's answer. A resend after the answer gets it at once.
