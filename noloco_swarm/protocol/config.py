@@ -65,13 +65,16 @@ class OuterConfig:
     (fast = new phi + (theta now - snapshot), protocol/outer.py `carry_over`). Needs k < H."""
     plausible_factor: float = plausible.DEFAULT_FACTOR
     """A received theta (phi, shard) is averaged in only if ||received - phi|| <= factor *
-    ||theta_own - phi|| + plausible_floor * ||phi|| (phi: this replica's slow weights; finite and of
-    our shape and dtype too), else the member is left out of the step (protocol/plausible.py).
-    Honest partners measured up to 6.6x with the tiny preset (docs/membership.md); raise it, not
-    lower it, if a healthy run reports `rejected` events."""
+    (||theta_own - phi|| + drift) + plausible_floor * ||phi|| (phi: this replica's slow weights;
+    drift: how far they moved in outer steps taken alone since it last averaged; finite and of our
+    shape and dtype too), else the member is left out of the step (protocol/plausible.py).
+    Honest partners needed at most factor 4 and a floor of 0.0055 with the tiny preset
+    (bench/plausible_ratio.py, docs/membership.md); raise it, not lower it, if a healthy run
+    reports `rejected` events."""
     plausible_floor: float = plausible.DEFAULT_FLOOR
-    """Relative floor of that bound, a fraction of ||phi||: replicas' slow weights differ by this
-    much in NoLoCo, which a tiny own update (late in the cosine schedule) alone would not cover."""
+    """Relative floor of that bound, a fraction of ||phi||: NoLoCo replicas' slow weights differ by
+    up to 0.0055 of it in honest runs measured, which a tiny own update late in the cosine schedule
+    does not cover (and a theta x 1000 is ~1000 ||phi|| away)."""
     avoid_rounds: int = 3
     """Outer steps after a rejected one at which that member is avoided: not called, its calls
     refused at once; both sides step without each other. 0: judge every exchange afresh."""
