@@ -53,9 +53,10 @@ MEASURED_MAX_RATIO = 6.6
 MEASURED_FLOOR_NEEDED = 0.0055
 DEFAULT_FACTOR = 4.0
 DEFAULT_FLOOR = 0.05
-# Per-row RMS of activations or gradients above this is refused. A healthy tiny run's hidden
-# states have an RMS of order 1 (RMSNorm'd inputs plus residual updates), their gradients far
-# less; large models' outlier channels reach 1e3 in a few features, not in a row's RMS.
+# Per-row RMS of activations or gradients above this is refused. Measured over 60 steps of the
+# tiny preset (2 stages, batch 4): the rows stage 0 sends on peak at an RMS of 0.6, their
+# gradients at 8e-4; large models' outlier channels reach 1e3 in a few features, not in a row's
+# RMS. A ten-thousandfold margin: only absurd rows fail.
 MAX_ROW_RMS = 1e4
 
 
