@@ -68,13 +68,13 @@ class OuterConfig:
     (||theta_own - phi|| + drift) + plausible_floor * ||phi|| (phi: this replica's slow weights;
     drift: how far they moved in outer steps taken alone since it last averaged; finite and of our
     shape and dtype too), else the member is left out of the step (protocol/plausible.py).
-    Honest partners needed at most factor 4 and a floor of 0.0055 with the tiny preset
+    Honest partners needed at most factor 4 and a floor of 0.063 with the tiny preset
     (bench/plausible_ratio.py, docs/membership.md); raise it, not lower it, if a healthy run
     reports `rejected` events."""
     plausible_floor: float = plausible.DEFAULT_FLOOR
     """Relative floor of that bound, a fraction of ||phi||: NoLoCo replicas' slow weights differ by
-    up to 0.0055 of it in honest runs measured, which a tiny own update late in the cosine schedule
-    does not cover (and a theta x 1000 is ~1000 ||phi|| away)."""
+    up to 0.063 of it beyond 4x our own progress in honest runs measured (8 replicas), which own
+    progress alone does not cover (a theta x 1000 is ~1000 ||phi|| away, x2 or -1 ~1-2 ||phi||)."""
     avoid_rounds: int = 3
     """Outer steps after a rejected one at which that member is avoided: not called, its calls
     refused at once; both sides step without each other. 0: judge every exchange afresh."""

@@ -14,20 +14,22 @@ steps"):
 
   `drift` is how far our slow weights moved in outer steps we took alone since we last averaged
   with anyone (0 in a healthy run): replicas kept apart (a rejected or cut-off partner) drift
-  apart, and without it an honest partner came back 39x past the bound after six rounds apart.
+  apart (an honest partner came back after six rounds apart at 39x our own progress that round).
   The floor covers the spread of NoLoCo replicas' slow weights, which own progress alone does
-  not: with 4 or more replicas, late in the cosine schedule, honest partners measured up to
-  `MEASURED_MAX_RATIO` times our own progress. Measured with the tiny preset in the simulator
-  (`bench/plausible_ratio.py`, every pair of replicas at every outer step; NoLoCo and DiLoCo, H
-  from 1 to 20, 2 to 8 replicas, gamma != beta too, warm-up to the end of the cosine), no honest
-  pair needed a floor above `MEASURED_FLOOR_NEEDED` of ||phi|| with factor 4; the default floor
-  (`outer.plausible_floor` = 0.05) is 9x that, and a theta x 1000 lies ~1000 ||phi|| away (x2,
-  a sign flip or noise the size of the weights: ~1-2 ||phi||). A shard is compared with the
+  not: with 4 or more replicas honest partners measured up to `MEASURED_MAX_RATIO` times our own
+  progress. Measured with the tiny preset in the simulator (`bench/plausible_ratio.py`, every
+  pair of replicas at every outer step; NoLoCo and DiLoCo, H from 1 to 20, 2 to 8 replicas,
+  gamma != beta too, warm-up to the end of the cosine), no honest pair needed a floor above
+  `MEASURED_FLOOR_NEEDED` of ||phi|| with factor 4 (8 replicas, H = 5, a short run at a high
+  learning rate; 4 replicas needed at most 0.039); the default floor (`outer.plausible_floor` =
+  0.25) is 4x that, and a theta x 1000 lies ~1000 ||phi|| away (x2, a sign flip or noise the
+  size of the weights: ~1-2 ||phi||). A shard is compared with the
   matching slice of phi against the *whole* own progress and ||phi||, which only loosens the
   bound (a slice of an honest difference is never longer than the whole of it).
 
   What the bound does not stop: a liar that stays inside it moves our slow weights by at most
-  beta/n of the bound per round, and may do so round after round; it cannot blow them up at once.
+  beta/n of the bound per round (with the defaults up to ~9% of ||phi||, e.g. a theta x 1.25),
+  and may do so round after round; it cannot blow them up at once.
 
 * **Pipeline rows** (activations forward, their gradients back): finite (the transport checks as
   they land) and each row's RMS at most `MAX_ROW_RMS`, far above anything a healthy run shows.
@@ -49,10 +51,10 @@ from noloco_swarm.protocol.messages import MessageError
 REASONS = ("nonfinite", "shape", "dtype", "distance", "rms")
 # Measured between honest replicas (module docstring, bench/plausible_ratio.py): the largest
 # partner/own progress ratio, and the largest floor (fraction of ||phi||) factor 4 needed.
-MEASURED_MAX_RATIO = 6.6
-MEASURED_FLOOR_NEEDED = 0.0055
+MEASURED_MAX_RATIO = 9.8
+MEASURED_FLOOR_NEEDED = 0.063
 DEFAULT_FACTOR = 4.0
-DEFAULT_FLOOR = 0.05
+DEFAULT_FLOOR = 0.25
 # Per-row RMS of activations or gradients above this is refused. Measured over 60 steps of the
 # tiny preset (2 stages, batch 4): the rows stage 0 sends on peak at an RMS of 0.6, their
 # gradients at 8e-4; large models' outlier channels reach 1e3 in a few features, not in a row's
