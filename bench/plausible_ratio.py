@@ -4,8 +4,10 @@ the defaults of `outer.plausible_factor` and `outer.plausible_floor` (protocol/p
 Runs the simulator (tiny preset, short windows) and, at every outer step, for every replica d
 and every other replica m of its stage (every pair, not only the drawn group: the worst case),
 records ||theta_m - phi_d|| against d's own progress ||theta_d - phi_d|| and against ||phi_d||.
-Prints per configuration the largest ratio, the largest distance relative to ||phi||, and the
-smallest floor that the default factor (4) would need so that no honest pair is rejected.
+Prints per configuration the largest ratio, the largest distance relative to ||phi||, the
+smallest floor that the default factor (4) would need so that no honest pair is rejected, and
+how far a partner's weights' norm strays from ||phi|| (a tighter check against scaled weights
+would use it; not applied yet).
 
     python bench/plausible_ratio.py noloco,0,3,120,4,2 diloco,0,10,150,4,1 noloco,4,10,150,4,1,0.3
 
@@ -26,8 +28,9 @@ from noloco_swarm.sim.run import data_batches
 FACTOR = plausible.DEFAULT_FACTOR
 
 
-def pairs(spec: str) -> list[tuple[int, float, float, float]]:
-    """(boundary, own progress, partner distance, ||phi||) for every honest pair and outer step."""
+def pairs(spec: str) -> list[tuple[int, float, float, float, float]]:
+    """(boundary, own progress, partner distance, ||phi||, ||theta_partner||) for every honest
+    pair and outer step."""
     method, seed, H, steps, D, P, *gamma = spec.split(",")
     assignments = {
         "model.seq_len": "32",
@@ -43,7 +46,7 @@ def pairs(spec: str) -> list[tuple[int, float, float, float]]:
     }
     cfg = build_config("tiny", method, assignments=assignments, env={})
     sim = Simulator(cfg, data_batches(cfg))
-    seen: list[tuple[int, float, float, float]] = []
+    seen: list[tuple[int, float, float, float, float]] = []
     apply = sim._apply_outer
 
     def hook(boundary, all_thetas, *, carry):
@@ -52,7 +55,8 @@ def pairs(spec: str) -> list[tuple[int, float, float, float]]:
                 own, phi_norm = plausible.own_progress(thetas[d], replica.phi)
                 for m in range(len(row)):
                     if m != d:
-                        seen.append((boundary, own, plausible.distance(thetas[m], replica.phi), phi_norm))
+                        far = plausible.distance(thetas[m], replica.phi)
+                        seen.append((boundary, own, far, phi_norm, plausible.distance(thetas[m], None)))
         return apply(boundary, all_thetas, carry=carry)
 
     sim._apply_outer = hook  # type: ignore[method-assign]
@@ -70,7 +74,8 @@ def main(specs: list[str]) -> None:
             f"{spec}: pairs {len(seen)}, max ratio {max(x[2] / x[1] for x in seen):.3f} "
             f"(step {worst[0]}), median {sorted(x[2] / x[1] for x in seen)[len(seen) // 2]:.3f}, "
             f"max distance/|phi| {max(x[2] / x[3] for x in seen):.4f}, floor needed at factor "
-            f"{FACTOR:g}: {max(0.0, *((x[2] - FACTOR * x[1]) / x[3] for x in seen)):.4f} "
+            f"{FACTOR:g}: {max(0.0, *((x[2] - FACTOR * x[1]) / x[3] for x in seen)):.4f}, "
+            f"max | |theta_partner| / |phi| - 1 |: {max(abs(x[4] / x[3] - 1) for x in seen):.4f} "
             f"({time.perf_counter() - start:.0f} s)",
             flush=True,
         )
