@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,6 +74,8 @@ class LocalSwarm:
     resume: bool = False  # ... and starts from them (`noloco join --resume`)
     place: Place | None = None  # where each peer runs; None: every peer here, on loopback
     authority: Path | None = None  # a closed run's authority key: each peer gets an identity and a ticket
+    # Environment variables of one peer, by (stage, replica): e.g. a test's failpoints in one peer.
+    peer_env: Callable[[int | None, int], Mapping[str, str]] | None = None
 
     @property
     def config_path(self) -> Path:
@@ -116,6 +118,7 @@ class LocalSwarm:
         # The run config already holds what NOLOCO_SET said; inherited, it would also override the
         # run config in every peer (a mismatched manifest) and hand them one shared identity file.
         env = {k: v for k, v in os.environ.items() if k != "NOLOCO_SET"}
+        env |= self.peer_env(stage, d) if self.peer_env is not None else {}
         with log.open("wb") as out:
             proc = subprocess.Popen(
                 argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env
@@ -179,6 +182,7 @@ def local_swarm(
     place: Place | None = None,
     host_maddrs: tuple[str, ...] = LOOPBACK,
     authority: Path | None = None,
+    peer_env: Callable[[int | None, int], Mapping[str, str]] | None = None,
 ) -> Iterator[LocalSwarm]:
     """Start the swarm; yields while the peers run; always ends every process it started.
 
@@ -190,6 +194,7 @@ def local_swarm(
     from them (give the stopped swarm's `workdir` and `run_id`). `place` says where each peer
     runs and `host_maddrs` where our own node listens (`noloco testbed`: namespaces on a bridge).
     A closed run (`cfg.authority`) needs its `authority` key file: every peer gets a ticket.
+    `peer_env(stage, replica)` adds environment variables to one peer (a test's failpoints).
     """
     if bool(cfg.authority) != (authority is not None):
         raise ValueError("a closed run (cfg.authority) needs its authority key file, and only it")
@@ -214,6 +219,7 @@ def local_swarm(
         resume=resume,
         place=place,
         authority=authority,
+        peer_env=peer_env,
     )
     dht = start_dht(NetworkConfig(initial_peers=initial_peers, host_maddrs=host_maddrs))
     try:

@@ -196,6 +196,25 @@ class Refused(Event):
 
 
 @dataclass(frozen=True)
+class Rejected(Event):
+    """A partner's outer-step tensor (theta, phi or shard) of the outer step after inner step
+    `step` failed a plausibility check (protocol/plausible.py) and was left out of the step.
+
+    `reason`: nonfinite, shape, dtype or distance; `ratio`: for distance, ||received - phi|| over
+    our own ||theta - phi|| (None otherwise); `avoid_until`: the last outer step (its boundary)
+    at which the peer is avoided as a partner (`outer.avoid_rounds`; equal to `step`: not at all).
+    """
+
+    KIND: ClassVar[str] = "rejected"
+    step: int
+    peer: str
+    reason: str
+    ratio: float | None = None
+    avoid_until: int = 0
+    detail: str = ""
+
+
+@dataclass(frozen=True)
 class Retried(Event):
     """A forward or outer exchange call whose stream broke was made again (the peer still answers)."""
 

@@ -8,8 +8,13 @@ group round (like hivemind's AllReduceRunner): it runs the swaps, or the sharded
 DiLoCo with more than two replicas, owns the failures and the bytes, and is finalised once.
 
 Errors a swap reports per member: PeerUnavailable (gone or too slow: the member is probed, and
-reported if it does not answer), RemoteRefused, MessageError (it sent garbage: not trusted again).
-A member that fails is left out of this step's mean; the replica steps with the rest.
+reported if it does not answer), RemoteRefused, MessageError (it sent garbage: not trusted again),
+Implausible (it sent weights that fail protocol/plausible.py: non-finite, of another shape or
+dtype, or too far from our slow weights). A member that fails is left out of this step's mean; the
+replica steps with the rest (alone, when that was its only partner). An implausible member is
+reported (`Rejected`) and avoided for `outer.avoid_rounds` outer steps: we do not call it and
+refuse its calls at once, so neither side waits for the other. The checks only read the tensors:
+an honest swarm's weights are the simulator's, bit for bit.
 
 With `outer.overlap_steps` = k > 0 the exchange of boundary t runs in the background while the
 replica trains on (peer/outer_steps.py); a caller may then be up to k steps past t before it
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Awaitable, Callable
 
 import torch
@@ -40,7 +46,7 @@ from noloco_swarm.peer.streams import (
     StreamTruncated,
 )
 from noloco_swarm.peer.transport import Transport
-from noloco_swarm.protocol import outer
+from noloco_swarm.protocol import outer, plausible
 from noloco_swarm.protocol.messages import (
     Ack,
     Envelope,
@@ -51,11 +57,20 @@ from noloco_swarm.protocol.messages import (
     TensorMeta,
 )
 from noloco_swarm.protocol.plan import OuterPlan, ShardLayout, exchange_key
+from noloco_swarm.protocol.plausible import Implausible
+
+logger = logging.getLogger(__name__)
 
 VERB = "rpc_exchange"
 Key = tuple[int, ...]  # protocol.plan.exchange_key: (outer round, inner step[, phase])
 Tensors = tuple[torch.Tensor, ...]
 CALL_ATTEMPTS = 3  # calls of one exchange whose stream broke, while the partner answers probes
+# Failed slots a caller's implausible weights may create before the local peer asked for them.
+REJECTED_SLOTS = 16
+
+
+class Avoided(Exception):
+    """We do not exchange with this member now: its outer weights were rejected recently."""
 
 
 class ExchangeBoard:
@@ -81,6 +96,7 @@ class ExchangeBoard:
         self._tasks: dict[Key, set[asyncio.Task[object]]] = {}
         self._serving: set[tuple[Key, str]] = set()  # (key, caller) of calls being served now
         self._retired: Key | None = None  # newest finished key; older ones are refused
+        self.avoidance = plausible.Avoidance()  # members whose weights we rejected lately
         transport.register_stream(VERB, self._serve, on_close=self.close, accepts=Accepts.weights(numel))
 
     # -- the local peer's side -------------------------------------------------------------
@@ -172,8 +188,14 @@ class ExchangeBoard:
             raise MessageError(f"{VERB} needs an exchange header, got {header.TAG!r}")
         key, slot = header.key, (header.key, stream.peer)
         if (kept := self._served.get(slot)) is not None:  # it lost our answer: the same again
-            await self._duplex(stream, envelope, lambda: _given(kept))
+            await self._duplex(stream, envelope, lambda: _given(kept), key)
             return
+        if self.avoidance.avoided(stream.peer, header.step):
+            raise Refused(
+                "avoided",
+                f"this peer rejected your outer weights lately and averages without you until the "
+                f"outer step after inner step {self.avoidance.until[stream.peer]}: step alone",
+            )
         if self._retired is not None and key <= self._retired:
             raise Refused("stale", f"exchange {key} is over here (last finished: {self._retired})")
         if slot in self._received and (self._received[slot] is None or self._received[slot].done()):
@@ -183,14 +205,19 @@ class ExchangeBoard:
         self._tasks.setdefault(key, set()).add(task)
         self._serving.add(slot)
         try:
-            theirs, ours = await self._duplex(stream, envelope, lambda: self._ours(key, stream.peer))
+            theirs, ours = await self._duplex(stream, envelope, lambda: self._ours(key, stream.peer), key)
         except BaseException as e:
             future = self._received.get(slot)
             # A broken stream may be only this stream: the caller probes us and calls again, and
             # the local peer's wait ends at its deadline, or when its probe finds the caller gone.
             broken = isinstance(e, PeerUnavailable | OSError)
+            error = _partner_error(e, stream.peer, key)
+            if future is None and isinstance(error, Implausible) and len(self._received) < REJECTED_SLOTS:
+                # Poison that came before the local peer asked: it learns at once when it does,
+                # instead of waiting on a caller that has already stepped without us.
+                future = self._received[slot] = asyncio.get_running_loop().create_future()
             if future is not None and not future.done() and not broken:  # tell the local peer now
-                future.set_exception(_partner_error(e, stream.peer, key))
+                future.set_exception(error)
                 future.exception()  # retrieved: that waiter may have given up already
             raise
         finally:
@@ -206,7 +233,11 @@ class ExchangeBoard:
             future.set_result(theirs)
 
     async def _duplex(
-        self, stream: InboundStream, envelope: Envelope, ours_when_ready: Callable[[], Awaitable[Tensors]]
+        self,
+        stream: InboundStream,
+        envelope: Envelope,
+        ours_when_ready: Callable[[], Awaitable[Tensors]],
+        key: Key,
     ) -> tuple[Tensors, Tensors]:
         """(theirs, ours): read the caller's tensors while ours become ready, then send ours."""
         part = self.transport.config.part_bytes
@@ -229,7 +260,7 @@ class ExchangeBoard:
                 raise Refused("mismatch", f"we hold {mine}, you sent {envelope.tensors}: check the run")
             if failpoints.fire("close_unanswered", VERB):
                 raise StreamClosed("failpoint: closed the exchange stream without our answer")
-            await streams.reply(stream, Ack(), ours)
+            await streams.reply(stream, Ack(), failpoints.poison(VERB, key, ours))
             theirs = tuple(await receiving)
             # The caller's call ends at this confirmation, not at our reply. Both directions
             # are complete here: if the confirmation is lost, the caller calls again and gets
@@ -251,7 +282,9 @@ def _partner_error(error: BaseException, peer: str, key: Key) -> Exception:
     """What the local peer awaiting `received` sees when the partner's call failed."""
     if isinstance(error, MessageError | PeerUnavailable):
         return error
-    if isinstance(error, Refused):  # e.g. a shape that is not ours: the partner's data does not fit
+    if isinstance(error, Refused) and error.code == "mismatch":  # its weights are not our shape
+        return Implausible("shape", f"exchange {key} from {peer}: {error.reason}")
+    if isinstance(error, Refused):
         return MessageError(f"exchange {key} from {peer}: {error.reason}")
     return PeerUnavailable(f"exchange {key} with {peer} did not complete ({type(error).__name__})")
 
@@ -297,12 +330,16 @@ class ByteLedger:
 class OuterExchange:
     """One outer step's exchange with this round's group; run once, then finished."""
 
-    def __init__(self, ctx: PeerContext, board: ExchangeBoard, plan: OuterPlan, round_: int) -> None:
+    def __init__(
+        self, ctx: PeerContext, board: ExchangeBoard, plan: OuterPlan, round_: int, drift: float = 0.0
+    ) -> None:
         self.ctx, self.board, self.plan, self.round = ctx, board, plan, round_
+        self.drift = drift  # how far our slow weights moved alone since we last averaged
         view = ctx.rounds.at(round_)
         self.members = {m: view.peer_at(ctx.stage, m) for m in plan.partners}
         self.failed: set[int] = set()
         self._keys: list[Key] = []
+        self._own = (0.0, 0.0)  # ||theta - phi||, ||phi|| of ours, set when the exchange starts
 
     async def mean_inputs(
         self, theta: torch.Tensor
@@ -310,13 +347,15 @@ class OuterExchange:
         """The group's thetas (and phis when gamma != beta) by rank, ours included; for DiLoCo
         with more than two replicas, {rank: the stage's mean theta} by sharded all-reduce."""
         me, phi = self.plan.rank, self.ctx.replica.phi
+        # The scale a partner's weights are judged by: our own progress this round (plausible.py).
+        self._own = await asyncio.to_thread(plausible.own_progress, theta, phi)
         try:
             if self.plan.sharded:
                 return {me: await self._allreduce_mean(theta)}, None
             sends_phi = self.ctx.cfg.outer.sends_phi
             parts = (theta, phi) if sends_phi else (theta,)
             names = ("theta", "phi") if sends_phi else ("theta",)
-            got = await self._swap_all(0, names, lambda m: parts)
+            got = await self._swap_all(0, names, lambda m: parts, lambda m: (phi,) * len(parts))
             thetas = {me: theta} | {m: x[0] for m, x in got.items()}
             phis = ({me: phi} | {m: x[1] for m, x in got.items()}) if sends_phi else None
             return thetas, phis
@@ -335,10 +374,13 @@ class OuterExchange:
         padded = torch.zeros(layout.padded, dtype=theta.dtype, device=theta.device)
         padded[: theta.numel()] = theta
         shards = padded.view(layout.parts, layout.size)
+        phi = torch.zeros_like(padded)  # our slow weights in the same shards, to judge theirs by
+        phi[: theta.numel()] = self.ctx.replica.phi.to(theta.device)
+        phi_shards = phi.view(layout.parts, layout.size)
         me = self.plan.rank
-        got = await self._swap_all(1, ("theta_shard",), lambda m: (shards[m],))
+        got = await self._swap_all(1, ("theta_shard",), lambda m: (shards[m],), lambda m: (phi_shards[me],))
         mine = outer.group_mean({me: shards[me]} | {m: x[0].to(theta.device) for m, x in got.items()})
-        got = await self._swap_all(2, ("mean_shard",), lambda m: (mine,))
+        got = await self._swap_all(2, ("mean_shard",), lambda m: (mine,), lambda m: (phi_shards[m],))
         means = padded.clone().view(layout.parts, layout.size)  # a shard we never get keeps ours
         means[me] = mine
         for m, x in got.items():
@@ -346,11 +388,17 @@ class OuterExchange:
         return means.view(-1)[: theta.numel()].clone()
 
     async def _swap_all(
-        self, phase: int, names: tuple[str, ...], payload: Callable[[int], Tensors]
+        self,
+        phase: int,
+        names: tuple[str, ...],
+        payload: Callable[[int], Tensors],
+        reference: Callable[[int], Tensors],
     ) -> dict[int, Tensors]:
-        """Swap `payload(m)` with every member m; what arrived (members that failed are noted)."""
+        """Swap `payload(m)` with every member m; what arrived and is plausible next to
+        `reference(m)`, our slow weights where m's tensors are (members that failed are noted)."""
         key = exchange_key(self.round, self.plan.step, phase)
         self._keys.append(key)
+        failpoints.arm(VERB, key)  # a test's hostile member decides here what it will send
         for m, peer in self.members.items():
             if not self.plan.calls(m):  # they call us and get what we provide for them
                 self.board.provide(key, payload(m), to=peer)
@@ -362,6 +410,8 @@ class OuterExchange:
         got = {}
         for m, task in results.items():
             result = task.result()
+            if not isinstance(result, BaseException):
+                result = await asyncio.to_thread(self._judge, result, reference(m))
             if isinstance(result, BaseException):
                 self.failed.add(m)
                 await self._blame(self.members[m], result)
@@ -369,12 +419,26 @@ class OuterExchange:
                 got[m] = result
         return got
 
+    def _judge(self, theirs: Tensors, reference: Tensors) -> Tensors | Implausible:
+        """`theirs`, or why it may not be averaged in (reads the tensors, never changes them)."""
+        o, (own, phi_norm) = self.ctx.cfg.outer, self._own
+        for got, ref in zip(theirs, reference, strict=True):
+            verdict = plausible.check_outer(
+                got, ref, own, phi_norm, factor=o.plausible_factor, floor=o.plausible_floor, drift=self.drift
+            )
+            if not verdict.ok:
+                return Implausible(verdict.reason, verdict.detail, verdict.ratio)
+        return theirs
+
     async def _swap_one(
         self, key: Key, phase: int, names: tuple[str, ...], m: int, ours: Tensors
     ) -> Tensors | BaseException:
         ctx, peer = self.ctx, self.members[m]
         if peer in ctx.rounds.dead:
             return PeerUnavailable(f"{peer} is gone")
+        if self.board.avoidance.avoided(peer, self.plan.step):
+            return Avoided(f"{peer}'s outer weights were rejected lately")
+        ours = failpoints.poison(VERB, key, ours)  # a test's hostile member lies here (or below)
         header = ExchangeHeader(
             run_id=ctx.run_id,
             round=self.round,
@@ -430,7 +494,29 @@ class OuterExchange:
 
     async def _blame(self, peer: str, error: BaseException) -> None:
         t = self.plan.step
-        if isinstance(error, PeerUnavailable):
+        if isinstance(error, Implausible):  # before MessageError: poison is not a broken peer
+            o = self.ctx.cfg.outer
+            self.board.avoidance.avoid(peer, t, o.avoid_rounds, o.inner_steps)
+            until = self.board.avoidance.until.get(peer, t)
+            logger.warning(
+                "rejected the outer weights of %s at step %d (%s: %s); stepping without it%s",
+                peer,
+                t,
+                error.reason,
+                error,
+                f" until the outer step of step {until}" if until > t else "",
+            )
+            self.ctx.events.emit(
+                events.Rejected(
+                    step=t,
+                    peer=peer,
+                    reason=error.reason,
+                    ratio=error.ratio,
+                    avoid_until=until,
+                    detail=str(error),
+                )
+            )
+        elif isinstance(error, PeerUnavailable):
             await self.ctx.rounds.suspect(peer, f"outer exchange at step {t} failed: {error}")
         elif isinstance(error, MessageError):
             self.ctx.rounds.mark_dead(peer, f"malformed outer exchange at step {t}: {error}")

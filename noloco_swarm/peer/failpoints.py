@@ -14,6 +14,16 @@ after the first `skip` (unset: no point ever fires). Points:
                         caller's frame and sent its reply, then closes the stream without the
                         confirmation that ends the caller's call (it counts itself done)
 
+A hostile member, for the tests that prove a partner rejects what it sends (VERB: rpc_exchange;
+each point is reached once per exchange, at its start, whether this peer calls, is called or is
+avoided; a call made again sends the same):
+
+  poison_scale:VERB     the outer weights this peer sends are multiplied by 1000 (finite)
+  poison_nan:VERB       ... hold a few NaNs
+  poison_shape:VERB     ... lack their last element (a tensor of the wrong shape)
+
+The peer still averages its own, true weights: only what it sends lies.
+
 A malformed value is refused when the peer starts, so a typo cannot silently test nothing.
 """
 
@@ -21,9 +31,13 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Hashable, Sequence
+
+import torch
 
 ENV = "NOLOCO_FAILPOINTS"
-KINDS = ("lose_reply", "close_unanswered", "close_unconfirmed")
+POISONS = ("poison_scale", "poison_nan", "poison_shape")
+KINDS = ("lose_reply", "close_unanswered", "close_unconfirmed", *POISONS)
 _ENTRY = re.compile(r"^(?P<kind>[a-z_]+):(?P<verb>rpc_[a-z_]+)(@(?P<skip>\d+))?=(?P<count>\d+)$")
 
 
@@ -55,3 +69,38 @@ def fire(kind: str, verb: str) -> bool:
         return False
     left[1] -= 1
     return True
+
+
+_poisoned: dict[Hashable, str | None] = {}  # exchange key -> the poison its sends carry
+_KEYS_KEPT = 8
+
+
+def arm(verb: str, key: Hashable) -> None:
+    """Reach the poison points once for exchange `key` (its start, whatever this peer's role in
+    it and whether it sends at all), deciding what its sends carry."""
+    if _left and key not in _poisoned:
+        fired = [kind for kind in POISONS if fire(kind, verb)]
+        _poisoned[key] = fired[0] if fired else None
+        for old in list(_poisoned)[:-_KEYS_KEPT]:
+            del _poisoned[old]
+
+
+def poison(verb: str, key: Hashable, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """What this peer sends for exchange `key`: `tensors`, or copies corrupted by the poison
+    point that fired for this key (decided once per key, so a call made again sends the same)."""
+    if not _left:
+        return tuple(tensors)
+    arm(verb, key)
+    kind = _poisoned[key]
+    return tuple(tensors) if kind is None else tuple(_corrupt(t, kind) for t in tensors)
+
+
+def _corrupt(tensor: torch.Tensor, kind: str) -> torch.Tensor:
+    if kind == "poison_scale":
+        return tensor * 1000.0
+    if kind == "poison_nan":
+        bad = tensor.clone()
+        flat = bad.view(-1)
+        flat[:: max(1, flat.numel() // 3)] = float("nan")  # a few NaNs, spread out
+        return bad
+    return tensor.reshape(-1)[:-1].clone()  # poison_shape

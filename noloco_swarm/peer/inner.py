@@ -37,10 +37,11 @@ from noloco_swarm.peer.limits import ROW_MARGIN, Accepts
 from noloco_swarm.peer.rounds import PROBE_PERIOD, PeerExcluded, raise_if_left_behind
 from noloco_swarm.peer.sending import RowSender
 from noloco_swarm.peer.streams import Refused
-from noloco_swarm.protocol import messages, wire
+from noloco_swarm.protocol import messages, plausible, wire
 from noloco_swarm.protocol.membership import MembershipView
 from noloco_swarm.protocol.messages import BackwardHeader, ForwardHeader, MessageError, PeerStatus, TensorMeta
 from noloco_swarm.protocol.plan import Incoming, Row
+from noloco_swarm.protocol.plausible import Implausible
 
 Slot = tuple[int, int]  # (inner step, microbatch)
 # A receiver holds rows for at most this many steps, its current one included: a sender may run
@@ -393,6 +394,12 @@ class InnerSteps:
                     f"and holds rows at most {STEPS_AHEAD - 1} steps ahead"
                 )
             collector = self._collector(*slot)
+        try:  # absurd rows (plausible.MAX_ROW_RMS) are refused and dropped from the step at once
+            plausible.check_rows(acts, f"activations from {peer_id} for step {header.step}")
+        except Implausible:
+            if not collector.closed and header.sender_rank not in collector.arrivals:
+                self._give_up_on(collector, [header.sender_rank])
+            raise
         arrival = collector.add(rows)
         # Shielded: a sender's resend waits on the same arrival, and one waiter's deadline must
         # not cancel the other's answer. A resend after the answer gets it at once.

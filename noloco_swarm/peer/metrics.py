@@ -135,6 +135,12 @@ class Prometheus:
             "noloco_retried_calls", "Calls made again after a broken stream", ["call"], registry=registry
         )
         self.refused = Counter("noloco_refused_calls", "Our rows refused by a live peer", registry=registry)
+        self.rejected = Counter(
+            "noloco_rejected_outer",
+            "Partners' outer-step tensors rejected as implausible, by reason",
+            ["reason"],
+            registry=registry,
+        )
         self.gone = Counter("noloco_peers_reported_gone", "Peers this peer reported gone", registry=registry)
         self.false_reports = Counter(
             "noloco_false_reports",
@@ -235,6 +241,9 @@ class Prometheus:
 
     def _on_refused(self, e: events.Refused) -> None:
         self.refused.inc()
+
+    def _on_rejected(self, e: events.Rejected) -> None:
+        self.rejected.labels(e.reason).inc()
 
     def _on_peer_gone(self, e: events.PeerGone) -> None:
         self.gone.inc()

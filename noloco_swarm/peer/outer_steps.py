@@ -20,6 +20,7 @@ import torch
 from noloco_swarm.peer import events
 from noloco_swarm.peer.context import PeerContext
 from noloco_swarm.peer.exchange import ByteLedger, ExchangeBoard, OuterExchange
+from noloco_swarm.protocol import plausible
 from noloco_swarm.protocol.plan import outer_plan
 
 
@@ -31,13 +32,18 @@ class OuterSteps:
         self.pending: PendingOuter | None = None  # an overlapped outer step under way
         self.taken = 0
         self.dropped_partners = 0
+        # How far our slow weights moved in outer steps taken alone (every partner failed or was
+        # rejected) since the last one that averaged a partner in: replicas kept apart drift
+        # apart, and a partner's weights are judged against it too (protocol/plausible.py).
+        self.drift = 0.0
 
     async def at_boundary(self) -> None:
         """After the last inner step of a round: the outer step, at once or started (overlap)."""
         if self.ctx.cfg.outer.overlap_steps > 0:
-            self.pending = await start_outer_step(self.ctx, self.board, self.ledger)
+            self.pending = await start_outer_step(self.ctx, self.board, self.ledger, self.drift)
         else:
-            self._record(await take_outer_step(self.ctx, self.board, self.ledger))
+            phi = self.ctx.replica.phi  # replaced, not changed, by the step
+            self._record(await take_outer_step(self.ctx, self.board, self.ledger, self.drift), phi)
 
     async def finish(self, *, due_only: bool = False) -> None:
         """Apply the overlapped step under way, if any (waiting for its exchange); with
@@ -45,9 +51,10 @@ class OuterSteps:
         pending = self.pending
         if pending is None or (due_only and self.ctx.step < pending.apply_at):
             return
+        phi = self.ctx.replica.phi  # replaced, not changed, by the step
         outer = await finish_outer_step(pending)
         self.pending = None
-        self._record(outer)
+        self._record(outer, phi)
 
     async def abandon(self) -> None:
         """Drop the step under way (the peer was excluded, failed or is stopped)."""
@@ -55,9 +62,13 @@ class OuterSteps:
             pending, self.pending = self.pending, None
             await pending.abandon()
 
-    def _record(self, outer: events.Outer) -> None:
+    def _record(self, outer: events.Outer, phi_before: torch.Tensor) -> None:
         self.taken += 1
         self.dropped_partners += len(outer.failed)
+        if outer.partners and len(outer.failed) == len(outer.partners):  # it stepped alone
+            self.drift += plausible.distance(self.ctx.replica.phi, phi_before)
+        else:
+            self.drift = 0.0
         self.ctx.events.emit(outer)
 
 
@@ -95,16 +106,19 @@ class PendingOuter:
         await asyncio.gather(self.task, return_exceptions=True)
 
 
-async def start_outer_step(ctx: PeerContext, board: ExchangeBoard, ledger: ByteLedger) -> PendingOuter:
+async def start_outer_step(
+    ctx: PeerContext, board: ExchangeBoard, ledger: ByteLedger, drift: float = 0.0
+) -> PendingOuter:
     """At boundary t = ctx.step: snapshot theta and start exchanging it with the group of the round
-    that just closed, in the background. The replica may train on while it runs (overlap)."""
+    that just closed, in the background. The replica may train on while it runs (overlap).
+    `drift`: how far our slow weights moved alone since we last averaged (OuterSteps.drift)."""
     t, o = ctx.step, ctx.cfg.outer
     view = ctx.view_at(t - 1)  # the round that just closed
     rank = view.rank_of(ctx.me)[1]
     plan = outer_plan(o.method, o.group_size, len(view.stages[ctx.stage]), t, rank, ctx.cfg.group_draw_seed)
     assert plan is not None, "only methods with an outer step get here"
     theta = await asyncio.to_thread(ctx.replica.theta)  # a copy: training may change the weights
-    return PendingOuter(ctx, OuterExchange(ctx, board, plan, view.round), theta, ledger)
+    return PendingOuter(ctx, OuterExchange(ctx, board, plan, view.round, drift), theta, ledger)
 
 
 async def finish_outer_step(pending: PendingOuter) -> events.Outer:
@@ -135,10 +149,12 @@ async def finish_outer_step(pending: PendingOuter) -> events.Outer:
     )
 
 
-async def take_outer_step(ctx: PeerContext, board: ExchangeBoard, ledger: ByteLedger) -> events.Outer:
+async def take_outer_step(
+    ctx: PeerContext, board: ExchangeBoard, ledger: ByteLedger, drift: float = 0.0
+) -> events.Outer:
     """Exchange theta with the group of the round that just closed and apply the outer step at
     once (blocking, `outer.overlap_steps` = 0). Returns the event describing it."""
-    pending = await start_outer_step(ctx, board, ledger)
+    pending = await start_outer_step(ctx, board, ledger, drift)
     try:
         return await finish_outer_step(pending)
     finally:

@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 
 import torch
 
 from noloco_swarm.peer import events
 from noloco_swarm.peer.context import PeerContext
 from noloco_swarm.peer.streams import PeerUnavailable, RemoteRefused, StreamClosed, StreamTruncated
-from noloco_swarm.protocol import routing, wire
+from noloco_swarm.protocol import plausible, routing, wire
 from noloco_swarm.protocol.membership import MembershipView
 from noloco_swarm.protocol.messages import BackwardHeader, ForwardHeader, MessageError, TensorMeta
+from noloco_swarm.protocol.plausible import Implausible
 
 logger = logging.getLogger(__name__)
 GradRows = tuple[list[int], torch.Tensor, tuple[float, ...]]  # batch rows, their gradients, losses
@@ -111,6 +113,9 @@ class RowSender:
                     raise MessageError(f"{receiver} answered step {t} with a malformed reply")
                 # The transport checked the floats for NaN/inf as they landed.
                 grad = await asyncio.to_thread(wire.decode, tensors, fmt, acts[0].shape, check_finite=False)
+                plausible.check_rows(grad, f"gradients from {receiver} for step {t}")
+                if not all(math.isfinite(v) for v in reply.losses):
+                    raise Implausible("nonfinite", f"{receiver} answered step {t} with non-finite losses")
                 return sent, grad, reply.losses
             except RemoteRefused as e:  # alive but disagrees (e.g. another view): drop these rows
                 logger.warning("stage %d peer %s refused step %d: %s", hop + 1, receiver, t, e)
@@ -126,6 +131,9 @@ class RowSender:
                 ctx.events.emit(events.Retried(step=t, peer=receiver, reason=str(e)))
             except PeerUnavailable as e:
                 await ctx.rounds.suspect(receiver, f"forward of step {t} failed: {e}")
+                return f"{receiver}: {e}"
+            except Implausible as e:  # absurd gradients (or losses): drop these rows, keep the peer
+                logger.warning("dropped the rows of step %d sent to %s: %s", t, receiver, e)
                 return f"{receiver}: {e}"
             except MessageError as e:  # it answered with garbage: do not trust it again
                 ctx.rounds.mark_dead(receiver, f"malformed answer to the forward of step {t}: {e}")

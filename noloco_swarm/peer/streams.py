@@ -30,6 +30,7 @@ import torch
 
 from noloco_swarm.protocol import messages
 from noloco_swarm.protocol.messages import Envelope, Message, MessageError, TensorMeta
+from noloco_swarm.protocol.plausible import Implausible
 
 MAGIC = b"NLS1"
 _PREAMBLE = len(MAGIC) + 4
@@ -197,8 +198,8 @@ async def _read_reply(
         raise RemoteRefused(peer, header.code, header.reason)
     if envelope.verb != messages.REPLY_VERB:
         raise MessageError(f"expected a reply frame, got verb {envelope.verb!r}")
-    if expect is not None and envelope.tensors != expect:
-        raise MessageError(f"reply carries {envelope.tensors}, expected {expect}")
+    if expect is not None and envelope.tensors != expect:  # e.g. outer weights of another shape
+        raise Implausible("shape", f"reply carries {envelope.tensors}, expected {expect}")
     return envelope, header
 
 
@@ -376,7 +377,7 @@ class _PayloadSource:
 
 
 def check_finite(tensor: torch.Tensor) -> None:
-    """Raise MessageError if a float tensor holds NaN or inf.
+    """Raise MessageError (Implausible, reason "nonfinite") if a float tensor holds NaN or inf.
 
     A float64 sum per slice is ~6x faster than torch.isfinite(...).all() on one core and allocates
     nothing the size of its input (isfinite builds an abs() copy and two masks).
@@ -386,7 +387,7 @@ def check_finite(tensor: torch.Tensor) -> None:
     flat = tensor.reshape(-1)
     for start in range(0, flat.numel(), _CHECK_ELEMENTS):
         if not math.isfinite(flat[start : start + _CHECK_ELEMENTS].sum(dtype=torch.float64)):
-            raise MessageError("tensor holds NaN or infinite values")
+            raise Implausible("nonfinite", "tensor holds NaN or infinite values")
 
 
 def _dtype(meta: TensorMeta) -> torch.dtype:

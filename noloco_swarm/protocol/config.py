@@ -22,6 +22,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
+from noloco_swarm.protocol import plausible
 from noloco_swarm.protocol.wire import FORMATS, WireFormat
 
 Method = Literal["noloco", "diloco", "allreduce", "local"]
@@ -62,6 +63,21 @@ class OuterConfig:
     a replica snapshots theta at the boundary, trains k more inner steps while the exchange runs,
     then applies the outer step to the snapshot and carries the k steps' progress over
     (fast = new phi + (theta now - snapshot), protocol/outer.py `carry_over`). Needs k < H."""
+    plausible_factor: float = plausible.DEFAULT_FACTOR
+    """A received theta (phi, shard) is averaged in only if ||received - phi|| <= factor *
+    (||theta_own - phi|| + drift) + plausible_floor * ||phi|| (phi: this replica's slow weights;
+    drift: how far they moved in outer steps taken alone since it last averaged; finite and of our
+    shape and dtype too), else the member is left out of the step (protocol/plausible.py).
+    Honest partners needed at most factor 4 and a floor of 0.063 with the tiny preset
+    (bench/plausible_ratio.py, docs/membership.md); raise it, not lower it, if a healthy run
+    reports `rejected` events."""
+    plausible_floor: float = plausible.DEFAULT_FLOOR
+    """Relative floor of that bound, a fraction of ||phi||: NoLoCo replicas' slow weights differ by
+    up to 0.063 of it beyond 4x our own progress in honest runs measured (8 replicas), which own
+    progress alone does not cover (a theta x 1000 is ~1000 ||phi|| away, x2 or -1 ~1-2 ||phi||)."""
+    avoid_rounds: int = 3
+    """Outer steps after a rejected one at which that member is avoided: not called, its calls
+    refused at once; both sides step without each other. 0: judge every exchange afresh."""
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -87,6 +103,13 @@ class OuterConfig:
                 f"overlap_steps (k) overlaps an outer exchange, which {self.method} does not have: "
                 "set it to 0 or use noloco or diloco"
             )
+        if not self.plausible_factor > 0 or not self.plausible_floor >= 0:
+            raise ValueError(
+                f"plausible_factor must be > 0 and plausible_floor >= 0, got {self.plausible_factor} "
+                f"and {self.plausible_floor}: raise them to accept more, never disable the check"
+            )
+        if self.avoid_rounds < 0:
+            raise ValueError(f"avoid_rounds must be >= 0, got {self.avoid_rounds}")
         if self.overlap_steps >= self.inner_steps:
             raise ValueError(
                 f"overlap_steps (k = {self.overlap_steps}) must be below inner_steps (H = "
