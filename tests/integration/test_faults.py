@@ -34,13 +34,16 @@ pytestmark = pytest.mark.integration
 def test_a_peer_frozen_past_the_deadline_is_dropped_and_rejoins_by_itself(
     cache: Path, tmp_path: Path, stage: int, frozen: str
 ) -> None:
-    """A peer stopped for 15 s (step deadline 8 s) is dropped by the others, who train on
-    without it. Once it runs again it finds itself outside the swarm's view, joins again at a
-    later round with a live replica's state, and trains to the end. Every peer holds one view per
-    round, and once the peer is back nothing is refused or dropped: the swarm does not stay
-    behind a stage that fell behind. (Between its thaw and the boundary where it finds itself out of the
-    view, a thawed stage-0 peer still sends rows for the steps it missed; they are refused at once
-    as late, and cost the others nothing.)"""
+    """A peer stopped for 15 s (step deadline 8 s) fails the peers that wait on it, who train on
+    without it. Either two of them reported it gone, or it stayed unanswering until the report fell
+    due: then everyone drops it, and once it runs again it finds itself outside the swarm's view,
+    joins again at a later round with a live replica's state, and trains to the end. Or only one
+    member reported it and it answers again by the boundary where the report falls due: then
+    everyone keeps it (one member's word evicts nobody, docs/security.md) and it trains on. Either
+    way every peer holds one view per round, and once the peer is back nothing is refused or
+    dropped: the swarm does not stay behind a stage that fell behind. (Between its thaw and the
+    next boundary, a thawed stage-0 peer still sends rows for the steps it missed; they are
+    refused at once as late, and cost the others nothing.)"""
     # Long enough that, on a loaded machine too, the others are still training when the thawed
     # peer looks for a round to join (they run on at a few steps a second meanwhile).
     steps, H = 300, 3
@@ -57,20 +60,25 @@ def test_a_peer_frozen_past_the_deadline_is_dropped_and_rejoins_by_itself(
             time.sleep(15)
         finally:
             send(victim.proc.pid, signal.SIGCONT)
+        thawed = time.time()
         wait(swarm, timeout=500)
         events = [p.events() for p in swarm.peers]
         summaries = {s.peer_id: s for s in swarm.summaries()}
     mine = events[swarm.peers.index(victim)]
     victim_id = next(e.peer_id for e in of_kind(mine, Membership))
     rejoined = next(iter(of_kind(mine, Joined)), None)
-    assert rejoined is not None, "the thawed peer did not join again"
-    back = rejoined.round * H  # its first step after coming back
-    assert summaries[victim_id].joined_round == rejoined.round
     assert all(s.steps == steps for s in summaries.values())
     views = views_by_round(events)
     assert all(len(v) == 1 for v in views.values()), views
-    assert any(victim_id not in next(iter(v))[stage] for v in views.values()), "it was never dropped"
-    assert victim_id in next(iter(views[rejoined.round]))[stage]
+    dropped = any(victim_id not in next(iter(v))[stage] for v in views.values())
+    if rejoined is not None:
+        back = rejoined.round * H  # its first step after coming back
+        assert dropped and summaries[victim_id].joined_round == rejoined.round
+        assert victim_id in next(iter(views[rejoined.round]))[stage]
+    else:  # kept: from the boundary after the first step anyone took once it ran again
+        assert not dropped, "dropped, but it never joined again"
+        first = min(e.step for ev in events for e in of_kind(ev, Step) if e.time > thawed)
+        back = (first // H + 1) * H
     # While the fault lasts, refusals are its consequence: the thawed peer's rows for steps the
     # others had passed, and, under load, a healthy peer's rows held up by an outer exchange with
     # the frozen peer and given up on by their receiver. Once the peer is back, nobody is refused.
