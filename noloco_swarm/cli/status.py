@@ -128,7 +128,8 @@ async def look(transport: Transport, directory: RunDirectory) -> SwarmStatus:
         return SwarmStatus(directory.run_id, found=False)
     config = dict(manifest.config)
     readout = await asyncio.to_thread(directory.read_peers)
-    gone = await asyncio.to_thread(directory.read_gone)
+    announced = {a.peer_id for a in readout.announcements}  # a stranger's reports count for nothing
+    gone = await asyncio.to_thread(directory.read_gone, announced)
 
     async def ask(a: messages.PeerAnnouncement) -> PeerRow:
         row = PeerRow(a.peer_id, a.stage, a.joined_round, a.device)
