@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 from hivemind.p2p import PeerID
 from hivemind.proto import crypto_pb2
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from noloco_swarm.peer import identity, tickets
 from noloco_swarm.protocol import messages
@@ -76,3 +78,23 @@ def test_a_ticket_admits_only_its_peer_in_its_run_until_it_expires(tmp_path: Pat
         tickets.check(forged, public, "run-1", "QmPeer", now)
     with pytest.raises(tickets.TicketError, match="not a join ticket"):
         tickets.read(authority)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(
+    st.one_of(
+        st.text(),
+        st.binary(),
+        st.integers(),
+        st.builds(lambda a, k: f"{a}[owner:{k}]", st.text(), st.text()),
+        st.builds(
+            lambda a, k: f"{a}[owner:ssh-rsa {k}]", st.text(), st.text(alphabet="AB3Nza+/=", max_size=64)
+        ),
+    )
+)
+def test_any_subkey_gets_an_owner_or_none_and_never_an_exception(subkey: object) -> None:
+    """A DHT subkey is a stranger's text: what fuzzing the directory's reader must show (the
+    first version let cryptography's UnsupportedAlgorithm escape, and a read of the peers key
+    with one such record would have crashed the peer)."""
+    owned = identity.owner_of(subkey)
+    assert owned is None or (isinstance(owned[0], str) and owned[1].startswith("Qm"))
