@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from noloco_swarm.peer import identity, tickets
+from noloco_swarm.peer.streams import Refused
 from noloco_swarm.protocol import messages
 
 
@@ -98,3 +100,44 @@ def test_any_subkey_gets_an_owner_or_none_and_never_an_exception(subkey: object)
     with one such record would have crashed the peer)."""
     owned = identity.owner_of(subkey)
     assert owned is None or (isinstance(owned[0], str) and owned[1].startswith("Qm"))
+
+
+def test_the_gate_admits_a_caller_once_its_ticketed_announcement_is_read(tmp_path: Path) -> None:
+    """A joiner announces itself moments before it asks a donor for state: the donor's gate reads
+    the directory again for an unknown caller (at most every REFRESH_PERIOD) and admits it then;
+    status stays open, and a caller without a valid ticket is refused `no_ticket`."""
+    authority = tmp_path / "authority.key"
+    identity.generate(authority)
+    key = identity.load(authority).key
+    now = [1000.0]
+    listed: list[messages.PeerAnnouncement] = []
+    reads = []
+
+    async def refresh() -> None:
+        reads.append(now[0])
+        for a in listed:
+            gate.admit_announced(a)
+
+    gate = tickets.Gate(tickets.public_key_text(key), "run-1", refresh, clock=lambda: now[0])
+    request = messages.StateRequest("run-1", 1, 0)
+
+    async def calls() -> list[str]:
+        out = []
+        for verb, header in (("rpc_status", messages.StatusRequest("run-1")), ("rpc_fetch_state", request)):
+            try:
+                await gate.check("QmJoiner", verb, header)
+                out.append("ok")
+            except Refused as e:
+                out.append(e.code)
+        return out
+
+    assert asyncio.run(calls()) == ["ok", "no_ticket"] and len(reads) == 1
+    ticket = messages.encode(tickets.issue(key, "run-1", "QmJoiner", now[0] + 60))
+    listed.append(messages.PeerAnnouncement("run-1", "QmJoiner", 1, 2, (), "cpu", 0, ticket))
+    assert asyncio.run(calls()) == ["ok", "no_ticket"] and len(reads) == 1  # read moments ago
+    gate._last_refresh -= tickets.REFRESH_PERIOD
+    assert asyncio.run(calls()) == ["ok", "ok"] and len(reads) == 2
+    now[0] += 61  # its ticket expired
+    assert not gate.admits("QmJoiner")
+    forged = messages.PeerAnnouncement("run-1", "QmOther", 1, 2, (), "cpu", 0, ticket)  # not its own
+    assert not gate.admit_announced(forged) and not gate.admits("QmOther")
