@@ -20,7 +20,7 @@ from hivemind.utils import get_dht_time
 from noloco_swarm.cli.swarm import local_swarm, wait
 from noloco_swarm.peer import identity, tickets
 from noloco_swarm.peer.directory import RunDirectory, gone_key, peers_key, signed_dht_kwargs
-from noloco_swarm.peer.events import Dropped, Excluded, FalseReport, Joined, Step, of_kind
+from noloco_swarm.peer.events import Dropped, Excluded, FalseReport, Joined, Refused, Step, of_kind
 from noloco_swarm.peer.lifetime import DHT
 from noloco_swarm.peer.rounds import ask_status
 from noloco_swarm.peer.streams import RemoteRefused
@@ -163,3 +163,36 @@ def test_a_closed_run_admits_only_peers_with_their_own_valid_ticket(cache: Path,
     expected, _ = simulate(cfg, steps)
     got = {(s.stage, s.rank): s.state_hash for s in summaries}
     assert len(got) == 4 and all(digest == expected[stage][rank] for (stage, rank), digest in got.items())
+
+
+def test_a_ticketed_peer_joins_a_running_closed_run(cache: Path, tmp_path: Path) -> None:
+    """A fifth peer with its own ticket, started while a closed 2x2 run trains, announces itself,
+    is admitted by the donors' gates (they read its announcement when it first asks for state),
+    downloads its stage's state and trains to the end, with every peer holding one view per round
+    and nothing refused or dropped."""
+    steps, H = 96, 4  # long enough for a joiner started on a loaded machine to find its round
+    authority = tmp_path / "authority.key"
+    identity.generate(authority)
+    cfg = small(
+        "noloco",
+        **{**SLOWER, "outer.inner_steps": str(H), "inner.total_steps": str(steps)},
+        authority=tickets.public_key_text(identity.load(authority).key),
+    )
+    with local_swarm(cfg, steps, step_timeout=60, workdir=tmp_path, authority=authority) as swarm:
+        deadline = time.monotonic() + 120
+        while not all(of_kind(p.events(), Step) for p in swarm.peers):
+            assert time.monotonic() < deadline, [p.log_tail() for p in swarm.peers]
+            time.sleep(0.2)
+        joiner = swarm.start_peer(1)
+        wait(swarm, timeout=400)
+        events = [p.events() for p in swarm.peers]
+        mine = joiner.events()
+    me = next(iter(of_kind(mine, Joined)), None)
+    assert me is not None, joiner.log_tail()
+    losses = [e.loss for e in of_kind(mine, Step)]
+    assert len(losses) == steps - me.round * H and all(x is not None for x in losses)
+    views = views_by_round(events)
+    assert all(len(v) == 1 for v in views.values()), views
+    assert all((me.peer_id in next(iter(v))[1]) == (r >= me.round) for r, v in views.items())
+    bad = [e for ev in events for e in ev if isinstance(e, Dropped | Refused | Excluded)]
+    assert bad == [], bad
