@@ -395,15 +395,16 @@ def test_a_fresh_daemon_dials_a_peer_at_its_announced_addresses(
     loop: asyncio.AbstractEventLoop, pair: tuple[Transport, Transport]
 ) -> None:
     """What joiners and probes do with a directory's addresses (with their /p2p/ part): a daemon
-    that knows nobody dials `b` there, and `b` dials it back. (Until this test, every such dial
-    failed inside p2pd, unnoticed: calls found their way through the DHT's routes instead.)"""
+    that knows nobody dials `b` there, and `b` dials it back (connected already: still True).
+    (Until this test, every such dial failed inside p2pd, unnoticed: calls found their way
+    through the DHT's routes instead.)"""
     _, b = pair
     c = run(loop, Transport.create(config=CONFIG))  # no initial peers: it knows nobody
     try:
         announced = run(loop, b.visible_addresses())
         assert all("/p2p/" in address for address in announced)
         assert run(loop, c.connect(b.peer_id, announced, timeout=10))
-        assert run(loop, b.redial(c.peer_id, run(loop, c.visible_addresses()), timeout=10))
+        assert run(loop, b.connect(c.peer_id, run(loop, c.visible_addresses()), timeout=10))
         reply, _ = run(loop, c.call(b.peer_id, "rpc_echo", m.StateRequest("run", 0), timeout=10))
         assert reply == m.Ack("fetch_state")  # the echo handler names what it got
     finally:
