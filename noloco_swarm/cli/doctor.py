@@ -185,8 +185,7 @@ def _first_line(text: str, limit: int = 200) -> str:
 
 def manifest_check(cfg: RunConfig, timeout: float) -> Check:
     """Read the run's manifest through a client-mode DHT node and compare it with our config."""
-    from noloco_swarm.peer.directory import manifest_key
-    from noloco_swarm.peer.identity import owner_of
+    from noloco_swarm.peer.directory import manifest_key, signed_manifests
     from noloco_swarm.peer.node import start_dht
     from noloco_swarm.protocol import messages
     from noloco_swarm.train.config import NetworkConfig
@@ -201,15 +200,8 @@ def manifest_check(cfg: RunConfig, timeout: float) -> Check:
         return Check(f"run {run_id}", False, f"the DHT did not answer within {timeout:.0f} s", RETRY)
     finally:
         dht.shutdown()
-    records = found.value if found is not None and isinstance(found.value, dict) else {}
-    manifests, unreadable = [], None
-    for subkey, item in records.items():  # one per author (the DHT checked their signatures)
-        if owner_of(subkey) is None:
-            continue
-        try:
-            manifests.append(messages.decode(item.value, messages.RunManifest))
-        except messages.MessageError as e:
-            unreadable = e
+    found_manifests, unreadable = signed_manifests(None if found is None else found.value, run_id)
+    manifests = [m for _, m in found_manifests]  # one per author (the DHT checked their signatures)
     if not manifests and unreadable is not None:
         return Check(
             f"run {run_id}",

@@ -37,9 +37,8 @@ from noloco_swarm.peer.identity import Identity, owner_of
 from noloco_swarm.protocol import messages
 from noloco_swarm.protocol.membership import credible_gone
 
-MANIFEST_TTL = (
-    7 * 24 * 3600.0
-)  # the manifest outlives any one peer (a run longer than a week re-publishes it)
+# The manifest outlives any one peer (a run longer than a week re-publishes it).
+MANIFEST_TTL = 7 * 24 * 3600.0
 DEFAULT_HEARTBEAT_TTL = 30.0
 R = TypeVar("R", messages.PeerAnnouncement, messages.GoneReport)
 T = TypeVar("T")
@@ -96,20 +95,7 @@ class RunDirectory:
         """(author, manifest) of every signed, well-formed manifest of this run, sorted by author.
         Several authors may have stored one (the peers that were started with --new-run)."""
         found = self._get(manifest_key(self.run_id))
-        if found is None or not isinstance(found.value, dict):
-            return []
-        out = []
-        for subkey, item in found.value.items():
-            owned = owner_of(subkey)
-            if owned is None or owned[0] != "" or not isinstance(item.value, bytes):
-                continue
-            try:
-                manifest = messages.decode(item.value, messages.RunManifest)
-            except messages.MessageError:
-                continue
-            if manifest.run_id == self.run_id:
-                out.append((owned[1], manifest))
-        return sorted(out, key=lambda pair: pair[0])
+        return signed_manifests(None if found is None else found.value, self.run_id)[0]
 
     def fetch_manifest(self) -> messages.RunManifest | None:
         """The run's manifest, or None if nobody published one (or none is readable). When authors
@@ -271,6 +257,29 @@ async def _ping_entry_points(peer_ids: tuple[str, ...], _: DHT, node: DHTNode) -
     return sum(a is not None for a in answers)
 
 
+def signed_manifests(
+    value: object, run_id: str
+) -> tuple[list[tuple[str, messages.RunManifest]], messages.MessageError | None]:
+    """(author, manifest) of every signed, well-formed manifest of `run_id` in the DHT's value of
+    its manifest key, sorted by author; and why the last of the signed others could not be used
+    (a manifest of another protocol version, or of another run), for `noloco doctor` to name."""
+    out, unreadable = [], None
+    for subkey, item in (value if isinstance(value, dict) else {}).items():
+        owned = owner_of(subkey)
+        if owned is None or owned[0] != "":
+            continue
+        try:
+            manifest = messages.decode(item.value, messages.RunManifest)
+        except messages.MessageError as e:
+            unreadable = e
+            continue
+        if manifest.run_id != run_id:
+            unreadable = messages.MessageError(f"it names run {manifest.run_id!r}")
+            continue
+        out.append((owned[1], manifest))
+    return sorted(out, key=lambda pair: pair[0]), unreadable
+
+
 def author(record: messages.PeerAnnouncement | messages.GoneReport) -> str:
     """The peer a record speaks for, who alone may write it: the announced peer, or the reporter."""
     return record.reporter if isinstance(record, messages.GoneReport) else record.peer_id
@@ -283,8 +292,9 @@ def signed_dht_kwargs(identity: Identity | None) -> dict[str, object]:
 
 
 def subkey_of(record: messages.PeerAnnouncement | messages.GoneReport) -> str:
-    """The DHT subkey a record is stored under (before its writer's owner mark): one per peer for announcements (a heartbeat
-    replaces the last), one per reporter and round for gone reports (none replaces another)."""
+    """The DHT subkey a record is stored under (before its writer's owner mark): one per peer for
+    announcements (a heartbeat replaces the last), one per reporter and round for gone reports
+    (none replaces another)."""
     if isinstance(record, messages.GoneReport):
         return f"{record.peer_id}/{record.reporter}/{record.round}"
     return record.peer_id

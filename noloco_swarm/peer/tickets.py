@@ -20,7 +20,6 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from cryptography.exceptions import UnsupportedAlgorithm
-from cryptography.hazmat.primitives import serialization
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 
 from noloco_swarm.peer.streams import Refused
@@ -68,10 +67,7 @@ def check_public_key(text: str) -> None:
 
 
 def _public_key(text: str) -> RSAPublicKey:
-    key = serialization.load_ssh_public_key(text.strip().encode())
-    return RSAPublicKey.from_bytes(
-        key.public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
-    )
+    return RSAPublicKey.from_bytes(text.strip().encode())  # ValueError unless an OpenSSH RSA key
 
 
 def read(path: str | Path) -> messages.JoinTicket:
