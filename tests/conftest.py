@@ -7,6 +7,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
+
+# The suite draws the same examples on every run (a red CI run is then reproducible, and a green
+# one is not luck); `pytest --hypothesis-profile=explore` draws fresh examples on each run, to look
+# for new failures, and bench/fuzz.py fuzzes the decoders for longer.
+settings.register_profile("suite", derandomize=True, print_blob=True)
+settings.register_profile("explore", derandomize=False, print_blob=True)
+settings.load_profile("suite")
 
 
 @pytest.fixture(scope="session")
