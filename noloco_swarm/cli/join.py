@@ -13,10 +13,12 @@ import time
 from rich.console import Console
 from rich.text import Text
 
+from noloco_swarm.cli.panel import PeerPanel
 from noloco_swarm.peer.events import Final, to_dict
 from noloco_swarm.peer.joining import RunEnding
 from noloco_swarm.peer.launch import run_on_loop, run_peer
 from noloco_swarm.peer.lifetime import orphaned
+from noloco_swarm.peer.transport import Transport
 from noloco_swarm.train.config import RunConfig
 
 # Once the peer has shut down, its event loop must close (joining its worker threads) within this
@@ -51,14 +53,22 @@ def run_join(
     resume: bool = False,
     quiet: bool = False,
     log_format: str = "text",
+    panel: bool = True,
 ) -> int:
     """Run one peer as `cfg.peer` and `cfg.network` say for `steps` inner steps; 130 on a signal.
-    `log_format` json: every line on stderr is one JSON object (cli/logs.py)."""
+    `log_format` json: every line on stderr is one JSON object (cli/logs.py). With `panel`, text
+    logs and stderr a terminal, the peer's live panel (cli/panel.py) shows on stderr."""
     if log_format == "json":
         from noloco_swarm.cli.logs import use_json_logs
 
         use_json_logs()
     console = _Say(quiet, log_format == "json")
+    watch = None
+    if panel and not quiet and log_format == "text" and console.console.is_terminal:
+
+        def watch(transport: Transport) -> PeerPanel:
+            return PeerPanel(cfg, steps, console.console).attach(transport.byte_counts)
+
     net = cfg.network
     stage = "auto" if cfg.peer.stage is None else str(cfg.peer.stage)
     console.print(f"[bold]noloco join[/]: run {cfg.peer.run_id}, stage {stage}, {steps} steps")
@@ -87,7 +97,7 @@ def run_join(
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, on_signal)
         try:
-            return await run_peer(cfg, steps, new_run=new_run, resume=resume, leave=leave)
+            return await run_peer(cfg, steps, new_run=new_run, resume=resume, leave=leave, watch=watch)
         finally:
             faulthandler.dump_traceback_later(EXIT_GRACE, exit=True)
 

@@ -191,11 +191,13 @@ def swarm_status(
         finals = of_kind(ev, Final)
         ranks = [m.rank for m in of_kind(ev, Membership)]  # the view changes per round
         rank = ranks[-1] if ranks else d
-        partner = "-"
+        partner, spread = "-", None
         if outers:
             partner = ",".join(str(m) for m in outers[-1].group if m != rank) or "(alone)"
-        replicas.append(ReplicaStatus(s, rank, partner, finals[0].state_hash if finals else ""))
+            spread = outers[-1].spread
+        replicas.append(ReplicaStatus(s, rank, partner, finals[0].state_hash if finals else "", spread))
     replicas.sort(key=lambda r: (r.stage, r.replica))
+    spreads = [r.spread for r in replicas if r.spread is not None]
     val = [f.val_loss for ev in peers.values() for f in of_kind(ev, Final) if f.val_loss]
     return RunStatus(
         title=f"local swarm {cfg.num_stages} stages x {cfg.num_replicas} replicas, {cfg.model.name} preset",
@@ -208,6 +210,9 @@ def swarm_status(
         lr=first[-1].lr if first else 0.0,
         tokens=tokens,
         tokens_per_second=tokens / elapsed if elapsed else 0.0,
+        # NoLoCo: each replica's distance to its group's mean at its last outer step, RMS over
+        # replicas (with pairs of a 2-replica stage, the simulator's spread to the stage mean)
+        weight_spread=math.sqrt(sum(x * x for x in spreads) / len(spreads)) if spreads else None,
         elapsed=elapsed,
         loss_history=history,
         replicas=tuple(replicas),
@@ -239,6 +244,11 @@ def run_local_swarm(
     last_print = [0]
     interrupted = False
     with local_swarm(cfg, steps, workdir=keep) as swarm:
+        console.print(
+            f"watch it from another terminal: noloco status --run-id {swarm.run_id} "
+            f"--initial-peers {swarm.bootstrap}",
+            soft_wrap=True,
+        )
 
         def on_poll(sw: LocalSwarm) -> None:
             nonlocal status

@@ -41,7 +41,7 @@ def parser() -> argparse.ArgumentParser:
         "on the embedded corpus with NoLoCo, with a live view and a final summary.",
         epilog=EPILOG,
     )
-    add_run(local, replicas=2, steps=300)
+    add_run(local, replicas=4, steps=200)
     add_sources(local)
     local.add_argument("--plain", action="store_true", help="print progress lines instead of the live view")
     local.add_argument(
@@ -84,6 +84,11 @@ def parser() -> argparse.ArgumentParser:
         choices=LOG_FORMATS,
         default="text",
         help="json: one JSON object per line on stderr, for systemd, Docker and log collectors (default: text)",
+    )
+    join.add_argument(
+        "--plain",
+        action="store_true",
+        help="no live panel on a terminal: only the peer's own lines (start, warnings, end)",
     )
     join.add_argument("--run-config", type=Path, default=None, help=argparse.SUPPRESS)  # from noloco local
     join.add_argument("--die-with-parent", action="store_true", help=argparse.SUPPRESS)
@@ -262,10 +267,13 @@ PEER_DEFAULTS = {"eval_every": 0}
 # the seeds' noise (docs/benchmarks.md, "Activation wire formats"). `noloco local` and the testbed
 # hand their peers their own run config, exact (fp32) unless asked.
 JOIN_DEFAULTS = {**PEER_DEFAULTS, "wire.activations": "bf16"}
+# The main job: 2 stages x 4 replicas, so that NoLoCo's pairs are a true subset of each stage (with
+# 2 replicas a pair is the whole stage, and every outer step leaves both replicas equal).
+LOCAL_DEFAULTS = {"num_replicas": 4}
 
 
 def _local(args: argparse.Namespace) -> int:
-    resolved = resolve_args(args, None if args.in_process else PEER_DEFAULTS)
+    resolved = resolve_args(args, LOCAL_DEFAULTS if args.in_process else {**PEER_DEFAULTS, **LOCAL_DEFAULTS})
     _refuse(resolved, "simulator" if args.in_process else "local")
     if args.print_config:
         return _print_config(resolved, "local --in-process" if args.in_process else "local")
@@ -349,7 +357,14 @@ def _join(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    return run_join(cfg, args.steps, new_run=args.new_run, resume=args.resume, log_format=args.log_format)
+    return run_join(
+        cfg,
+        args.steps,
+        new_run=args.new_run,
+        resume=args.resume,
+        log_format=args.log_format,
+        panel=not args.plain,
+    )
 
 
 def _doctor(args: argparse.Namespace) -> int:

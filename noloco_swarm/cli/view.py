@@ -18,6 +18,7 @@ class ReplicaStatus:
     replica: int
     partner: str = "-"  # outer-step partners of the last outer step
     state_hash: str = ""
+    spread: float | None = None  # RMS distance to its group's mean before the last outer step
 
 
 @dataclass(frozen=True)
@@ -78,10 +79,10 @@ def render(status: RunStatus) -> RenderableType:
     parts: list[RenderableType] = [head]
     if status.replicas:
         table = Table(title="replicas", title_justify="left", expand=False)
-        for column in ("stage", "replica", "last partners", "state hash"):
+        for column in ("stage", "replica", "last partners", "spread to them", "state hash"):
             table.add_column(column)
         for r in status.replicas:
-            table.add_row(str(r.stage), str(r.replica), r.partner, r.state_hash[:12])
+            table.add_row(str(r.stage), str(r.replica), r.partner, _fmt(r.spread, ".2e"), r.state_hash[:12])
         parts.append(table)
     if status.note:
         parts.append(Text(status.note, style="dim"))

@@ -68,6 +68,20 @@ class Outer(Event):
     state_hash: str  # comparable with the simulator's
     applied_at: int = 0  # the inner step after which it was applied: step, or step + k with overlap
     waited: float = 0.0
+    # NoLoCo: RMS distance (per weight) of this replica's fast weights to its group's mean, before
+    # the step: how far the replicas drifted apart; None for other methods
+    spread: float | None = None
+
+
+@dataclass(frozen=True)
+class Started(Event):
+    """The peer runs: its id, its stage (the chosen one, for --stage auto) and the addresses it
+    announces to other peers."""
+
+    KIND: ClassVar[str] = "started"
+    peer_id: str
+    stage: int
+    addresses: list[str]
 
 
 @dataclass(frozen=True)

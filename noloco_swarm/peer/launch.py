@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -49,12 +49,14 @@ async def run_peer(
     new_run: bool = False,
     resume: bool = False,
     leave: asyncio.Event | None = None,
+    watch: Callable[[Transport], events.Sink] | None = None,
 ) -> events.Final:
     """Start this peer's libp2p daemon and DHT node, join the run, train `steps` inner steps,
     and shut everything down. Settings come from `cfg.peer` and `cfg.network`. With `resume`,
     continue from the newest checkpoint in `cfg.peer.checkpoint_dir` (see peer/resume.py). When
     `leave` is set, the peer leaves the swarm at a boundary (`Peer.leave`), or stops at once if
-    it does not train yet."""
+    it does not train yet. `watch`, if given, makes one more event sink once the transport runs
+    (`noloco join`'s live panel, which reads its byte counters)."""
     opts, net = cfg.peer, cfg.network
     if not opts.run_id:
         raise ValueError("a peer needs a run id: --run-id or peer.run_id")
@@ -77,6 +79,8 @@ async def run_peer(
     try:
         if opts.metrics_port is not None:
             sink.sinks.append(_prometheus(cfg, transport))
+        if watch is not None:
+            sink.sinks.append(watch(transport))
         # The DHT shares the transport's daemon: one libp2p identity and one p2pd per peer.
         dht = await asyncio.to_thread(
             DHT, initial_peers=list(net.initial_peers), p2p=transport.p2p, start=True, **signed_dht_kwargs(me)
@@ -102,6 +106,7 @@ async def run_peer(
         addresses = tuple(await transport.visible_addresses())
         for line in reachability(addresses):
             logger.warning("reachable as %s", line)  # warning: shown by default, once, at start
+        sink.emit(events.Started(peer_id=transport.peer_id, stage=stage, addresses=list(addresses)))
         peer = Peer(
             cfg,
             steps,

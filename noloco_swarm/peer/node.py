@@ -41,3 +41,15 @@ def reachability(addresses: Sequence[str]) -> list[str]:
             "only loopback addresses: peers on other machines cannot reach this node; set --host-maddrs"
         )
     return lines or ["no visible addresses yet: the node is not reachable"]
+
+
+def reachability_kind(addresses: Sequence[str]) -> str:
+    """One line for a live view: how others can reach a node at these addresses."""
+    direct = [a for a in addresses if "/p2p-circuit" not in a]
+    if not addresses:
+        return "not reachable (no visible addresses)"
+    if direct and all("/127.0.0.1/" in a or "/::1/" in a for a in direct):
+        return "loopback only: peers on other machines cannot reach this node"
+    if not direct:
+        return f"through a relay only ({len(addresses)} relayed addresses)"
+    return f"direct ({len(direct)} addresses" + (", relays too)" if len(direct) < len(addresses) else ")")

@@ -13,7 +13,9 @@ leaves, before k steps are up completes it there; the simulator does the same (`
 from __future__ import annotations
 
 import asyncio
+import math
 import time
+from collections.abc import Mapping
 
 import torch
 
@@ -131,7 +133,10 @@ async def finish_outer_step(pending: PendingOuter) -> events.Outer:
     thetas, phis, (sent, received) = await pending.task
     waited = time.perf_counter() - waiting
     snapshot = pending.theta if ctx.cfg.outer.overlap_steps > 0 else None
+    spread = None
     if ctx.cfg.outer.method == "noloco":
+        if len(thetas) > 1:  # alone (a partner failed): nothing to compare with
+            spread = await asyncio.to_thread(group_spread, thetas, exchange.plan.rank)
         await asyncio.to_thread(ctx.replica.apply_noloco, thetas, phis, snapshot=snapshot)
     else:
         await asyncio.to_thread(ctx.replica.apply_diloco, thetas, snapshot=snapshot)
@@ -146,7 +151,23 @@ async def finish_outer_step(pending: PendingOuter) -> events.Outer:
         state_hash=await asyncio.to_thread(ctx.replica.state_hash),  # comparable with the simulator
         applied_at=ctx.step,
         waited=waited,
+        spread=spread,
     )
+
+
+_CHUNK = 1 << 20  # weights per float64 slice: no copy the size of the stage
+
+
+def group_spread(thetas: Mapping[int, torch.Tensor], rank: int) -> float:
+    """RMS distance (per weight) of `rank`'s fast weights to the mean of the group's, in float64
+    slice by slice. For a pair, half the RMS distance between the two replicas."""
+    flats = {r: t.reshape(-1) for r, t in thetas.items()}
+    own = flats[rank]
+    total = 0.0
+    for lo in range(0, own.numel(), _CHUNK):
+        mean = torch.stack([f[lo : lo + _CHUNK].double() for f in flats.values()]).mean(dim=0)
+        total += float((own[lo : lo + _CHUNK].double() - mean).square().sum())
+    return math.sqrt(total / max(1, own.numel()))
 
 
 async def take_outer_step(

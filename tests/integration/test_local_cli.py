@@ -27,7 +27,17 @@ def local_dirs() -> set[str]:
 
 def start_local(*flags: str) -> subprocess.Popen[str]:
     """`noloco local` on the small test run, its output readable line by line."""
-    argv = [sys.executable, "-m", "noloco_swarm.cli.main", "local", "--plain", *flags, *SMALL_RUN]
+    argv = [
+        sys.executable,
+        "-m",
+        "noloco_swarm.cli.main",
+        "local",
+        "--plain",
+        "--replicas",
+        "2",
+        *flags,
+        *SMALL_RUN,
+    ]
     return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -89,7 +99,18 @@ def test_a_killed_launcher_takes_its_peers_and_their_daemons_with_it(cache: Path
 
 
 def test_local_swarm_run_to_the_end(cache: Path, tmp_path: Path) -> None:
-    argv = [sys.executable, "-m", "noloco_swarm.cli.main", "local", "--plain", "--steps", "6", *SMALL_RUN]
+    argv = [
+        sys.executable,
+        "-m",
+        "noloco_swarm.cli.main",
+        "local",
+        "--plain",
+        "--replicas",
+        "2",
+        "--steps",
+        "6",
+        *SMALL_RUN,
+    ]
     argv += ["--set", "outer.inner_steps=3", "--keep", str(tmp_path / "run")]
     done = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stdout + done.stderr

@@ -25,7 +25,7 @@ def noloco(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
 def test_plot_a_local_runs_folder(cache: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     local = noloco(
-        "local", "--plain", "--plot", "--keep", str(run_dir), "--steps", str(STEPS), "--set", "outer.inner_steps=3",
+        "local", "--plain", "--plot", "--replicas", "2", "--keep", str(run_dir), "--steps", str(STEPS), "--set", "outer.inner_steps=3",
         *SMALL_RUN, timeout=600,
     )  # fmt: skip
     assert local.returncode == 0, local.stdout + local.stderr

@@ -85,7 +85,7 @@ JOIN = ("join", "--run-id", "r")
 PEERS = ["/ip4/10.0.0.1/tcp/1", "/ip4/10.0.0.2/tcp/2", "/ip4/10.0.0.3/tcp/3"]
 CASES = [
     # int
-    Case("num_replicas", ("local",), 2, ("num_replicas = 3", 3), ("num_replicas=4", 4),
+    Case("num_replicas", ("local",), 4, ("num_replicas = 3", 3), ("num_replicas=2", 2),
          ("num_replicas=5", 5), (("--replicas", "6"), 6)),
     Case("num_stages", JOIN, 2, ("num_stages = 3", 3), ("num_stages=4", 4), ("num_stages=1", 1),
          (("--stages", "3"), 3)),

@@ -1,0 +1,173 @@
+"""The live views in a real terminal: `noloco local`, `noloco status` and a late joiner's own
+`noloco join` panel, each in a tmux window, against one live swarm; the screens are captured and
+read as a user would read them."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.integration.helpers import descendants
+from tests.small import SMALL_RUN
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed (apt install tmux)"),
+]
+
+ROOT = Path(__file__).resolve().parents[2]
+# A run far longer than the test: it ends with Ctrl-C, never on its own before the joiner is in.
+STEPS, H = 100_000, 10
+# The swarm's run: the local swarm and the late joiner must hold the same config (the manifest).
+RUN = ["--replicas", "2", "--steps", str(STEPS), "--set", f"outer.inner_steps={H}", *SMALL_RUN]
+HINT = re.compile(r"noloco status --run-id (\S+) --initial-peers (\S+)")
+
+
+class Terminal:
+    """A private tmux server (its own socket) whose windows run our commands in a 150x60 terminal."""
+
+    def __init__(self, name: str, env: dict[str, str]) -> None:
+        self.socket, self.env = name, env
+        self.windows: list[str] = []
+
+    def tmux(self, *args: str) -> str:
+        done = subprocess.run(
+            ["tmux", "-L", self.socket, *args], check=False, capture_output=True, text=True, timeout=30
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    def open(self, window: str, argv: list[str]) -> None:
+        # The shell stays after the command ends, so its last screen can still be read.
+        command = " ".join(argv) + "; echo EXITED $?; sleep 3600"
+        env = [a for k, v in self.env.items() for a in ("-e", f"{k}={v}")]
+        if not self.windows:
+            self.tmux(
+                "new-session",
+                "-d",
+                "-s",
+                "t",
+                "-n",
+                window,
+                "-x",
+                "150",
+                "-y",
+                "60",
+                "-c",
+                str(ROOT),
+                *env,
+                command,
+            )
+        else:
+            self.tmux("new-window", "-t", "t", "-n", window, "-c", str(ROOT), *env, command)
+        self.windows.append(window)
+
+    def screen(self, window: str) -> str:
+        """What the window shows, with its scrollback, wrapped lines joined."""
+        return self.tmux("capture-pane", "-p", "-J", "-S", "-300", "-t", f"t:{window}")
+
+    def keys(self, window: str, *keys: str) -> None:
+        self.tmux("send-keys", "-t", f"t:{window}", *keys)
+
+    def wait_for(self, window: str, found: Callable[[str], object], what: str, timeout: float = 240) -> str:
+        deadline = time.monotonic() + timeout
+        while True:
+            screen = self.screen(window)
+            if found(screen):
+                return screen
+            assert "EXITED" not in screen or found(screen), f"{window} ended before {what}:\n{screen}"
+            assert time.monotonic() < deadline, f"{window}: no {what} within {timeout:.0f} s:\n{screen}"
+            time.sleep(1.0)
+
+    def leftovers(self) -> set[str]:
+        """Processes still running under the windows' shells, other than their final `sleep`."""
+        found = set()
+        for pane in self.tmux("list-panes", "-a", "-F", "#{pane_pid}").split():
+            for pid in descendants(int(pane)):
+                try:
+                    name = Path(f"/proc/{pid}/comm").read_text().strip()
+                except OSError:
+                    continue
+                if name != "sleep":
+                    found.add(f"{pid} {name}")
+        return found
+
+    def close(self) -> None:
+        subprocess.run(
+            ["tmux", "-L", self.socket, "kill-server"], check=False, capture_output=True, timeout=30
+        )
+
+
+def noloco(*args: str) -> list[str]:
+    return [sys.executable, "-m", "noloco_swarm.cli.main", *args]
+
+
+def steps_shown(screen: str, label: str = "step") -> list[int]:
+    return [int(m) for m in re.findall(rf"^{label}\s+(\d+)/{STEPS}", screen, re.MULTILINE)]
+
+
+def test_local_status_and_a_joiner_s_panel_in_a_real_terminal(cache: Path, tmp_path: Path) -> None:
+    env = {"NOLOCO_CACHE": str(cache), "PYTHONPATH": os.environ.get("PYTHONPATH", str(ROOT))}
+    term = Terminal(f"noloco-test-{os.getpid()}", env)
+    try:
+        term.open("local", noloco("local", *RUN, "--keep", str(tmp_path / "run")))
+        hint = HINT.search(term.wait_for("local", HINT.search, "status hint"))
+        assert hint is not None
+        run_id, bootstrap = hint.groups()
+
+        # noloco local's live view: its stages and replicas, and steps that advance
+        first = term.wait_for("local", lambda s: any(n > 0 for n in steps_shown(s)), "training step")
+        n = max(steps_shown(first))
+        later = term.wait_for("local", lambda s: max(steps_shown(s), default=0) > n, "later step")
+        assert "local swarm 2 stages x 2 replicas" in later
+        rows = re.findall(r"^│ ([01])\s+│ ([01])\s+│", later, re.MULTILINE)
+        assert sorted(set(rows)) == [("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")], later
+
+        # noloco status from "another terminal", as the hint says: all four peers answer
+        term.open("status", noloco("status", "--run-id", run_id, "--initial-peers", bootstrap))
+        status = term.wait_for(
+            "status", lambda s: "4 announced (stage 0: 2, stage 1: 2), 4 answering" in s, "peers"
+        )
+        assert f"{run_id}  [noloco]" in status and "tiny, 2 stages" in status
+
+        # a volunteer joins the running swarm: its own panel shows it joining, then training
+        join = ["join", "--run-id", run_id, "--initial-peers", bootstrap, "--stage", "1", *RUN]
+        join += ["--set", "wire.activations=fp32"]  # noloco local runs fp32 (exact); a join defaults to bf16
+        term.open("join", noloco(*join))
+        panel = term.wait_for("join", lambda s: steps_shown(s) and max(steps_shown(s)) > 0, "joiner's step")
+        assert re.search(r"place\s+stage 1, replica \d, round \d+", panel), panel
+        assert re.search(r"swarm\s+5 peers \(2 \+ 3 per stage\)", panel), panel
+        assert re.search(r"reachable\s+(direct|loopback only)", panel), panel
+        (tmp_path / "join-panel.txt").write_text(panel)
+        (tmp_path / "local-view.txt").write_text(later)
+        (tmp_path / "status-view.txt").write_text(status)
+        keep = os.environ.get("NOLOCO_KEEP_SCREENS")  # docs/terminal.md's captures come from here
+        if keep:
+            for name in ("join-panel.txt", "local-view.txt", "status-view.txt"):
+                shutil.copy(tmp_path / name, Path(keep) / name)
+
+        # Ctrl-C everywhere: the joiner leaves the swarm at its next boundary, the status view and
+        # the swarm stop
+        term.keys("join", "C-c")
+        term.keys("status", "C-c")
+        left = term.wait_for("join", lambda s: "EXITED" in s, "joiner's exit", timeout=120)
+        assert "leaving the swarm at the next boundary" in left and "EXITED 0" in left, left
+        assert re.search(r"\bdone\s*$", left, re.MULTILINE) or "done: stage 1" in left, left
+        term.keys("local", "C-c")
+        ended = term.wait_for("local", lambda s: "EXITED" in s, "local's exit", timeout=120)
+        assert "summary (interrupted)" in ended and "EXITED 130" in ended, ended
+        assert "EXITED" in term.wait_for("status", lambda s: "EXITED" in s, "status's exit", timeout=60)
+        deadline = time.monotonic() + 30  # every peer, daemon and DHT process ended with its command
+        while term.leftovers() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not term.leftovers()
+    finally:
+        term.close()
