@@ -6,8 +6,12 @@ mismatched versions. Each check here does the real thing where it can (starts p2
 port, dials the bootstrap peers through hivemind, reads the run's manifest from the DHT) and
 estimates where it cannot (memory: train/memory.py against what is free).
 
-Not checked (yet): whether the bootstrap can dial us back on the chosen port (it would need the
-bootstrap's help), and the clock's offset from the swarm's.
+The clock is compared with each bootstrap peer's (the DHT time in its answer to a DHT ping, any
+hivemind node answers it): DHT records and join tickets expire by wall-clock time.
+
+Not checked (yet): whether the bootstrap can dial us back on the chosen port. A dial-back needs a
+service on the bootstrap that opens a fresh connection to us; a ping back over the connection we
+opened proves nothing, and p2pd does not report libp2p's AutoNAT verdict.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import time
 import tomllib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -151,6 +156,49 @@ async def bootstrap_check(p2p, maddr: str, timeout: float) -> Check:
             )
         return Check(name, False, f"dial failed: {_first_line(text)}", fix)
     return Check(name, True, "answers (libp2p connection made, peer id verified)")
+
+
+# Seconds a clock may be off the bootstrap's, beyond the ping's own uncertainty: announcements
+# live peer.heartbeat_ttl (30 s) and are refreshed every third of it.
+CLOCK_TOLERANCE = 5.0
+CLOCK_FIX = (
+    "set this machine's clock from the network (timedatectl set-ntp true, or run chronyd or ntpd): "
+    "DHT records and join tickets expire by wall-clock time"
+)
+
+
+def clock_verdict(name: str, offset: float, uncertainty: float) -> Check:
+    """`offset`: the bootstrap's clock minus ours (s), measured within +- `uncertainty` (half the
+    ping's round trip)."""
+    if abs(offset) - uncertainty > CLOCK_TOLERANCE:
+        ahead = "behind" if offset > 0 else "ahead of"
+        return Check(name, False, f"this clock is {abs(offset):.1f} s {ahead} the bootstrap's", CLOCK_FIX)
+    return Check(name, True, f"within {abs(offset) + uncertainty:.2f} s of the bootstrap's")
+
+
+async def clock_check(p2p, maddr: str, timeout: float) -> Check:
+    """Our clock against the DHT time a bootstrap peer reports in its answer to a DHT ping."""
+    from hivemind.dht.protocol import DHTProtocol
+    from hivemind.p2p import PeerID
+    from hivemind.proto import dht_pb2
+    from hivemind.utils.multiaddr import Multiaddr
+
+    name = f"clock vs {maddr}"
+    peer_id = PeerID.from_base58(Multiaddr(maddr).value_for_protocol("p2p"))
+    stub = super(DHTProtocol, DHTProtocol).get_stub(p2p, peer_id)  # the DHT's own RPC, any hivemind node
+    sent = time.time()
+    try:
+        async with asyncio.timeout(timeout):
+            response = await stub.rpc_ping(dht_pb2.PingRequest(validate=False))
+    except Exception as e:  # noqa: BLE001  (a node that is no DHT node answers with many kinds of error)
+        return Check(
+            name,
+            False,
+            f"the bootstrap did not answer a DHT ping: {_first_line(str(e)) or type(e).__name__}",
+            "the bootstrap answers libp2p but is no DHT node: use the address noloco dht (or a peer) prints",
+        )
+    back = time.time()
+    return clock_verdict(name, response.dht_time - (sent + back) / 2, (back - sent) / 2)
 
 
 async def identity_check(path: str, initial_peers: Sequence[str]) -> Check:
@@ -338,9 +386,12 @@ async def _network_checks(cfg: RunConfig, timeout: float) -> list[Check]:
         async with asyncio.TaskGroup() as group:
             dials = [group.create_task(bootstrap_check(p2p, m, timeout)) for m in cfg.network.initial_peers]
         checks += [d.result() for d in dials]
+        answered = [m for m, c in zip(cfg.network.initial_peers, checks[1:], strict=True) if c.ok]
+        async with asyncio.TaskGroup() as group:
+            clocks = [group.create_task(clock_check(p2p, m, timeout)) for m in answered]
+        checks += [c.result() for c in clocks]
     finally:
         await p2p.shutdown()
-    answered = [m for m, c in zip(cfg.network.initial_peers, checks[1:], strict=True) if c.ok]
     identity = cfg.network.identity_path
     if identity and Path(identity).exists() and answered:
         checks.append(await identity_check(identity, answered))

@@ -86,6 +86,7 @@ def test_a_healthy_setup_passes_and_a_used_identity_fails(cache, tmp_path) -> No
         "config",
         "p2pd",
         f"bootstrap {bootstrap}",
+        f"clock vs {bootstrap}",  # the bootstrap's DHT time, measured over a real DHT ping
         f"port {port}",
         "run doctor-test",
         "memory",

@@ -66,3 +66,14 @@ def test_a_config_join_would_refuse_fails_the_config_check() -> None:
         "method allreduce (set by --method) runs only in the simulator"
     )
     assert config_check([]).ok
+
+
+def test_a_clock_off_the_bootstrap_s_beyond_the_ping_s_uncertainty_fails_with_a_fix() -> None:
+    from noloco_swarm.cli.doctor import CLOCK_TOLERANCE, clock_verdict
+
+    assert clock_verdict("clock", 0.3, 0.01).ok
+    assert clock_verdict("clock", -CLOCK_TOLERANCE - 0.5, 1.0).ok  # the ping cannot tell
+    behind = clock_verdict("clock", 42.0, 0.01)
+    ahead = clock_verdict("clock", -42.0, 0.01)
+    assert not behind.ok and "42.0 s behind the bootstrap's" in behind.detail and "ntp" in behind.fix
+    assert not ahead.ok and "42.0 s ahead of the bootstrap's" in ahead.detail
