@@ -13,6 +13,7 @@ import math
 import time
 from dataclasses import dataclass, field, replace
 
+from rich import box
 from rich.console import Console, Group, RenderableType
 from rich.live import Live
 from rich.table import Table
@@ -94,31 +95,26 @@ def render_swarm(status: SwarmStatus) -> RenderableType:
         "gone",
         f"{status.gone} reported" + (f", {status.malformed} malformed records" if status.malformed else ""),
     )
-    table = Table(expand=False)
-    for column in ("stage", "rank", "peer", "step", "round", "joined", "outer", "tokens", "loss", "device"):
-        table.add_column(column, no_wrap=column != "step")
+    # No vertical rules and no wrapping: the ten columns fit an 80-column terminal. Why a peer did
+    # not answer goes below the table, where it cannot squeeze a column.
+    table = Table(expand=False, box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    for column in ("stage", "rank", "peer", "step", "round", "joined", "outer", "tokens", "loss", "dev"):
+        table.add_column(column, no_wrap=True)
+    silent = []
     for p in sorted(status.peers, key=lambda p: (p.stage, p.status.rank if p.status else 1 << 30, p.peer_id)):
         s = p.status
         if s is None:
             table.add_row(
-                str(p.stage),
-                "-",
-                _short(p.peer_id),
-                Text(f"no answer: {p.error}"[:60]),
-                "",
-                str(p.joined_round),
-                "",
-                "",
-                "",
-                p.device,
+                str(p.stage), "-", _short(p.peer_id), "?", "", str(p.joined_round), "", "", "", p.device
             )
+            silent.append(Text(f"{_short(p.peer_id)}: no answer: {p.error}"[:200]))
             continue
         loss = "-" if s.loss is None else f"{s.loss:.3f}"
         table.add_row(
             str(p.stage), str(s.rank), _short(p.peer_id), str(s.step), str(s.round), str(p.joined_round),
             str(s.outer_steps), f"{s.tokens:,}", loss, p.device,
         )  # fmt: skip
-    return Group(head, table)
+    return Group(head, table, *silent)
 
 
 async def look(transport: Transport, directory: RunDirectory) -> SwarmStatus:

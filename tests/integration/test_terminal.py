@@ -32,7 +32,8 @@ HINT = re.compile(r"noloco status --run-id (\S+) --initial-peers (\S+)")
 
 
 class Terminal:
-    """A private tmux server (its own socket) whose windows run our commands in a 150x60 terminal."""
+    """A private tmux server (its own socket) whose windows run our commands, each in a terminal of
+    80 columns and 40 rows."""
 
     def __init__(self, name: str, env: dict[str, str]) -> None:
         self.socket, self.env = name, env
@@ -50,22 +51,9 @@ class Terminal:
         command = " ".join(argv) + "; echo EXITED $?; sleep 3600"
         env = [a for k, v in self.env.items() for a in ("-e", f"{k}={v}")]
         if not self.windows:
-            self.tmux(
-                "new-session",
-                "-d",
-                "-s",
-                "t",
-                "-n",
-                window,
-                "-x",
-                "150",
-                "-y",
-                "60",
-                "-c",
-                str(ROOT),
-                *env,
-                command,
-            )
+            size = ["-x", "80", "-y", "40"]
+            self.tmux("new-session", "-d", "-s", "t", "-n", window, *size, "-c", str(ROOT), *env, command)
+            self.tmux("set-option", "-t", "t", "default-size", "80x40")  # and the windows opened later
         else:
             self.tmux("new-window", "-t", "t", "-n", window, "-c", str(ROOT), *env, command)
         self.windows.append(window)

@@ -156,6 +156,10 @@ def test_swarm_status_view_is_a_pure_function_of_the_snapshot() -> None:
     ):
         assert expected in out, expected
     assert "no manifest" in text(SwarmStatus("gone-run", found=False))
+    narrow = Console(width=80, color_system=None, record=True, file=io.StringIO())
+    narrow.print(render_swarm(snap))
+    rows = [line.split() for line in narrow.export_text().splitlines() if "…1111" in line or "…2222" in line]
+    assert [r[3] for r in rows] == ["41", "40"]  # every column, step included, in 80 columns
 
 
 def test_presets_and_keys_commands(capsys: pytest.CaptureFixture[str]) -> None:
