@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from noloco_swarm.data.config import DataConfig
+from noloco_swarm.data.config import EMBEDDED, MAX_EMBEDDED_VOCAB, DataConfig
 from noloco_swarm.model.presets import ModelConfig, get_preset
 from noloco_swarm.protocol.config import InnerConfig, OuterConfig, WireConfig
 
@@ -242,9 +242,15 @@ class RunConfig:
             "warmup_steps": model_cfg.warmup_steps,
             "total_steps": model_cfg.total_steps,
         }
-        data_cfg = DataConfig(
-            **{"seq_len": model_cfg.seq_len, "vocab_size": model_cfg.vocab_size, **(data or {})}
-        )
+        fields = {"seq_len": model_cfg.seq_len, "vocab_size": model_cfg.vocab_size, **(data or {})}
+        if fields.get("tokenizer", EMBEDDED) == EMBEDDED and fields["vocab_size"] > MAX_EMBEDDED_VOCAB:
+            raise ValueError(
+                f"the {model_cfg.name} preset's vocabulary ({model_cfg.vocab_size:,} tokens) is a Llama "
+                f"tokenizer's, and the embedded corpus's tokenizer makes at most {MAX_EMBEDDED_VOCAB:,}: "
+                "train it on the embedded corpus with --set model.vocab_size=4096, or give a tokenizer "
+                "of that size with --set data.tokenizer=NAME_OR_PATH"
+            )
+        data_cfg = DataConfig(**fields)
         return cls(
             model=model_cfg,
             data=data_cfg,

@@ -1,4 +1,7 @@
-"""`noloco local` as a user runs it: real peers, Ctrl-C stops everything, nothing is left behind."""
+"""`noloco local` as a user runs it: real peers, and a killed launcher leaves nothing behind.
+
+(Ctrl-C in a real terminal is tests/integration/test_terminal.py; a whole run to its summary and
+charts, tests/integration/test_plot.py.)"""
 
 from __future__ import annotations
 
@@ -14,7 +17,6 @@ from pathlib import Path
 
 import pytest
 
-from noloco_swarm.peer.events import Final, of_kind, read
 from tests.integration.helpers import alive, descendants, p2pd_descendants
 from tests.small import SMALL_RUN
 
@@ -50,25 +52,6 @@ def wait_for_a_step(proc: subprocess.Popen[str], timeout: float = 180) -> None:
         seen.append(proc.stdout.readline())  # type: ignore[union-attr]
 
 
-def test_ctrl_c_stops_the_swarm_cleanly(cache: Path) -> None:
-    before_dirs, before_daemons = local_dirs(), p2pd_descendants()
-    proc = start_local("--steps", "1000")
-    try:
-        wait_for_a_step(proc)
-        assert p2pd_descendants(proc.pid), "the peers should be running their daemons"
-        proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 130, out
-    assert "summary (interrupted)" in out
-    assert not descendants(proc.pid)
-    assert p2pd_descendants() <= before_daemons
-    assert local_dirs() <= before_dirs, "noloco local left its temporary folder behind"
-
-
 def test_a_killed_launcher_takes_its_peers_and_their_daemons_with_it(cache: Path) -> None:
     """`noloco local` SIGKILLed (an OOM kill, a CI runner's timeout) cannot end its peers itself:
     each peer learns from the kernel that its parent died and stops at once, with its p2pd and
@@ -96,33 +79,3 @@ def test_a_killed_launcher_takes_its_peers_and_their_daemons_with_it(cache: Path
             os.kill(pid, signal.SIGKILL)
         for folder in local_dirs() - before_dirs:  # a killed launcher cannot remove its own
             shutil.rmtree(folder, ignore_errors=True)
-
-
-def test_local_swarm_run_to_the_end(cache: Path, tmp_path: Path) -> None:
-    argv = [
-        sys.executable,
-        "-m",
-        "noloco_swarm.cli.main",
-        "local",
-        "--plain",
-        "--replicas",
-        "2",
-        "--steps",
-        "6",
-        *SMALL_RUN,
-    ]
-    argv += ["--set", "outer.inner_steps=3", "--keep", str(tmp_path / "run")]
-    done = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=400)
-    assert done.returncode == 0, done.stdout + done.stderr
-    for expected in (
-        "validation perplexity",
-        "tokens/s",
-        "bytes per outer step per peer",
-        "stage 1 replica 1 state",
-    ):
-        assert expected in done.stdout, expected
-    metrics = sorted(p.name for p in (tmp_path / "run").glob("peer-*.jsonl"))
-    assert metrics == ["peer-0-0.jsonl", "peer-0-1.jsonl", "peer-1-0.jsonl", "peer-1-1.jsonl"]
-    # The kept metrics are typed events: each peer's file reads back with its one final summary.
-    finals = [of_kind(read(tmp_path / "run" / name), Final) for name in metrics]
-    assert [[f.steps for f in peer] for peer in finals] == [[6]] * 4

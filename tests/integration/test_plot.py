@@ -1,4 +1,5 @@
-"""`noloco plot` on the folder a real short `noloco local --keep` run wrote: valid PNGs of every chart."""
+"""A short `noloco local --keep --plot` run to its summary, and `noloco plot` on the folder it
+wrote: valid PNGs of every chart."""
 
 from __future__ import annotations
 
@@ -29,10 +30,18 @@ def test_plot_a_local_runs_folder(cache: Path, tmp_path: Path) -> None:
         *SMALL_RUN, timeout=600,
     )  # fmt: skip
     assert local.returncode == 0, local.stdout + local.stderr
+    for expected in (  # the run's summary
+        "validation perplexity",
+        "tokens/s",
+        "bytes per outer step per peer",
+        "stage 1 replica 1 state",
+    ):
+        assert expected in local.stdout, expected
     check_charts(run_dir / "plots", local.stdout)  # noloco local --plot drew them at the end
     files = sorted(run_dir.glob("*.jsonl"))
-    assert len(files) == 4
-    assert all(of_kind(read(f), Final) for f in files)
+    assert [f.name for f in files] == ["peer-0-0.jsonl", "peer-0-1.jsonl", "peer-1-0.jsonl", "peer-1-1.jsonl"]
+    # The kept metrics are typed events: each peer's file reads back with its one final summary.
+    assert [[f.steps for f in of_kind(read(f), Final)] for f in files] == [[STEPS]] * 4
     peers = load(run_dir)
     assert sorted(p.name for p in peers) == [f"stage {s} replica {r}" for s in (0, 1) for r in (0, 1)]
     assert all(len(p.steps) == STEPS and len(p.outers) == 2 for p in peers)

@@ -1,6 +1,8 @@
 """The live views in a real terminal: `noloco local`, `noloco status` and a late joiner's own
 `noloco join` panel, each in a tmux window, against one live swarm; the screens are captured and
-read as a user would read them."""
+read as a user would read them. Ctrl-C then stops each as a user would: the joiner leaves at a
+boundary, and `noloco local` stops its whole swarm, removes its temporary folder and leaves no
+process behind."""
 
 from __future__ import annotations
 
@@ -106,7 +108,7 @@ def test_local_status_and_a_joiner_s_panel_in_a_real_terminal(cache: Path, tmp_p
     env = {"NOLOCO_CACHE": str(cache), "PYTHONPATH": os.environ.get("PYTHONPATH", str(ROOT))}
     term = Terminal(f"noloco-test-{os.getpid()}", env)
     try:
-        term.open("local", noloco("local", *RUN, "--keep", str(tmp_path / "run")))
+        term.open("local", noloco("local", *RUN))
         hint = HINT.search(term.wait_for("local", HINT.search, "status hint"))
         assert hint is not None
         run_id, bootstrap = hint.groups()
@@ -116,6 +118,8 @@ def test_local_status_and_a_joiner_s_panel_in_a_real_terminal(cache: Path, tmp_p
         n = max(steps_shown(first))
         later = term.wait_for("local", lambda s: max(steps_shown(s), default=0) > n, "later step")
         assert "local swarm 2 stages x 2 replicas" in later
+        workdir = re.search(r"logs and metrics in\s+(\S+)\s+\(removed at exit", later)
+        assert workdir is not None and Path(workdir[1]).is_dir(), later
         rows = re.findall(r"^│ ([01])\s+│ ([01])\s+│", later, re.MULTILINE)
         assert sorted(set(rows)) == [("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")], later
 
@@ -152,6 +156,7 @@ def test_local_status_and_a_joiner_s_panel_in_a_real_terminal(cache: Path, tmp_p
         term.keys("local", "C-c")
         ended = term.wait_for("local", lambda s: "EXITED" in s, "local's exit", timeout=120)
         assert "summary (interrupted)" in ended and "EXITED 130" in ended, ended
+        assert not Path(workdir[1]).exists(), "noloco local left its temporary folder behind"
         assert "EXITED" in term.wait_for("status", lambda s: "EXITED" in s, "status's exit", timeout=60)
         deadline = time.monotonic() + 30  # every peer, daemon and DHT process ended with its command
         while term.leftovers() and time.monotonic() < deadline:

@@ -53,6 +53,7 @@ def no_noloco_set(monkeypatch: pytest.MonkeyPatch) -> None:
         ([*JOIN, "--set", "peer.step_timeout=-1"], "", "", "peer.step_timeout must be > 0"),
         (["local"], "", 'preset = "huge"\n', "unknown model preset 'huge'"),
         (["local", "--set", "noequals"], "", "", "expected key=value"),
+        ([*JOIN, "--preset", "small"], "", "", "with --set model.vocab_size=4096"),
     ],
 )
 def test_bad_keys_and_values_exit_2_and_say_what_to_change(
