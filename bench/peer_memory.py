@@ -15,7 +15,7 @@ Per peer it reports:
   peak - idle    what training adds, over the formula
 and the exchange's seconds and bytes and the mean inner step, from the peers' own events.
 
-    python bench/peer_memory.py --out docs/results/peer_memory.json
+    python bench/peer_memory.py --out docs/results/peer_memory.json     # map, trim and off side by side
     python bench/peer_memory.py --preset tiny --steps 6 --inner-steps 3      # a quick look
 """
 
@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import threading
 import time
 from pathlib import Path
@@ -31,6 +32,7 @@ from pathlib import Path
 from noloco_swarm.cli.options import build_config
 from noloco_swarm.cli.swarm import local_swarm, wait
 from noloco_swarm.peer.events import Outer, Started, Step, of_kind
+from noloco_swarm.train.config import RunConfig
 from noloco_swarm.train.memory import estimate
 
 MIB = 2**20
@@ -102,7 +104,9 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--batch-size", type=int, default=2)
     ap.add_argument("--set", action="append", default=[], help="more config keys, KEY=VALUE")
+    ap.add_argument("--modes", default="map,trim,off", help="peer.release_memory values to run side by side")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--timeline", type=Path, default=None, help="write every sample and event time here")
     args = ap.parse_args()
     assignments = {
         "num_stages": str(args.stages),
@@ -114,9 +118,30 @@ def main() -> None:
         **({"model.vocab_size": "4096"} if args.preset != "tiny" else {}),
         **dict(kv.split("=", 1) for kv in args.set),
     }
-    cfg = build_config(args.preset, "noloco", assignments=assignments, env={})
+    results = {}
+    for mode in args.modes.split(","):
+        cfg = build_config(
+            args.preset, "noloco", assignments={**assignments, "peer.release_memory": mode}, env={}
+        )
+        print(f"peer.release_memory = {mode}:")
+        results[mode] = measure(cfg, args, f"{args.timeline}.{mode}" if args.timeline else None)
+    result = {
+        "command": "python bench/peer_memory.py " + " ".join(sys.argv[1:]),
+        "preset": args.preset,
+        "assignments": assignments,
+        "by_release_memory": results,
+    }
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+def measure(cfg: RunConfig, args: argparse.Namespace, timeline: str | None) -> list[dict]:
+    """Run the swarm once and sample it; one row of figures per peer."""
     formula = {s: estimate(cfg, s).state for s in range(cfg.num_stages)}  # 6 x 4 bytes x parameters
-    with local_swarm(cfg, args.steps, step_timeout=600) as swarm:
+    # peer.* keys are each peer's own (not in the run config its launcher hands it): through its
+    # environment, as a volunteer would set them.
+    env = {"NOLOCO_SET": f"peer.release_memory={cfg.peer.release_memory}"}
+    with local_swarm(cfg, args.steps, step_timeout=600, peer_env=lambda stage, replica: env) as swarm:
         sampler = Sampler([p.proc.pid for p in swarm.peers])
         try:
             wait(swarm, timeout=3600)
@@ -133,10 +158,10 @@ def main() -> None:
         step_end = {s.step: s.time for s in steps}
         windows = [(step_end.get(o.step, o.time - o.seconds), o.time) for o in outers]
         in_exchange = [m for t, m, _ in samples if any(a <= t <= b for a, b in windows)]
-        # Idle: before the peer built its model (its Started event comes after the stage is known,
-        # before the replica exists); the other processes at their peak.
+        # Idle: the last sample before the peer builds its model (its Started event comes once its
+        # daemon, DHT node and stage are up, before the replica exists); the others at their peak.
         before = [m for t, m, _ in samples if started is not None and t <= started.time]
-        idle = min(before) if before else min(m for _, m, _ in samples)
+        idle = before[-1] if before else min(m for _, m, _ in samples)
         peak = max(m for _, m, _ in samples)
         others = max(o for _, _, o in samples)
         f = formula[stage]
@@ -163,17 +188,6 @@ def main() -> None:
                 "samples": len(samples),
             }
         )
-    result = {
-        "command": "python bench/peer_memory.py "
-        + " ".join(
-            f"--{k.replace('_', '-')} {v}"
-            for k, v in vars(args).items()
-            if k not in ("out", "set") and v is not None
-        ),
-        "preset": args.preset,
-        "assignments": assignments,
-        "peers": rows,
-    }
     for r in rows:
         print(
             f"stage {r['stage']} replica {r['replica']}: formula {r['formula_mib']:.0f} MiB; main peak "
@@ -183,8 +197,19 @@ def main() -> None:
             f"training adds {r['training_over_formula']:.2f}x; exchanges {', '.join(f'{x:.1f}' for x in r['exchange_seconds'])} s, "
             f"{', '.join(f'{x:.0f}' for x in r['exchange_sent_mib'])} MiB sent; step {r['inner_step_seconds']:.2f} s"
         )
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    if timeline:  # every sample and event time of each peer, for a closer look
+        Path(timeline).write_text(
+            json.dumps(
+                {
+                    f"{stage}-{replica}": {
+                        "samples": [(t, m / MIB, o / MIB) for t, m, o in sampler.samples[pid]],
+                        "events": [(e.time, e.KIND, getattr(e, "step", None)) for e in events[pid]],
+                    }
+                    for stage, replica, pid in peers
+                }
+            )
+        )
+    return rows
 
 
 if __name__ == "__main__":

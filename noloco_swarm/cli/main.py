@@ -332,10 +332,11 @@ def _join(args: argparse.Namespace) -> int:
     if args.print_config:
         return _print_config(resolved, "join")
     from noloco_swarm.cli.join import run_join
-    from noloco_swarm.peer.lifetime import die_with_parent
+    from noloco_swarm.peer.lifetime import die_with_parent, release_memory
 
     if args.die_with_parent:
         die_with_parent()
+    release_memory(cfg.peer.release_memory)  # before the model and its state exist
     if cfg.peer.device == "cuda":
         import torch
 

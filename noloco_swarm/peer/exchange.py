@@ -67,6 +67,9 @@ Tensors = tuple[torch.Tensor, ...]
 CALL_ATTEMPTS = 3  # calls of one exchange whose stream broke, while the partner answers probes
 # Failed slots a caller's implausible weights may create before the local peer asked for them.
 REJECTED_SLOTS = 16
+# Seconds a callee waits for the caller's receipt of its answer; without one it keeps the answer
+# (for a call again) until a newer exchange.
+RECEIPT_WAIT = 10.0
 
 
 class Avoided(Exception):
@@ -90,8 +93,10 @@ class ExchangeBoard:
         # What each caller sent per (key, peer); None marks a slot already delivered (replays refused).
         self._received: dict[tuple[Key, str], asyncio.Future[Tensors] | None] = {}
         # What we sent each caller in a completed exchange, for a caller whose stream broke before
-        # our answer reached it and that calls again: it gets the same answer (copied once the
-        # exchange is finished here, since our weights then change). Kept until a newer exchange.
+        # our answer reached it and that calls again: it gets the same answer. Kept until the
+        # caller's receipt says it has our answer (streams.receipt) or a newer exchange starts:
+        # in a healthy exchange it is gone a round trip after the call, not held all round.
+        # (Held, not copied: what we provide is never changed in place, see `provide`.)
         self._served: dict[tuple[Key, str], Tensors] = {}
         self._tasks: dict[Key, set[asyncio.Task[object]]] = {}
         self._serving: set[tuple[Key, str]] = set()  # (key, caller) of calls being served now
@@ -103,8 +108,9 @@ class ExchangeBoard:
 
     def provide(self, key: Key, tensors: torch.Tensor | Tensors, *, to: str | None = None) -> None:
         """Offer our flat weights for exchange `key` to every partner that calls for it (or only
-        to `to`). Sent in place: do not modify them until `forget(key)` or a newer key is provided;
-        both abort streams still sending them, so no partner accepts a torn tensor."""
+        to `to`). Sent and kept in place, never copied: they must not change afterwards (theta is
+        a snapshot taken at the boundary; phi, sent only in the two-tensor form, is replaced by
+        that step, never changed in place; all-reduce shards are the exchange's own)."""
         if self._retired is not None and key <= self._retired:
             raise ValueError(f"exchange {key} is not newer than the last finished one, {self._retired}")
         for old in self._keys():
@@ -147,8 +153,6 @@ class ExchangeBoard:
     def forget(self, key: Key) -> None:
         """Finish exchange `key`: drop our tensors and partners', abort its streams, fail its waiters."""
         self._retired = max(key, self._retired or key)
-        for slot in [s for s in self._served if s[0] == key]:
-            self._served[slot] = tuple(t.clone() for t in self._served[slot])  # ours may change now
         self._provided.pop(key, None)
         for slot in [s for s in self._provided_to if s[0] == key]:
             del self._provided_to[slot]
@@ -188,7 +192,8 @@ class ExchangeBoard:
             raise MessageError(f"{VERB} needs an exchange header, got {header.TAG!r}")
         key, slot = header.key, (header.key, stream.peer)
         if (kept := self._served.get(slot)) is not None:  # it lost our answer: the same again
-            await self._duplex(stream, envelope, lambda: _given(kept), key)
+            _, _, confirmed = await self._duplex(stream, envelope, lambda: _given(kept), key)
+            await self._release_on_receipt(stream, slot, kept, confirmed)
             return
         if self.avoidance.avoided(stream.peer, header.step):
             raise Refused(
@@ -205,7 +210,9 @@ class ExchangeBoard:
         self._tasks.setdefault(key, set()).add(task)
         self._serving.add(slot)
         try:
-            theirs, ours = await self._duplex(stream, envelope, lambda: self._ours(key, stream.peer), key)
+            theirs, ours, confirmed = await self._duplex(
+                stream, envelope, lambda: self._ours(key, stream.peer), key
+            )
         except BaseException as e:
             future = self._received.get(slot)
             # A broken stream may be only this stream: the caller probes us and calls again, and
@@ -231,6 +238,14 @@ class ExchangeBoard:
         future = self._received.setdefault(slot, asyncio.get_running_loop().create_future())
         if future is not None and not future.done():
             future.set_result(theirs)
+        await self._release_on_receipt(stream, slot, ours, confirmed)
+
+    async def _release_on_receipt(
+        self, stream: InboundStream, slot: tuple[Key, str], ours: Tensors, confirmed: bool
+    ) -> None:
+        """Forget the answer kept for `slot` once the caller says it has it (see `_served`)."""
+        if confirmed and await streams.receipt(stream, RECEIPT_WAIT) and self._served.get(slot) is ours:
+            del self._served[slot]
 
     async def _duplex(
         self,
@@ -238,8 +253,9 @@ class ExchangeBoard:
         envelope: Envelope,
         ours_when_ready: Callable[[], Awaitable[Tensors]],
         key: Key,
-    ) -> tuple[Tensors, Tensors]:
-        """(theirs, ours): read the caller's tensors while ours become ready, then send ours."""
+    ) -> tuple[Tensors, Tensors, bool]:
+        """(theirs, ours, confirmed): read the caller's tensors while ours become ready, then send
+        ours; `confirmed`: we told the caller we have all of its tensors (it then sends a receipt)."""
         part = self.transport.config.part_bytes
         receiving = asyncio.create_task(
             streams.read_tensors(
@@ -265,10 +281,12 @@ class ExchangeBoard:
             # The caller's call ends at this confirmation, not at our reply. Both directions
             # are complete here: if the confirmation is lost, the caller calls again and gets
             # the same answer (kept in `_served`), so this side counts as done either way.
+            confirmed = False
             if not failpoints.fire("close_unconfirmed", VERB):
                 with contextlib.suppress(OSError):
                     await streams.confirm(stream)
-            return theirs, ours
+                    confirmed = True
+            return theirs, ours, confirmed
         finally:
             receiving.cancel()
             await asyncio.gather(receiving, return_exceptions=True)

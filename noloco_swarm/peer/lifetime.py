@@ -110,3 +110,34 @@ class DHT(hivemind.DHT):
     def run(self) -> None:  # runs in the forked child
         exit_when_orphaned()
         super().run()
+
+
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+MAP_THRESHOLD = 1152 * 1024  # just above the transport's 1 MiB parts, which stay in the heap
+
+
+def _glibc() -> ctypes.CDLL | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt, libc.malloc_trim  # noqa: B018  (musl and others lack them: nothing to tune)
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+def release_memory(mode: str) -> bool:
+    """Set up how this process hands freed memory back (peer.release_memory): `map` gives blocks
+    of MAP_THRESHOLD and more their own mapping. False where there is nothing to set."""
+    libc = _glibc()
+    if mode != "map" or libc is None:
+        return False
+    return bool(libc.mallopt(M_MMAP_THRESHOLD, MAP_THRESHOLD))
+
+
+def trim_heap() -> None:
+    """Hand the heap's free pages back to the system now (peer.release_memory = trim)."""
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)

@@ -22,8 +22,8 @@ import torch
 from noloco_swarm.peer import events
 from noloco_swarm.peer.context import PeerContext
 from noloco_swarm.peer.exchange import ByteLedger, ExchangeBoard, OuterExchange
-from noloco_swarm.protocol import plausible
 from noloco_swarm.protocol.plan import outer_plan
+from noloco_swarm.protocol.plausible import SLICE
 
 
 class OuterSteps:
@@ -44,8 +44,7 @@ class OuterSteps:
         if self.ctx.cfg.outer.overlap_steps > 0:
             self.pending = await start_outer_step(self.ctx, self.board, self.ledger, self.drift)
         else:
-            phi = self.ctx.replica.phi  # replaced, not changed, by the step
-            self._record(await take_outer_step(self.ctx, self.board, self.ledger, self.drift), phi)
+            self._record(await take_outer_step(self.ctx, self.board, self.ledger, self.drift))
 
     async def finish(self, *, due_only: bool = False) -> None:
         """Apply the overlapped step under way, if any (waiting for its exchange); with
@@ -53,10 +52,9 @@ class OuterSteps:
         pending = self.pending
         if pending is None or (due_only and self.ctx.step < pending.apply_at):
             return
-        phi = self.ctx.replica.phi  # replaced, not changed, by the step
         outer = await finish_outer_step(pending)
         self.pending = None
-        self._record(outer, phi)
+        self._record(outer)
 
     async def abandon(self) -> None:
         """Drop the step under way (the peer was excluded, failed or is stopped)."""
@@ -64,11 +62,11 @@ class OuterSteps:
             pending, self.pending = self.pending, None
             await pending.abandon()
 
-    def _record(self, outer: events.Outer, phi_before: torch.Tensor) -> None:
+    def _record(self, outer: events.Outer) -> None:
         self.taken += 1
         self.dropped_partners += len(outer.failed)
         if outer.partners and len(outer.failed) == len(outer.partners):  # it stepped alone
-            self.drift += plausible.distance(self.ctx.replica.phi, phi_before)
+            self.drift += self.ctx.replica.moved
         else:
             self.drift = 0.0
         self.ctx.events.emit(outer)
@@ -155,7 +153,7 @@ async def finish_outer_step(pending: PendingOuter) -> events.Outer:
     )
 
 
-_CHUNK = 1 << 20  # weights per float64 slice: no copy the size of the stage
+_CHUNK = SLICE  # weights per float64 slice: no copy the size of the stage
 
 
 def group_spread(thetas: Mapping[int, torch.Tensor], rank: int) -> float:

@@ -35,6 +35,7 @@ from noloco_swarm.peer.evaluation import Evaluation
 from noloco_swarm.peer.exchange import ByteLedger, ExchangeBoard
 from noloco_swarm.peer.inner import InnerSteps
 from noloco_swarm.peer.joining import Joining
+from noloco_swarm.peer.lifetime import trim_heap
 from noloco_swarm.peer.outer_steps import OuterSteps
 from noloco_swarm.peer.resume import Resume, SwarmMovedOn
 from noloco_swarm.peer.rounds import DHT_ERRORS, PeerExcluded, Rounds, raise_if_left_behind
@@ -182,6 +183,8 @@ class Peer:
             lr = ctx.replica.lr_at(t)
             loss = await self.inner.run(t)
             await asyncio.to_thread(ctx.replica.optimizer_step, lr)
+            if ctx.cfg.peer.release_memory == "trim":  # the step's freed activations and gradients
+                await asyncio.to_thread(trim_heap)
             ctx.step = t + 1
             self.last_loss = loss
             if ctx.is_first:

@@ -23,7 +23,7 @@ import math
 import os
 import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 
 import torch
@@ -160,8 +160,12 @@ async def call_frames(
     config: TransportConfig,
     expect: tuple[TensorMeta, ...] | None,
     confirmed: bool = False,
+    lost: Callable[[], bool] | None = None,
 ) -> tuple[Message, list[torch.Tensor]]:
     """Caller side: write our frame while reading the reply (full duplex); check it before allocating.
+
+    `lost` (a test's failpoint) is asked once the whole reply is in: True makes this call behave
+    as one whose reply never arrived (no receipt is sent; the caller then discards the reply).
 
     With `confirmed`, the remote replies while still reading our frame (`rpc_exchange`), and says
     when it has all of it with one more frame (`confirm`): only then is the call complete. Our
@@ -178,6 +182,14 @@ async def call_frames(
             _, ack = await _read_reply(peer, reader, counts, config, expect=())
             if not isinstance(ack, messages.Ack):
                 raise MessageError(f"expected the confirmation frame, got {ack.TAG!r}")
+        if lost is not None and lost():
+            return header, tensors
+        if confirmed:
+            # Our receipt: the remote then need not keep its answer for a call of ours again. A
+            # receipt that never arrives only makes it keep that answer longer.
+            receipt = Envelope(envelope.verb, messages.encode(messages.Ack(RECEIPT)), ())
+            with contextlib.suppress(OSError):
+                await write_frame(writer, receipt, [], part, counts)
         return header, tensors
     finally:
         sending.cancel()
@@ -211,9 +223,23 @@ async def reply(stream: InboundStream, header: Message, tensors: Sequence[torch.
     await write_frame(stream.writer, envelope, wire, stream.part_bytes, stream.counts)
 
 
+RECEIPT = "got your reply"  # the caller's last frame of a confirmed call (call_frames)
+
+
 async def confirm(stream: InboundStream) -> None:
     """Server side, after the reply: we have read all of the caller's frame (see call_frames)."""
     await reply(stream, messages.Ack("received"), ())
+
+
+async def receipt(stream: InboundStream, timeout: float) -> bool:
+    """Server side, after `confirm`: did the caller say it has all of our reply (within `timeout`)?"""
+    try:
+        async with asyncio.timeout(timeout):
+            envelope = await read_envelope(stream.reader, stream.counts)
+        header = open_envelope(envelope, 1 << 16)
+    except (TimeoutError, OSError, PeerUnavailable, MessageError, asyncio.IncompleteReadError):
+        return False
+    return isinstance(header, messages.Ack) and header.note == RECEIPT and not envelope.tensors
 
 
 async def refuse(stream: InboundStream, code: str, reason: str, linger: float = REFUSAL_DEADLINE) -> None:

@@ -272,16 +272,23 @@ class Transport:
                 _, reader, writer = await self._p2p.call_binary_stream_handler(
                     PeerID.from_base58(peer), PROTOCOL
                 )
+                lost = False
+
+                def lose() -> bool:  # a test's failpoint: the whole reply came, and is lost here
+                    nonlocal lost
+                    lost = failpoints.fire("lose_reply", verb)
+                    return lost
+
                 try:
                     answer = await streams.call_frames(
-                        peer, reader, writer, envelope, wire, counts, self.config, expect, confirmed
+                        peer, reader, writer, envelope, wire, counts, self.config, expect, confirmed, lose
                     )
                 except TimeoutError:
                     raise
                 except (OSError, EOFError) as e:  # the stream broke (reset) after it opened
                     raise StreamClosed(f"the stream to {peer} for {verb} broke: {e}") from e
                 else:
-                    if failpoints.fire("lose_reply", verb):
+                    if lost:
                         raise StreamClosed(f"failpoint: {peer}'s reply to {verb} was discarded")
                     return answer
                 finally:

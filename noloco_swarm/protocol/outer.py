@@ -36,6 +36,7 @@ ascending rank, so every member of a group computes bit-identical means.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -117,12 +118,56 @@ def noloco_step_theta_only(
     phi: Params, delta: Params, thetas: Mapping[int, Params], *, alpha: float, beta: float
 ) -> OuterResult:
     """`delta = alpha*delta + beta*(mean_g(theta) - phi)`: exact when gamma == beta."""
+    if isinstance(phi, torch.Tensor) and isinstance(delta, torch.Tensor):
+        return _theta_only_flat(phi, delta, thetas, alpha=alpha, beta=beta)
     theta_mean = _as_list(group_mean(thetas))
     new_delta = _zip_map(
         lambda d, m, p: d * alpha + (m - p) * beta, _as_list(delta), theta_mean, _as_list(phi)
     )
     new_phi = _zip_map(torch.add, _as_list(phi), new_delta)
     return OuterResult(phi=_like(phi, new_phi), delta=_like(delta, new_delta))
+
+
+SLICE = 1 << 17  # elements per slice of a flat step: temporaries of 0.5-1 MiB, reused from the heap
+
+
+def _theta_only_flat(
+    phi: torch.Tensor, delta: torch.Tensor, thetas: Mapping[int, torch.Tensor], *, alpha: float, beta: float
+) -> OuterResult:
+    """The one-tensor step on flat tensors into two new tensors (inputs unchanged); see
+    `noloco_step_flat_`, which this runs on copies."""
+    new_phi, new_delta = phi.clone(), delta.clone()
+    noloco_step_flat_(new_phi, new_delta, thetas, alpha=alpha, beta=beta)
+    return OuterResult(phi=new_phi, delta=new_delta)
+
+
+def noloco_step_flat_(
+    phi: torch.Tensor, delta: torch.Tensor, thetas: Mapping[int, torch.Tensor], *, alpha: float, beta: float
+) -> float:
+    """The one-tensor NoLoCo step on flat tensors, in place, slice by slice: element for element
+    the same operations in the same order as the general form (so the same bits), without its
+    whole-stage temporaries (the mean and three terms of the update: 4x the stage's weights).
+
+    `thetas` must not share memory with `phi` or `delta`. Returns how far phi moved, ||new delta||
+    summed in float64 (phi moves by exactly that vector up to one rounding per element)."""
+    ranks = sorted(thetas)
+    if not ranks:
+        raise ValueError("a group mean needs at least one member")
+    shapes = {tuple(t.shape) for t in (phi, delta, *thetas.values())}
+    if len(shapes) != 1 or phi.dim() != 1:
+        raise ValueError(f"flat tensors of one shape expected, got shapes {sorted(shapes)}")
+    moved = 0.0
+    for lo in range(0, phi.numel(), SLICE):
+        part = slice(lo, lo + SLICE)
+        mean = thetas[ranks[0]][part].clone()
+        for r in ranks[1:]:
+            mean.add_(thetas[r][part])
+        mean.div_(len(ranks))
+        step = delta[part] * alpha + (mean - phi[part]) * beta
+        delta[part] = step
+        phi[part].add_(step)
+        moved += float(step.double().square().sum())
+    return math.sqrt(moved)
 
 
 def noloco_step_two_tensor(

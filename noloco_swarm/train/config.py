@@ -22,6 +22,9 @@ from noloco_swarm.protocol.config import InnerConfig, OuterConfig, WireConfig
 EVENT_LOOPS = ("uvloop", "asyncio")
 
 
+RELEASE_MEMORY = ("map", "trim", "off")  # peer.release_memory; the first is the default
+
+
 @dataclass(frozen=True)
 class PeerConfig:
     """How one peer runs (not part of the run's identity, so not in the manifest)."""
@@ -65,6 +68,13 @@ class PeerConfig:
     """Outer steps between checkpoints."""
     checkpoint_keep: int = 3
     """Checkpoints kept; older ones are deleted after each write."""
+    release_memory: str = "map"
+    """How this peer process hands freed memory back to the system (glibc; a CPU peer's tensors
+    live in its heap). map: blocks of 1.125 MiB and more get their own mapping, returned when
+    freed, so the process tracks its live tensors instead of keeping heap fragments of step-sized
+    activations and gradients; trim: glibc's own placement, trimmed after every inner step
+    (malloc_trim); off: glibc's own behaviour. bench/peer_memory.py measures the three side by side
+    (docs/benchmarks.md: small preset, peak 1.34x, 1.5x and 1.85x of the 6 x 4 bytes state)."""
     event_loop: str = "uvloop"
     """The peer's asyncio event loop: uvloop (libuv-based, the default) or asyncio (the standard one)."""
     ticket: str | None = None
@@ -73,6 +83,10 @@ class PeerConfig:
     def __post_init__(self) -> None:
         if self.stage is not None and self.stage < 0:
             raise ValueError(f"peer.stage must be >= 0 or auto, got {self.stage}")
+        if self.release_memory not in RELEASE_MEMORY:
+            raise ValueError(
+                f"peer.release_memory must be one of {', '.join(RELEASE_MEMORY)}, got {self.release_memory!r}"
+            )
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"peer.device must be cpu or cuda, got {self.device!r}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:

@@ -17,6 +17,7 @@ import torch
 from noloco_swarm.model import Stage, build_stage, flat_params, load_flat_params_, state_hash
 from noloco_swarm.protocol import outer
 from noloco_swarm.protocol.clock import lr_at
+from noloco_swarm.protocol.plausible import distance
 from noloco_swarm.train.config import RunConfig
 
 
@@ -39,8 +40,11 @@ class StageReplica:
             weight_decay=inner.weight_decay,
             foreach=True,
         )
-        self.phi = flat_params(self.module)  # slow weights: the weights at the start of the round
-        self.delta = torch.zeros_like(self.phi)  # outer momentum
+        # Slow weights (the weights at the start of the round) and outer momentum. The one-tensor
+        # NoLoCo step changes both in place (no whole-stage temporaries); other steps replace them.
+        self.phi = flat_params(self.module)
+        self.delta = torch.zeros_like(self.phi)
+        self.moved = 0.0  # ||phi after - phi before|| of the last outer step
 
     def lr_at(self, step: int) -> float:
         inner = self.cfg.inner
@@ -83,6 +87,12 @@ class StageReplica:
         whose fast weights were `snapshot`, and the progress made since then is carried over."""
         o = self.cfg.outer
         thetas, phis = self._here(thetas), self._here(phis) if phis is not None else None
+        if o.gamma is None or o.gamma == o.outer_lr:  # the one-tensor form: phi and delta in place
+            self.moved = outer.noloco_step_flat_(
+                self.phi, self.delta, thetas, alpha=o.outer_momentum, beta=o.outer_lr
+            )
+            self._load(snapshot)
+            return
         res = outer.noloco_step(
             self.phi, self.delta, thetas, alpha=o.outer_momentum, beta=o.outer_lr, gamma=o.gamma, phis=phis
         )
@@ -111,8 +121,14 @@ class StageReplica:
         return {k: v.to(self.device) for k, v in tensors.items()}
 
     def _set(self, res: outer.OuterResult, snapshot: torch.Tensor | None = None) -> None:
+        """Take the step's new phi and delta (new tensors: the old ones are replaced, not changed)."""
         assert isinstance(res.phi, torch.Tensor) and isinstance(res.delta, torch.Tensor)
+        self.moved = distance(res.phi, self.phi)
         self.phi, self.delta = res.phi, res.delta
+        self._load(snapshot)
+
+    def _load(self, snapshot: torch.Tensor | None) -> None:
+        """The fast weights after an outer step, from the new phi."""
         if snapshot is None:  # theta = phi: the next round starts from the slow weights
             load_flat_params_(self.module, self.phi)
         else:  # overlapped: the steps trained since the boundary are kept on top of the new phi

@@ -54,6 +54,7 @@ def no_noloco_set(monkeypatch: pytest.MonkeyPatch) -> None:
         (["local"], "", 'preset = "huge"\n', "unknown model preset 'huge'"),
         (["local", "--set", "noequals"], "", "", "expected key=value"),
         ([*JOIN, "--preset", "small"], "", "", "with --set model.vocab_size=4096"),
+        ([*JOIN, "--set", "peer.release_memory=never"], "", "", "peer.release_memory must be one of"),
     ],
 )
 def test_bad_keys_and_values_exit_2_and_say_what_to_change(

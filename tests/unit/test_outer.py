@@ -147,3 +147,23 @@ def test_bad_inputs_raise() -> None:
         outer.noloco_step(phi, phi, {0: phi[:2]}, alpha=0.5, beta=0.7)
     with pytest.raises(ValueError, match="at least one"):
         outer.group_mean({})
+
+
+def test_the_flat_step_in_place_is_the_general_form_bit_for_bit() -> None:
+    """The peers' and the simulator's step (flat tensors, in place, slice by slice) equals the
+    general per-parameter form element for element, across slice edges, and says how far phi moved."""
+    g = torch.Generator().manual_seed(3)
+    n = 2 * outer.SLICE + 777
+    phi, delta = torch.randn(n, generator=g), torch.randn(n, generator=g) * 0.01
+    thetas = {r: phi + torch.randn(n, generator=g) * 0.02 for r in (4, 1, 2)}
+    kept = {r: t.clone() for r, t in thetas.items()}
+    general = outer.noloco_step([phi], [delta], {r: [t] for r, t in thetas.items()}, alpha=0.5, beta=0.7)
+    flat = outer.noloco_step(phi, delta, thetas, alpha=0.5, beta=0.7)  # new tensors, inputs unchanged
+    new_phi, new_delta = phi.clone(), delta.clone()
+    moved = outer.noloco_step_flat_(new_phi, new_delta, thetas, alpha=0.5, beta=0.7)
+    for got in ((flat.phi, flat.delta), (new_phi, new_delta)):
+        assert torch.equal(got[0], general.phi[0]) and torch.equal(got[1], general.delta[0])
+    assert all(torch.equal(thetas[r], kept[r]) for r in thetas)
+    assert moved == pytest.approx(float((new_phi.double() - phi.double()).norm()), rel=1e-6)
+    with pytest.raises(ValueError, match="one shape"):
+        outer.noloco_step_flat_(phi.clone(), delta.clone(), {0: phi[:-1]}, alpha=0.5, beta=0.7)
