@@ -67,6 +67,22 @@ Handler = Callable[[str, Message, list[torch.Tensor]], Awaitable[tuple[Message, 
 StreamHandler = Callable[[InboundStream, Message, Envelope], Awaitable[None]]
 
 
+class _LostReply:
+    """A test's `lose_reply` failpoint for one call, asked once its whole reply is in: the call
+    then ends as one whose reply never came (no receipt sent; the reply discarded)."""
+
+    def __init__(self, verb: str) -> None:
+        self.verb, self.lost = verb, False
+
+    def __call__(self) -> bool:
+        self.lost = failpoints.fire("lose_reply", self.verb)
+        return self.lost
+
+    def raise_if_lost(self, peer: str) -> None:
+        if self.lost:
+            raise StreamClosed(f"failpoint: {peer}'s reply to {self.verb} was discarded")
+
+
 class Transport:
     """Async request/response of (header, tensors) with other peers over one hivemind P2P."""
 
@@ -272,13 +288,7 @@ class Transport:
                 _, reader, writer = await self._p2p.call_binary_stream_handler(
                     PeerID.from_base58(peer), PROTOCOL
                 )
-                lost = False
-
-                def lose() -> bool:  # a test's failpoint: the whole reply came, and is lost here
-                    nonlocal lost
-                    lost = failpoints.fire("lose_reply", verb)
-                    return lost
-
+                lose = _LostReply(verb)
                 try:
                     answer = await streams.call_frames(
                         peer, reader, writer, envelope, wire, counts, self.config, expect, confirmed, lose
@@ -288,8 +298,7 @@ class Transport:
                 except (OSError, EOFError) as e:  # the stream broke (reset) after it opened
                     raise StreamClosed(f"the stream to {peer} for {verb} broke: {e}") from e
                 else:
-                    if lost:
-                        raise StreamClosed(f"failpoint: {peer}'s reply to {verb} was discarded")
+                    lose.raise_if_lost(peer)
                     return answer
                 finally:
                     writer.close()

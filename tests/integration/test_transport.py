@@ -16,7 +16,7 @@ import pytest
 import torch
 from hivemind.p2p import PeerID
 
-from noloco_swarm.peer import streams
+from noloco_swarm.peer import failpoints, streams
 from noloco_swarm.peer.exchange import ExchangeBoard
 from noloco_swarm.peer.transport import (
     PROTOCOL,
@@ -168,7 +168,7 @@ def test_round_trip_is_bitwise_for_small_large_and_bf16(
 
 
 def test_exchange_16mib_both_ways_bitwise_with_1x_bytes(
-    loop: asyncio.AbstractEventLoop, pair: tuple[Transport, Transport]
+    loop: asyncio.AbstractEventLoop, pair: tuple[Transport, Transport], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     a, b = pair
     ours, theirs = torch.randn(4 << 20), torch.randn(4 << 20)  # 16 MiB of fp32 each
@@ -176,17 +176,18 @@ def test_exchange_16mib_both_ways_bitwise_with_1x_bytes(
     header = m.ExchangeHeader("run", *key, 0, 0, ("theta",), m.TensorMeta.of(ours), CONFIG.part_bytes)
     before_a, before_b = a.byte_counts().get(b.peer_id, {}), b.byte_counts().get(a.peer_id, {})
 
-    async def higher_rank() -> tuple[torch.Tensor, ...]:
+    async def higher_rank(k: tuple[int, ...], tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
         await asyncio.sleep(0.3)  # the caller arrives first and the server waits for our tensor
-        board(b).provide(key, theirs)
-        return await board(b).received(key, a.peer_id, timeout=20)
+        board(b).provide(k, tensor)
+        return await board(b).received(k, a.peer_id, timeout=20)
 
     async def both() -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-        return await asyncio.gather(board(a).swap(b.peer_id, header, (ours,), timeout=20), higher_rank())
+        return await asyncio.gather(
+            board(a).swap(b.peer_id, header, (ours,), timeout=20), higher_rank(key, theirs)
+        )
 
     (got_a,), (got_b,) = run(loop, both())
     assert torch.equal(got_a, theirs) and torch.equal(got_b, ours)
-
     nbytes = ours.numel() * 4
     after_a, after_b = a.byte_counts()[b.peer_id], b.byte_counts()[a.peer_id]
     for counts, before in ((after_a, before_a), (after_b, before_b)):
@@ -194,14 +195,33 @@ def test_exchange_16mib_both_ways_bitwise_with_1x_bytes(
             payload = counts[f"{direction}_payload"] - before.get(f"{direction}_payload", 0)
             total = counts[f"{direction}_total"] - before.get(f"{direction}_total", 0)
             assert payload == nbytes
-            assert nbytes < total < nbytes + 4096  # framing is a few hundred bytes
+            assert nbytes < total < nbytes + 4096  # framing (and the caller's receipt): a few hundred bytes
+    # The caller's receipt came: the callee keeps nothing of this exchange for a call again.
+    deadline = time.monotonic() + 10
+    while (key, a.peer_id) in board(b)._served and time.monotonic() < deadline:
+        run(loop, asyncio.sleep(0.05))
+    assert (key, a.peer_id) not in board(b)._served
 
-    # A caller whose stream broke before our answer reached it calls again: it gets what we sent
-    # the first time, even once the exchange is finished here and our weights have changed.
+    # A caller whose stream broke before our answer reached it (so it sent no receipt) calls again:
+    # it gets what we sent the first time, even once the exchange is finished here and our weights
+    # were replaced by the outer step.
+    key2 = (1, 60)
+    header2 = m.ExchangeHeader("run", *key2, 0, 0, ("theta",), m.TensorMeta.of(ours), CONFIG.part_bytes)
+    monkeypatch.setattr(failpoints, "_left", failpoints.parse("lose_reply:rpc_exchange=1"))
+
+    async def lost() -> list[object]:
+        return await asyncio.gather(
+            board(a).swap(b.peer_id, header2, (ours,), timeout=20),
+            higher_rank(key2, theirs),
+            return_exceptions=True,
+        )
+
+    first, (got_b2,) = run(loop, lost())
+    assert isinstance(first, streams.StreamClosed) and "failpoint" in str(first) and torch.equal(got_b2, ours)
     sent = theirs.clone()
-    board(b).forget(key)
-    theirs.add_(1.0)
-    (again,) = run(loop, board(a).swap(b.peer_id, header, (ours,), timeout=10))
+    board(b).forget(key2)
+    theirs = theirs + 1.0  # the weights move on: replaced, as an outer step does
+    (again,) = run(loop, board(a).swap(b.peer_id, header2, (ours,), timeout=10))
     assert torch.equal(again, sent)
     # A shape that is not ours, and a key older than a newer exchange's, are refused.
     small = torch.randn(10)
