@@ -44,6 +44,7 @@ from hivemind.p2p import P2PContext, P2PHandlerError, PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.utils.streaming import STREAMING_CHUNK_SIZE_BYTES, combine_from_streaming, split_for_streaming
 
+from noloco_swarm.peer.lifetime import M_MMAP_THRESHOLD
 from noloco_swarm.peer.transport import Accepts, RemoteRefused, Transport, TransportConfig
 from noloco_swarm.protocol import messages
 
@@ -51,7 +52,6 @@ FAILURES: dict[tuple[int, str], int] = {}
 MODES = ("ours", "pbparts", "hivemind", "hivemind_part")
 MIB = 1 << 20
 HOST_ADDR, NS_ADDR = "10.231.0.1", "10.231.0.2"  # the shaped link's two ends
-M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
 
 
 class RssPeak:

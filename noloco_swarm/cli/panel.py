@@ -19,7 +19,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from noloco_swarm.cli.view import sparkline
+from noloco_swarm.cli.view import short_id, sparkline
 from noloco_swarm.peer import events
 from noloco_swarm.peer.node import reachability_kind
 from noloco_swarm.train.config import RunConfig
@@ -57,10 +57,6 @@ class PeerSnapshot:
     elapsed: float = 0.0
 
 
-def _short(peer_id: str) -> str:
-    return f"…{peer_id[-8:]}" if peer_id else "-"
-
-
 def _bytes(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
@@ -76,7 +72,7 @@ def render_peer(s: PeerSnapshot) -> RenderableType:
     grid.add_column()
     stage = "auto" if s.stage is None else str(s.stage)
     rank = "-" if s.rank is None else str(s.rank)
-    grid.add_row("peer", Text(f"{_short(s.peer_id)}  run {s.run_id}  [{s.method}]  {s.phase}"))
+    grid.add_row("peer", Text(f"{short_id(s.peer_id)}  run {s.run_id}  [{s.method}]  {s.phase}"))
     grid.add_row("place", f"stage {stage}, replica {rank}, round {'-' if s.round is None else s.round}")
     grid.add_row(
         "step",
@@ -89,7 +85,7 @@ def render_peer(s: PeerSnapshot) -> RenderableType:
     grid.add_row("loss", f"{loss}   {sparkline(s.losses)}")
     grid.add_row("speed", f"{s.tokens_per_second:,.0f} tok/s through this stage")
     exchange = "" if s.exchange_seconds is None else f"  (last exchange {s.exchange_seconds:.1f} s)"
-    partners = ", ".join(_short(p) for p in s.partners) or "-"
+    partners = ", ".join(short_id(p) for p in s.partners) or "-"
     grid.add_row("partner", Text(partners + exchange))
     grid.add_row("bytes", f"sent {_bytes(s.sent_bytes)}, received {_bytes(s.received_bytes)}")
     grid.add_row("reachable", Text(s.reachable))

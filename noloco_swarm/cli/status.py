@@ -19,6 +19,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from noloco_swarm.cli.view import short_id
 from noloco_swarm.peer.directory import RunDirectory, signed_dht_kwargs
 from noloco_swarm.peer.lifetime import DHT
 from noloco_swarm.peer.rounds import ask_status
@@ -62,10 +63,6 @@ class SwarmStatus:
     found: bool = True  # False: no manifest for this run id
 
 
-def _short(peer_id: str) -> str:
-    return f"…{peer_id[-8:]}"
-
-
 def render_swarm(status: SwarmStatus) -> RenderableType:
     """The view of one snapshot. Pure: the same snapshot always renders the same."""
     if not status.found:
@@ -105,13 +102,13 @@ def render_swarm(status: SwarmStatus) -> RenderableType:
         s = p.status
         if s is None:
             table.add_row(
-                str(p.stage), "-", _short(p.peer_id), "?", "", str(p.joined_round), "", "", "", p.device
+                str(p.stage), "-", short_id(p.peer_id), "?", "", str(p.joined_round), "", "", "", p.device
             )
-            silent.append(Text(f"{_short(p.peer_id)}: no answer: {p.error}"[:200]))
+            silent.append(Text(f"{short_id(p.peer_id)}: no answer: {p.error}"[:200]))
             continue
         loss = "-" if s.loss is None else f"{s.loss:.3f}"
         table.add_row(
-            str(p.stage), str(s.rank), _short(p.peer_id), str(s.step), str(s.round), str(p.joined_round),
+            str(p.stage), str(s.rank), short_id(p.peer_id), str(s.step), str(s.round), str(p.joined_round),
             str(s.outer_steps), f"{s.tokens:,}", loss, p.device,
         )  # fmt: skip
     return Group(head, table, *silent)

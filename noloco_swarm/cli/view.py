@@ -42,6 +42,11 @@ class RunStatus:
     note: str = ""
 
 
+def short_id(peer_id: str) -> str:
+    """A peer id as the views show it: its last 8 characters."""
+    return f"…{peer_id[-8:]}" if peer_id else "-"
+
+
 SPARK = "▁▂▃▄▅▆▇█"
 
 

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import contextvars
 import ctypes
+import functools
 import os
 import signal
 import sys
@@ -116,7 +117,9 @@ M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 MAP_THRESHOLD = 1152 * 1024  # just above the transport's 1 MiB parts, which stay in the heap
 
 
+@functools.cache
 def _glibc() -> ctypes.CDLL | None:
+    """glibc, loaded once (trim_heap runs after every inner step); None elsewhere."""
     if not sys.platform.startswith("linux"):
         return None
     try:

@@ -28,15 +28,21 @@ def start_dht(net: NetworkConfig) -> DHT:
     return dht
 
 
+def _relayed(addr: str) -> bool:
+    return "/p2p-circuit" in addr
+
+
+def _loopback(addr: str) -> bool:
+    return "/127.0.0.1/" in addr or "/::1/" in addr
+
+
 def reachability(addresses: Sequence[str]) -> list[str]:
     """Human-readable lines: how others can reach a node at these addresses (direct or relayed)."""
     lines = []
     for addr in addresses:
-        kind = (
-            "relayed" if "/p2p-circuit" in addr else ("loopback only" if "/127.0.0.1/" in addr else "direct")
-        )
+        kind = "relayed" if _relayed(addr) else ("loopback only" if "/127.0.0.1/" in addr else "direct")
         lines.append(f"{addr}  ({kind})")
-    if addresses and all("/127.0.0.1/" in a or "/::1/" in a for a in addresses):
+    if addresses and all(_loopback(a) for a in addresses):
         lines.append(
             "only loopback addresses: peers on other machines cannot reach this node; set --host-maddrs"
         )
@@ -45,10 +51,10 @@ def reachability(addresses: Sequence[str]) -> list[str]:
 
 def reachability_kind(addresses: Sequence[str]) -> str:
     """One line for a live view: how others can reach a node at these addresses."""
-    direct = [a for a in addresses if "/p2p-circuit" not in a]
+    direct = [a for a in addresses if not _relayed(a)]
     if not addresses:
         return "not reachable (no visible addresses)"
-    if direct and all("/127.0.0.1/" in a or "/::1/" in a for a in direct):
+    if direct and all(_loopback(a) for a in direct):
         return "loopback only: peers on other machines cannot reach this node"
     if not direct:
         return f"through a relay only ({len(addresses)} relayed addresses)"

@@ -153,18 +153,15 @@ async def finish_outer_step(pending: PendingOuter) -> events.Outer:
     )
 
 
-_CHUNK = SLICE  # weights per float64 slice: no copy the size of the stage
-
-
 def group_spread(thetas: Mapping[int, torch.Tensor], rank: int) -> float:
     """RMS distance (per weight) of `rank`'s fast weights to the mean of the group's, in float64
     slice by slice. For a pair, half the RMS distance between the two replicas."""
     flats = {r: t.reshape(-1) for r, t in thetas.items()}
     own = flats[rank]
     total = 0.0
-    for lo in range(0, own.numel(), _CHUNK):
-        mean = torch.stack([f[lo : lo + _CHUNK].double() for f in flats.values()]).mean(dim=0)
-        total += float((own[lo : lo + _CHUNK].double() - mean).square().sum())
+    for lo in range(0, own.numel(), SLICE):
+        mean = torch.stack([f[lo : lo + SLICE].double() for f in flats.values()]).mean(dim=0)
+        total += float((own[lo : lo + SLICE].double() - mean).square().sum())
     return math.sqrt(total / max(1, own.numel()))
 
 

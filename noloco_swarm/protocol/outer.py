@@ -43,6 +43,8 @@ from typing import TypeVar
 
 import torch
 
+from noloco_swarm.protocol.plausible import SLICE  # 0.5-1 MiB temporaries, reused from the heap
+
 Params = TypeVar("Params", torch.Tensor, Sequence[torch.Tensor])
 
 
@@ -126,9 +128,6 @@ def noloco_step_theta_only(
     )
     new_phi = _zip_map(torch.add, _as_list(phi), new_delta)
     return OuterResult(phi=_like(phi, new_phi), delta=_like(delta, new_delta))
-
-
-SLICE = 1 << 17  # elements per slice of a flat step: temporaries of 0.5-1 MiB, reused from the heap
 
 
 def _theta_only_flat(

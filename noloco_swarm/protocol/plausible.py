@@ -149,17 +149,16 @@ def own_progress(theta: torch.Tensor, phi: torch.Tensor) -> tuple[float, float]:
 # Elements per float64 slice: no copy the size of the weights, and 1 MiB, below the mmap threshold
 # of peer.release_memory = map, so slices are reused from the heap instead of mapped afresh.
 SLICE = 1 << 17
-_CHUNK = SLICE
 
 
 def distance(a: torch.Tensor, b: torch.Tensor | None) -> float:
     """||a - b|| (||a|| when b is None), summed in float64 slice by slice; NaN/inf propagate."""
     x, y = a.reshape(-1), (b.reshape(-1) if b is not None else None)
     total = 0.0
-    for start in range(0, x.numel(), _CHUNK):
-        d = x[start : start + _CHUNK].double()
+    for start in range(0, x.numel(), SLICE):
+        d = x[start : start + SLICE].double()
         if y is not None:
-            d = d - y[start : start + _CHUNK].double()
+            d = d - y[start : start + SLICE].double()
         total += float(d.square().sum())
     return math.sqrt(total)
 

@@ -128,7 +128,7 @@ def test_a_shard_is_judged_against_the_matching_slice_of_phi_and_the_whole_own_n
 def test_distances_are_exact_in_float64_over_slices() -> None:
     """The float64 slice sums agree with a float64 norm, across the slice boundary too."""
     g = torch.Generator().manual_seed(0)
-    a, b = torch.randn(plausible._CHUNK + 17, generator=g), torch.randn(plausible._CHUNK + 17, generator=g)
+    a, b = torch.randn(plausible.SLICE + 17, generator=g), torch.randn(plausible.SLICE + 17, generator=g)
     assert plausible.distance(a, b) == pytest.approx(float((a.double() - b.double()).norm()), rel=1e-12)
     assert own_progress(a, b)[1] == pytest.approx(float(b.double().norm()), rel=1e-12)
 
