@@ -8,7 +8,7 @@ Schedule (seconds after every peer has taken its first step):
   t0 + 23  a replacement starts with --stage auto (it must take stage 0)
 
 Reported per run: inner steps per minute of the swarm (the surviving peers' steps over their
-training time), samples dropped (sender and receiver side), refusals, peers that failed, and
+training time), samples dropped (sender and receiver side) and re-routed to a stand-in, refusals, peers that failed, and
 whether no state was lost: every survivor ran to the end, and each joiner started from a state
 that a live replica of its stage held at that boundary (hash equal to an outer-step hash).
 Freezing a peer (SIGSTOP) and cutting links are not in the schedule yet: the first is a known
@@ -30,7 +30,18 @@ from pathlib import Path
 
 from noloco_swarm.cli.options import build_config
 from noloco_swarm.cli.swarm import LocalSwarm, PeerProcess, local_swarm
-from noloco_swarm.peer.events import Dropped, Final, Joined, Left, Outer, PeerGone, Refused, Step, of_kind
+from noloco_swarm.peer.events import (
+    Dropped,
+    Final,
+    Joined,
+    Left,
+    Outer,
+    PeerGone,
+    Refused,
+    Rerouted,
+    Step,
+    of_kind,
+)
 
 
 def config(args: argparse.Namespace):
@@ -125,6 +136,7 @@ def summarise(
         * statistics.median(f.steps for f in full if f.joined_round == 0)
         / train_seconds,
         "dropped_samples": sum(e.samples for ev in events.values() for e in of_kind(ev, Dropped)),
+        "rerouted_samples": sum(e.samples for ev in events.values() for e in of_kind(ev, Rerouted)),
         "refusals": sum(len(of_kind(ev, Refused)) for ev in events.values()),
         "gone_reports_seen": sum(len(of_kind(ev, PeerGone)) for ev in events.values()),
         "failed_peers": [
@@ -159,6 +171,7 @@ def main() -> None:
     for name, r in (("no churn", calm), ("churn", churned)):
         print(
             f"{name:9s}: {r['steps_per_minute']:6.1f} steps/min, {r['dropped_samples']} samples dropped, "
+            f"{r['rerouted_samples']} re-routed, "
             f"{r['refusals']} refusals, failed {[f['peer'] for f in r['failed_peers']] or 'none'}, survivors to the end: "
             f"{r['survivors_ran_to_the_end']}, joiners {r['joiners']}"
         )

@@ -182,6 +182,19 @@ class Excluded(Event):
 
 
 @dataclass(frozen=True)
+class Rerouted(Event):
+    """Rows of step `step` this replica sent on hop `hop` to the stand-in of a next-stage replica
+    it routes around (gone: protocol.plan, StepPlan.around) instead of dropping them."""
+
+    KIND: ClassVar[str] = "rerouted"
+    step: int
+    hop: int
+    samples: int
+    around: list[int]  # the ranks of stage hop + 1 routed around
+    to: list[int]  # the stand-ins that got their rows
+
+
+@dataclass(frozen=True)
 class Dropped(Event):
     """Samples of step `step` lost on hop `hop` (their gradient is zero this step).
 

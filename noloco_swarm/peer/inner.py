@@ -40,7 +40,7 @@ from noloco_swarm.peer.streams import Refused
 from noloco_swarm.protocol import messages, plausible, wire
 from noloco_swarm.protocol.membership import MembershipView
 from noloco_swarm.protocol.messages import BackwardHeader, ForwardHeader, MessageError, PeerStatus, TensorMeta
-from noloco_swarm.protocol.plan import Incoming, Row
+from noloco_swarm.protocol.plan import Incoming, Row, StepPlan
 from noloco_swarm.protocol.plausible import Implausible
 
 Slot = tuple[int, int]  # (inner step, microbatch)
@@ -62,13 +62,20 @@ class Arrival:
     activations: torch.Tensor
     tokens: torch.Tensor
     result: asyncio.Future[tuple[torch.Tensor, list[float]]] = field(default_factory=asyncio.Future)
+    rows: list[Row] = field(default_factory=list)  # which rows of the plan these are (set by add)
 
 
 Placement = list[tuple[Arrival, list[int]]]  # each arrival, and the rows of the batch its rows took
 
 
 class StepCollector:
-    """Rows for one inner step of one receiving replica; complete when every expected row is in."""
+    """Rows for one inner step of one receiving replica; complete when every expected sender's
+    rows are in.
+
+    Each sender sends its rows for the step in one request: the ones the plan routes to us, and
+    those of the replicas it routes around that we stand in for (its header says which). The
+    batch runs every row that came in (position, origin) order, so arrival order never changes
+    the result; on a healthy swarm these are exactly the plan's rows."""
 
     def __init__(self, step: int, expected: tuple[Incoming, ...], microbatch: int = 0) -> None:
         self.step, self.microbatch = step, microbatch
@@ -76,26 +83,37 @@ class StepCollector:
         self.arrivals: dict[int, Arrival] = {}
         self.complete = asyncio.Event()
         self.closed = False  # collected: only resends of rows already in are accepted
+        self.gone: set[int] = set()  # senders we stopped expecting
         self._check_complete()
 
     def rows_from(self, sender: int) -> list[Row]:
         return [x.row for x in self.expected if x.sender == sender]
 
-    def add(self, arrival: Arrival) -> Arrival:
-        """Accept one sender's rows and return the arrival whose result answers them.
+    def expect(self, expected: tuple[Incoming, ...]) -> None:
+        """Expect these rows now (we learned that a replica is routed around); what came stays."""
+        self.expected = [x for x in expected if x.sender not in self.gone]
+        self._check_complete()
+
+    def add(self, arrival: Arrival, allowed: list[Row]) -> Arrival:
+        """Accept one sender's rows and return the arrival whose result answers them. `allowed`:
+        the rows the plan, as the sender's header describes it, routes from it to us.
 
         A sender whose stream broke before our answer sends the same rows again, before or after
-        the step was collected: it then waits for the first arrival's result. Other rows than the
-        plan's, different rows for the same step, or new rows once collected are refused."""
-        mine = [row.position for row in self.rows_from(arrival.sender)]
-        if arrival.positions != mine or not mine:
+        the step was collected: it then waits for the first arrival's result. Rows the plan does
+        not route to us from this sender, different rows for the same step, or new rows once
+        collected are refused. (A sender may send fewer rows than `allowed`: rows lost on an
+        earlier hop.)"""
+        rows = _matched(arrival.positions, allowed)
+        if rows is None:
             raise MessageError(
-                f"sender {arrival.sender} sent positions {arrival.positions}, the plan gives {mine}"
+                f"sender {arrival.sender} sent positions {arrival.positions}, the plan gives "
+                f"{[row.position for row in allowed]}"
             )
         first = self.arrivals.get(arrival.sender)
         if first is not None:
             if not (
-                torch.equal(first.activations, arrival.activations)
+                first.positions == arrival.positions
+                and torch.equal(first.activations, arrival.activations)
                 and torch.equal(first.tokens, arrival.tokens)
             ):
                 raise MessageError(f"sender {arrival.sender} sent other rows for step {self.step}")
@@ -105,6 +123,7 @@ class StepCollector:
                 f"rows for step {self.step} (microbatch {self.microbatch}) came after this replica "
                 "had collected them"
             )
+        arrival.rows = rows
         self.arrivals[arrival.sender] = arrival
         self._check_complete()
         return arrival
@@ -112,6 +131,7 @@ class StepCollector:
     def drop_sender(self, sender: int) -> None:
         """Stop expecting rows from a sender that is gone; the step runs with the rest."""
         if sender not in self.arrivals:
+            self.gone.add(sender)
             self.expected = [x for x in self.expected if x.sender != sender]
             self._check_complete()
 
@@ -119,18 +139,22 @@ class StepCollector:
         """Senders we expect rows from and have not heard from."""
         return sorted({x.sender for x in self.expected} - set(self.arrivals))
 
-    def batch(self) -> tuple[torch.Tensor, torch.Tensor, Placement]:
-        """Inputs and targets in the plan's order, and where each arrival's rows landed."""
-        taken: dict[int, int] = {}
+    def batch(self) -> tuple[torch.Tensor, torch.Tensor, Placement, list[Row]]:
+        """Inputs and targets of every row that came, in (position, origin) order; where each
+        arrival's rows landed; and the rows, in that order."""
+        order = sorted(
+            (row, arrival.sender, j)
+            for arrival in self.arrivals.values()
+            for j, row in enumerate(arrival.rows)
+        )
         acts, toks, rows = [], [], {}
-        for x in self.expected:
-            arrival, j = self.arrivals[x.sender], taken.get(x.sender, 0)
-            taken[x.sender] = j + 1
-            rows.setdefault(x.sender, []).append(len(acts))
+        for k, (_, sender, j) in enumerate(order):
+            arrival = self.arrivals[sender]
+            rows.setdefault(sender, []).append(k)
             acts.append(arrival.activations[j])
             toks.append(arrival.tokens[j])
         placement = [(self.arrivals[s], r) for s, r in sorted(rows.items())]
-        return torch.stack(acts), torch.stack(toks), placement
+        return torch.stack(acts), torch.stack(toks), placement, [row for row, _, _ in order]
 
     def abandon(self, reason: str) -> None:
         """This step will not run here: refuse every sender still waiting for its gradients, now
@@ -143,6 +167,20 @@ class StepCollector:
     def _check_complete(self) -> None:
         if {x.sender for x in self.expected} <= set(self.arrivals):
             self.complete.set()
+
+
+def _matched(positions: list[int], allowed: list[Row]) -> list[Row] | None:
+    """The rows of `allowed` (in order) whose positions are `positions`, taken in order; None if
+    `positions` is not such a subsequence (or is empty)."""
+    rows, k = [], 0
+    for position in positions:
+        while k < len(allowed) and allowed[k].position != position:
+            k += 1
+        if k == len(allowed):
+            return None
+        rows.append(allowed[k])
+        k += 1
+    return rows or None
 
 
 class InnerSteps:
@@ -234,9 +272,10 @@ class InnerSteps:
         if (t, m) not in self.collectors:
             ctx = self.ctx
             view = ctx.view_at(t)
-            expected = ctx.plan_at(t).expects(t, ctx.stage, view.rank_of(ctx.me)[1], m)
+            expected = self._expected(t, m)
             gone = {x.sender for x in expected if view.peer_at(ctx.stage - 1, x.sender) in ctx.rounds.dead}
             collector = StepCollector(t, tuple(x for x in expected if x.sender not in gone), m)
+            collector.gone = gone
             self.collectors[(t, m)] = collector
             if gone:  # their rows will not come: say so once, here
                 lost = sum(x.sender in gone for x in expected)
@@ -246,6 +285,20 @@ class InnerSteps:
                     )
                 )
         return self.collectors[(t, m)]
+
+    def _expected(self, t: int, m: int) -> tuple[Incoming, ...]:
+        """The rows we expect at step t (microbatch m): the plan's, with the replicas we believe
+        the swarm routes around (`Detours.expected`) replaced by their stand-ins."""
+        ctx = self.ctx
+        view = ctx.view_at(t)
+        plan = ctx.plan_at(t).routing_around(ctx.rounds.detours.expected(view))
+        return plan.expects(t, ctx.stage, view.rank_of(ctx.me)[1], m)
+
+    def _expect_again(self) -> None:
+        """We learned of a replica routed around: every step still collecting expects anew."""
+        for (t, m), collector in self.collectors.items():
+            if self.ctx.clock.round_of(t) in self.ctx.rounds.views:
+                collector.expect(self._expected(t, m))
 
     async def _receiving(self, t: int) -> list[float]:
         """Inner step t on a stage after the first: microbatch by microbatch, each run as soon as
@@ -262,7 +315,7 @@ class InnerSteps:
                         touched.append(collector)
                         if not collector.arrivals:  # no rows of m came to us: nothing to compute
                             continue
-                        acts, toks, placement = collector.batch()
+                        acts, toks, placement, rows = collector.batch()
                         x = acts.to(ctx.device).requires_grad_(True)
                         if ctx.is_last:
 
@@ -276,7 +329,7 @@ class InnerSteps:
                             losses += got
                         else:
                             out = await asyncio.to_thread(ctx.replica.module, x)
-                            sending = group.create_task(self.sender.send_on(t, m, out.detach(), toks))
+                            sending = group.create_task(self.sender.send_on(t, m, out.detach(), toks, rows))
                             running.append((placement, x, out, sending))
                     for placement, x, out, sending in running:
                         grad, got = await sending
@@ -374,6 +427,9 @@ class InnerSteps:
                 f"views of round {header.round} differ (theirs {header.view}, ours {view.digest()})"
             )
         check_sender(ctx, peer_id, view, header.run_id, header.hop, header.sender_rank)
+        plan = _senders_plan(ctx, view, header)
+        if ctx.rounds.detours.hear(view, plan.around):
+            self._expect_again()
         # Decoded before the step checks, so that no await falls between them and the collector.
         decoded = await asyncio.to_thread(decode_rows, ctx, tensors[:-1], header.activations)
         positions = [k - header.step * ctx.B for k in header.samples]
@@ -382,7 +438,10 @@ class InnerSteps:
         acts, toks = checked_rows(ctx, [decoded, tensors[-1]])
         rows = Arrival(header.sender_rank, positions, acts, toks)
         # A microbatch already collected takes only a resend of rows it holds (a broken stream).
-        slot = (header.step, ctx.plan_at(header.step).microbatch_of(positions[0]))
+        slot = (header.step, plan.microbatch_of(positions[0]))
+        allowed = plan.expects_from(
+            header.step, ctx.stage, view.rank_of(ctx.me)[1], header.sender_rank, slot[1]
+        )
         if (collector := self.collected.get(slot)) is None:
             if header.step < ctx.step or slot <= self.consumed:
                 raise MessageError(
@@ -400,7 +459,7 @@ class InnerSteps:
             if not collector.closed and header.sender_rank not in collector.arrivals:
                 self._give_up_on(collector, [header.sender_rank])
             raise
-        arrival = collector.add(rows)
+        arrival = collector.add(rows, allowed)
         # Shielded: a sender's resend waits on the same arrival, and one waiter's deadline must
         # not cancel the other's answer. A resend after the answer gets it at once.
         grad, losses = await asyncio.wait_for(asyncio.shield(arrival.result), ctx.cfg.peer.step_timeout * 2)
@@ -414,6 +473,16 @@ def _answer(x: torch.Tensor, placement: Placement, losses: list[float]) -> None:
     for arrival, rows in placement:
         if not arrival.result.done():  # the sender may have given up on us meanwhile
             arrival.result.set_result((x_grad[rows].contiguous(), [losses[r] for r in rows]))
+
+
+def _senders_plan(ctx: PeerContext, view: MembershipView, header: ForwardHeader) -> StepPlan:
+    """The plan the sender of `header` follows: the round's, routing around the replicas of our
+    stage it says it routes around, and with it standing in for those of its own stage it names."""
+    places = {(header.hop, r) for r in header.stands_in_for} | {(ctx.stage, r) for r in header.routes_around}
+    try:
+        return ctx.plan_at(header.step).routing_around(places)
+    except ValueError as e:
+        raise MessageError(f"the sender routes around replicas this round does not have: {e}") from e
 
 
 def backward_reply(

@@ -131,6 +131,11 @@ class Prometheus:
             ["side"],
             registry=registry,
         )
+        self.rerouted = Counter(
+            "noloco_rerouted_samples",
+            "Samples sent to the stand-in of a next-stage replica that is gone, instead of dropped",
+            registry=registry,
+        )
         self.retried = Counter(
             "noloco_retried_calls", "Calls made again after a broken stream", ["call"], registry=registry
         )
@@ -235,6 +240,9 @@ class Prometheus:
 
     def _on_dropped(self, e: events.Dropped) -> None:
         self.dropped.labels(e.side).inc(e.samples)
+
+    def _on_rerouted(self, e: events.Rerouted) -> None:
+        self.rerouted.inc(e.samples)
 
     def _on_retried(self, e: events.Retried) -> None:
         self.retried.labels(e.call).inc()

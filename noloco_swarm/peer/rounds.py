@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from noloco_swarm.peer import events
+from noloco_swarm.peer.detours import Detours
 from noloco_swarm.peer.directory import RunDirectory
 from noloco_swarm.peer.evidence import Evidence
 from noloco_swarm.peer.streams import PeerUnavailable, RemoteRefused
@@ -105,6 +106,7 @@ class Rounds:
         self.views: dict[int, MembershipView] = {}  # round -> frozen view
         self._ready: dict[int, asyncio.Event] = {}
         self.dead: dict[str, int] = {}  # peer id -> the round it failed us in (also reported in the DHT)
+        self.detours = Detours(me, self.dead)  # whom rows are routed around
         self.addresses: dict[str, tuple[str, ...]] = {}  # peer id -> announced addresses
         self.answered: dict[str, float] = {}  # peer id -> when it last answered a probe (monotonic)
         self.evidence = Evidence(me, sink)  # which gone reports we believe
@@ -118,6 +120,7 @@ class Rounds:
         whom we marked gone before (while cut off, typically the whole swarm) is forgotten. Kept,
         those marks made us skip every row from them: a rejoined peer ran its steps empty."""
         self.dead.clear()
+        self.detours.heard.clear()
         self.set(view)
 
     def set(self, view: MembershipView) -> None:
@@ -233,6 +236,7 @@ class Rounds:
         kept = await self.evidence.weigh(current, joined, due, self.alive)
         for peer in self.evidence.live:
             self.dead.pop(peer, None)  # one we marked gone answers again: a member like any other
+            self.detours.heard.pop(peer, None)
         listings.insert(0, Listing(self.me, self.stage, joined_round))
         view = next_view(current, listings, credible_gone(kept))
         for peer in view.members() - current.members():

@@ -2,7 +2,9 @@
 gradients back (the sender's side of rpc_forward; the receiver's side is peer/inner.py).
 
 Each receiver gets the rows the step plan routes to it, in the run's wire format, in one call.
-A call whose stream broke is made again while the receiver answers a probe (the receiver answers
+A next-stage replica that failed us (gone: `Rounds.around`) gets no rows: the plan routes them to
+its stand-in (protocol.plan, `StepPlan.around`), and the header says so, so that the stand-in and
+the stages after it know whose rows they run. A call whose stream broke is made again while the receiver answers a probe (the receiver answers
 a resend with what it computed the first time); rows whose gradient never comes back are dropped
 from the step (their gradient stays zero), with the reason in a `dropped` event.
 """
@@ -12,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -21,10 +25,21 @@ from noloco_swarm.peer.streams import PeerUnavailable, RemoteRefused, StreamClos
 from noloco_swarm.protocol import plausible, routing, wire
 from noloco_swarm.protocol.membership import MembershipView
 from noloco_swarm.protocol.messages import BackwardHeader, ForwardHeader, MessageError, TensorMeta
+from noloco_swarm.protocol.plan import Row
 from noloco_swarm.protocol.plausible import Implausible
 
 logger = logging.getLogger(__name__)
 GradRows = tuple[list[int], torch.Tensor, tuple[float, ...]]  # batch rows, their gradients, losses
+
+
+@dataclass(frozen=True)
+class Around:
+    """What a forward header says about routing around gone replicas (ForwardHeader's fields)."""
+
+    stands_in_for: tuple[int, ...]
+    routes_around: tuple[int, ...]
+
+
 # A forward whose stream broke is sent at most this many times in all, while the receiver answers.
 SEND_ATTEMPTS = 3
 
@@ -37,19 +52,30 @@ class RowSender:
         self.dropped_samples = 0  # over the run
 
     async def send_on(
-        self, t: int, m: int, out: torch.Tensor, tokens: torch.Tensor
+        self, t: int, m: int, out: torch.Tensor, tokens: torch.Tensor, rows: Sequence[Row] | None = None
     ) -> tuple[torch.Tensor, list[float]]:
-        """Send each row of microbatch m to the replica the plan names; return the gradient rows
-        and losses."""
+        """Send each row of microbatch m on to the replica the plan names, routing around the
+        next-stage replicas we know are gone; return the gradient rows and losses. `rows`: the
+        rows `out` holds, in its order (stage 0: its own rows, the default)."""
         ctx = self.ctx
-        view, plan = ctx.view_at(t), ctx.plan_at(t)
+        view = ctx.view_at(t)
         rank = view.rank_of(ctx.me)[1]
-        held = plan.rows(t, ctx.stage, rank, m)
+        base = ctx.plan_at(t)
+        plan = base.routing_around(ctx.rounds.detours.around(view))
+        if rows is None:
+            rows = [x.row for x in plan.rows(t, ctx.stage, rank, m)]
+        routes = plan.route(t, ctx.stage, rows)
+        around = Around(
+            stands_in_for=plan.stands_in_for(t, ctx.stage, rank, rows) if ctx.stage else (),
+            routes_around=tuple(sorted(r for s, r in plan.around if s == ctx.stage + 1)),
+        )
+        if around.routes_around:
+            self._note_rerouted(t, base.route(t, ctx.stage, rows), routes, around.routes_around)
         results: dict[int, asyncio.Task[GradRows | str]] = {}
         async with asyncio.TaskGroup() as group:
-            for receiver, sent in plan.sends(t, ctx.stage, rank, m).items():
-                samples = tuple(routing.sample_index(t, held[j].row.position, ctx.B) for j in sent)
-                call = self._call_or_drop(view, receiver, sent, samples, out, tokens, t)
+            for receiver, sent in routes.items():
+                samples = tuple(routing.sample_index(t, rows[j].position, ctx.B) for j in sent)
+                call = self._call_or_drop(view, receiver, sent, samples, out, tokens, t, around)
                 results[receiver] = group.create_task(call)
         # Rows whose gradient never came back are dropped from this step: their gradient stays 0.
         grad = torch.zeros_like(out)
@@ -60,8 +86,8 @@ class RowSender:
             if isinstance(result, str):
                 lost.append(result)
                 continue
-            sent, rows, sample_losses = result
-            grad[sent] = rows.to(grad.device)
+            sent, grad_rows, sample_losses = result
+            grad[sent] = grad_rows.to(grad.device)
             losses.extend(sample_losses)
         dropped = out.shape[0] - len(losses)
         if dropped:
@@ -70,6 +96,24 @@ class RowSender:
                 events.Dropped(step=t, hop=ctx.stage, samples=dropped, side="sender", reasons=lost)
             )
         return grad, losses
+
+    def _note_rerouted(
+        self, t: int, planned: dict[int, list[int]], routes: dict[int, list[int]], around: tuple[int, ...]
+    ) -> None:
+        """Say how many rows went to stand-ins instead of the replicas the plan first named."""
+        where = {j: r for r, sent in routes.items() for j in sent}
+        moved = [(j, where[j]) for r in around for j in planned.get(r, [])]
+        if moved:
+            ctx = self.ctx
+            ctx.events.emit(
+                events.Rerouted(
+                    step=t,
+                    hop=ctx.stage,
+                    samples=len(moved),
+                    around=list(around),
+                    to=sorted({r for _, r in moved}),
+                )
+            )
 
     async def _call_or_drop(
         self,
@@ -80,6 +124,7 @@ class RowSender:
         out: torch.Tensor,
         tokens: torch.Tensor,
         t: int,
+        around: Around,
     ) -> GradRows | str:
         """Forward `sent` rows to one receiver; if they are lost, why (for the Dropped event)."""
         ctx, hop = self.ctx, self.ctx.stage
@@ -97,6 +142,8 @@ class RowSender:
             tokens=TensorMeta.of(toks),
             view=view.digest(),
             scale=TensorMeta.of(acts[1]) if len(acts) > 1 else None,
+            stands_in_for=around.stands_in_for,
+            routes_around=around.routes_around,
         )
         for attempt in range(SEND_ATTEMPTS):  # a live receiver whose stream broke gets them again
             if receiver in ctx.rounds.dead:

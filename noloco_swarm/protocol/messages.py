@@ -23,7 +23,9 @@ from typing import Any, ClassVar, TypeVar, Union
 import msgpack
 import torch
 
-PROTOCOL_VERSION = 2  # 2: forward and backward rows in a wire format (fp32, bf16, int8 + scale)
+# 2: forward and backward rows in a wire format (fp32, bf16, int8 + scale); 3: forward headers say
+# which gone replicas their rows are routed around
+PROTOCOL_VERSION = 3
 MAX_MESSAGE_BYTES = 1 << 20  # headers only; tensor payloads are streamed separately
 MAX_SEQUENCE = 1 << 16
 MAX_STRING = 4096
@@ -376,12 +378,23 @@ class ForwardHeader(Message):
     tokens: TensorMeta
     view: str = ""  # digest of the sender's membership view of `round`; a mismatch is refused
     scale: TensorMeta | None = None  # int8 activations' per-row scales (wire_format)
+    # Routing around gone replicas (protocol.plan, StepPlan.around): the ranks of stage `hop`
+    # whose rows the sender holds as their stand-in, and the ranks of stage hop + 1 it routes
+    # around (their rows come to their stand-ins). Both empty on a healthy swarm.
+    stands_in_for: tuple[int, ...] = ()
+    routes_around: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         _check_run_id(self.run_id)
         _check_counters(self.round, self.step, self.hop, self.sender_rank)
         _check_samples(self.samples, self.activations, self.tokens)
         wire_format(self.activations, self.scale)
+        for name in ("stands_in_for", "routes_around"):
+            ranks = getattr(self, name)
+            if any(r < 0 for r in ranks) or list(ranks) != sorted(set(ranks)):
+                raise ValueError(f"{name} must be ascending, distinct ranks >= 0, got {list(ranks)}")
+        if self.sender_rank in self.stands_in_for or (self.hop == 0 and self.stands_in_for):
+            raise ValueError("a sender stands in only for other replicas of a stage after the first")
 
     @property
     def tensors(self) -> tuple[TensorMeta, ...]:

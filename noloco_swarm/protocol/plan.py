@@ -15,6 +15,11 @@ is checked against the simulator's weights:
                  in ascending m, and backpropagates them in ascending m too.
                  Uneven replica counts use routing.route_uneven; with S > R senders a receiver
                  may hold two rows of one position (from different origins).
+  routing around a replica of stage s > 0 that is gone (`StepPlan.around`): its rows go to its
+                 stand-in, the next rank of its stage (cyclically) that is not routed around,
+                 which runs them with its own in (position, origin) order and sends them on along
+                 the gone replica's routes. Rows are never dropped for a known death: only those
+                 already in flight to the replica when it died.
   outer step     after inner step t = H, 2H, ... the replica averages with its group
                  (`outer_plan`): NoLoCo draws pairs, DiLoCo takes the whole stage and, with more
                  than two replicas, all-reduces in shards (`ShardLayout`). Within a group the lower
@@ -27,8 +32,9 @@ Pure: no I/O, no clock; equal inputs give equal plans on every peer.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from noloco_swarm.protocol import gossip, routing
@@ -57,10 +63,46 @@ class Incoming:
     sender: int
 
 
+Flow = tuple[tuple[tuple[Incoming, ...], ...], ...]
+
+
 @functools.lru_cache(maxsize=1024)
 def _flow(
-    step: int, counts: tuple[int, ...], batch: int, random_routing: bool
-) -> tuple[tuple[tuple[Incoming, ...], ...], ...]:
+    step: int, counts: tuple[int, ...], batch: int, random_routing: bool, around: frozenset[tuple[int, int]]
+) -> Flow:
+    """_base_flow with every replica routed around replaced by its stand-in: as holder of its rows
+    and as their sender to the next stage."""
+    base = _base_flow(step, counts, batch, random_routing)
+    if not around:
+        return base
+
+    def stand_in(stage: int, rank: int) -> int:
+        return _stand_in(counts, around, stage, rank)
+
+    flow = [base[0]]
+    for stage in range(1, len(counts)):
+        held: list[list[Incoming]] = [[] for _ in range(counts[stage])]
+        for rank, rows in enumerate(base[stage]):
+            for item in rows:
+                sender = stand_in(stage - 1, item.sender) if stage > 1 else item.sender
+                held[stand_in(stage, rank)].append(Incoming(item.row, sender))
+        flow.append(tuple(tuple(sorted(rows, key=lambda x: x.row)) for rows in held))
+    return tuple(flow)
+
+
+def _stand_in(counts: tuple[int, ...], around: frozenset[tuple[int, int]], stage: int, rank: int) -> int:
+    """Who holds the rows of replica `rank` of `stage`: itself, or (routed around) the next rank
+    of the stage, cyclically, that is not; itself again if every replica of the stage is."""
+    n = counts[stage]
+    for k in range(n):
+        candidate = (rank + k) % n
+        if (stage, candidate) not in around:
+            return candidate
+    return rank
+
+
+@functools.lru_cache(maxsize=1024)
+def _base_flow(step: int, counts: tuple[int, ...], batch: int, random_routing: bool) -> Flow:
     """flow[s][r]: the rows replica r of stage s holds at `step`, in its batch order, with the
     rank of stage s-1 each came from (stage 0: its own rows, sender = itself)."""
     flow = [tuple(tuple(Incoming(Row(i, d), d) for i in range(batch)) for d in range(counts[0]))]
@@ -92,6 +134,9 @@ class StepPlan:
     """Per-sample random routes (the paper); False: replica d of every stage feeds replica d."""
     microbatches: int = 1
     """M: microbatches per inner step (B/M consecutive batch positions each); M divides B."""
+    around: frozenset[tuple[int, int]] = frozenset()
+    """(stage, rank) of replicas, stage > 0, that are routed around (gone): their stand-ins hold
+    their rows. Empty on a healthy swarm and in the simulator."""
 
     def __post_init__(self) -> None:
         if not self.counts or min(self.counts) < 1:
@@ -100,12 +145,64 @@ class StepPlan:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
         if self.microbatches < 1 or self.batch_size % self.microbatches:
             raise ValueError(f"{self.microbatches} microbatches do not divide a batch of {self.batch_size}")
+        for stage, rank in self.around:
+            if not 0 < stage < len(self.counts) or not 0 <= rank < self.counts[stage]:
+                raise ValueError(
+                    f"cannot route around replica {rank} of stage {stage} with counts {list(self.counts)} "
+                    "(stage 0 replicas are never routed around: their rows do not exist)"
+                )
 
     @classmethod
     def of(
-        cls, counts: Sequence[int], batch_size: int, random_routing: bool = True, microbatches: int = 1
+        cls,
+        counts: Sequence[int],
+        batch_size: int,
+        random_routing: bool = True,
+        microbatches: int = 1,
+        around: Iterable[tuple[int, int]] = (),
     ) -> StepPlan:
-        return cls(tuple(counts), batch_size, random_routing, microbatches)
+        return cls(tuple(counts), batch_size, random_routing, microbatches, frozenset(around))
+
+    def routing_around(self, around: Iterable[tuple[int, int]]) -> StepPlan:
+        """This plan, with `around` routed around too."""
+        return dataclasses.replace(self, around=self.around | frozenset(around))
+
+    def stand_in(self, stage: int, rank: int) -> int:
+        """The replica of `stage` that holds `rank`'s rows (`rank` itself unless routed around)."""
+        self._check_rank(stage, rank)
+        return _stand_in(self.counts, self.around, stage, rank)
+
+    def stands_in_for(self, step: int, stage: int, rank: int, rows: Iterable[Row]) -> tuple[int, ...]:
+        """The ranks of `stage`, other than `rank`, whose rows are among `rows` (rows held by
+        `rank`): whom it stands in for, ascending. Said in its forward headers, so that the next
+        stage can place the rows."""
+        base = dataclasses.replace(self, around=frozenset())
+        return tuple(sorted({base.holder(step, stage, row) for row in rows} - {rank}))
+
+    def holder(self, step: int, stage: int, row: Row) -> int:
+        """The rank of `stage` that runs `row` at `step`."""
+        flow = _flow(step, self.counts, self.batch_size, self.random_routing, self.around)[stage]
+        for rank, rows in enumerate(flow):
+            if any(x.row == row for x in rows):
+                return rank
+        raise ValueError(f"no replica of stage {stage} runs row {row} at step {step}")
+
+    def route(self, step: int, stage: int, rows: Sequence[Row]) -> dict[int, list[int]]:
+        """Receiver rank (of stage+1) -> indices into `rows` (rows a replica of `stage` holds, in
+        its batch order), ascending, of the rows it sends there."""
+        if not 0 <= stage < self.num_stages - 1:
+            raise ValueError(f"stage {stage} of {self.num_stages} sends nothing on")
+        where = {
+            x.row: rank
+            for rank, held in enumerate(
+                _flow(step, self.counts, self.batch_size, self.random_routing, self.around)[stage + 1]
+            )
+            for x in held
+        }
+        out: dict[int, list[int]] = {}
+        for j, row in enumerate(rows):
+            out.setdefault(where[row], []).append(j)
+        return dict(sorted(out.items()))
 
     def microbatch_of(self, position: int) -> int:
         """The microbatch that batch position `position` belongs to."""
@@ -121,7 +218,7 @@ class StepPlan:
         self._check_rank(stage, rank)
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
-        rows = _flow(step, self.counts, self.batch_size, self.random_routing)[stage][rank]
+        rows = _flow(step, self.counts, self.batch_size, self.random_routing, self.around)[stage][rank]
         if microbatch is None:
             return rows
         if not 0 <= microbatch < self.microbatches:

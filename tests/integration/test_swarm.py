@@ -35,6 +35,7 @@ from noloco_swarm.peer.events import (
     Outer,
     PeerGone,
     Refused,
+    Rerouted,
     Resumed,
     Retried,
     StateFetch,
@@ -558,9 +559,16 @@ def test_a_killed_peer_takes_its_processes_and_a_replacement_takes_its_stage(cac
     assert all(len(v) == 1 for v in views.values()), views
     last = next(iter(views[max(views)]))
     assert all(victim_id not in s for s in last) and [len(s) for s in last] == [2, 2]
-    # Samples routed to the victim after it died are dropped (none, if it died just as a round
-    # closed and its report came first); its report takes effect one boundary after the round it
-    # was made in, so from two rounds after its death on nothing is routed to it.
+    # Until the views drop the victim (one boundary after the round its death was reported in),
+    # its rows go to its stand-in, the other stage-1 replica: a sender loses only the rows it had
+    # sent the victim when it found it dead (none, if it died just as a round closed and its
+    # report came first), and from its next step on it re-routes them instead of dropping them.
+    rerouted = [e for events in survivor_events for e in of_kind(events, Rerouted)]
+    assert rerouted and all(len(e.around) == 1 and e.around[0] not in e.to for e in rerouted), rerouted
+    for events in survivor_events:
+        drops = sorted({e.step for e in of_kind(events, Dropped)})
+        first = min((e.step for e in of_kind(events, Rerouted)), default=steps)
+        assert len(drops) <= 1 and all(step < first for step in drops), (drops, first)
     drops = [e.step for events in survivor_events for e in of_kind(events, Dropped)]
     assert all(step < (killed_in + 3) * 3 for step in drops), (drops, killed_in)
 

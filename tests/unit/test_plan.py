@@ -143,3 +143,64 @@ def test_microbatches_must_divide_the_batch() -> None:
         StepPlan.of((2, 2), 4, microbatches=3)
     with pytest.raises(ValueError, match="no microbatch 2"):
         StepPlan.of((2, 2), 4, microbatches=2).rows(0, 0, 0, 2)
+
+
+@st.composite
+def plans_around(draw: st.DrawFn) -> tuple[StepPlan, StepPlan]:
+    """A plan, and the same plan routing around some replicas after stage 0 (never a whole stage)."""
+    counts = draw(st.lists(st.integers(1, 5), min_size=2, max_size=4).map(tuple))
+    batch = draw(st.integers(1, 5))
+    around = {
+        (s, r)
+        for s in range(1, len(counts))
+        for r in draw(st.sets(st.integers(0, counts[s] - 1), max_size=counts[s] - 1))
+    }
+    plan = StepPlan.of(counts, batch)
+    return plan, plan.routing_around(around)
+
+
+@settings(max_examples=60, deadline=None)
+@given(plans=plans_around(), step=st.integers(0, 1000))
+def test_routing_around_gives_a_gone_replicas_rows_to_its_stand_in_and_no_row_is_lost(
+    plans: tuple[StepPlan, StepPlan], step: int
+) -> None:
+    base, plan = plans
+    counts = plan.counts
+    every_row = sorted(Row(i, o) for o in range(counts[0]) for i in range(plan.batch_size))
+    for s in range(len(counts)):
+        held = [plan.rows(step, s, r) for r in range(counts[s])]
+        assert sorted(x.row for rows in held for x in rows) == every_row
+        for r in range(counts[s]):
+            assert [x.row for x in held[r]] == sorted(x.row for x in held[r])
+            if (s, r) in plan.around:  # a gone replica holds nothing; its stand-in holds its rows
+                stand_in = plan.stand_in(s, r)
+                assert held[r] == () and (s, stand_in) not in plan.around
+                assert stand_in == next(
+                    (r + k) % counts[s]
+                    for k in range(counts[s])
+                    if (s, (r + k) % counts[s]) not in plan.around
+                )
+                mine = {x.row for x in held[stand_in]}
+                assert {x.row for x in base.rows(step, s, r)} <= mine
+            else:  # a live replica keeps every row the healthy plan gave it
+                assert {x.row for x in base.rows(step, s, r)} <= {x.row for x in held[r]}
+            if s + 1 < len(counts):  # sending its rows along the plan matches what receivers expect
+                rows = [x.row for x in held[r]]
+                for receiver, indices in plan.route(step, s, rows).items():
+                    assert (s + 1, receiver) not in plan.around
+                    assert [rows[j] for j in indices] == plan.expects_from(step, s + 1, receiver, r)
+                    assert plan.sends(step, s, r)[receiver] == indices
+                others = plan.stands_in_for(step, s, r, rows) if s else ()
+                assert set(others) == {
+                    g
+                    for g in range(counts[s])
+                    if (s, g) in plan.around and plan.stand_in(s, g) == r and base.rows(step, s, g)
+                }
+
+
+def test_routing_around_refuses_stage_zero_and_unknown_replicas() -> None:
+    with pytest.raises(ValueError, match="stage 0"):
+        StepPlan.of((2, 2), 4, around=[(0, 1)])
+    with pytest.raises(ValueError, match="cannot route around"):
+        StepPlan.of((2, 2), 4, around=[(1, 2)])
+    assert StepPlan.of((2, 2), 4).routing_around([]).around == frozenset()
