@@ -573,6 +573,37 @@ def test_a_killed_peer_takes_its_processes_and_a_replacement_takes_its_stage(cac
     assert all(step < (killed_in + 3) * 3 for step in drops), (drops, killed_in)
 
 
+def test_a_dead_middle_stages_rows_go_through_its_stand_in_to_the_last_stage(cache: Path) -> None:
+    """3 stages x 2 replicas, a stage-1 replica SIGKILLed mid-run: stage 0 sends its rows to the
+    other stage-1 replica, which runs them with its own and sends them on to stage 2 along the
+    dead replica's routes, saying whose rows they are; stage 2 takes them (nothing refused). Each
+    survivor loses rows at one step at most (those in flight at the death), before its first
+    re-route, and the run ends."""
+    steps = 30
+    cfg = small("noloco", **{"inner.total_steps": str(steps), "num_stages": "3", **SLOWER})
+    with local_swarm(cfg, steps, step_timeout=10) as swarm:
+        victim = next(p for p in swarm.peers if p.stage == 1 and p.replica == 1)
+        deadline = time.monotonic() + 120
+        while not any(e.step >= 2 for e in of_kind(victim.events(), Step)):
+            assert time.monotonic() < deadline, victim.log_tail()
+            time.sleep(0.05)
+        os.kill(victim.proc.pid, signal.SIGKILL)
+        survivors = [p for p in swarm.peers if p is not victim]
+        wait(swarm, timeout=400, ignore=[victim])
+        assert [p.proc.returncode for p in survivors] == [0] * 5, "\n".join(p.log_tail() for p in survivors)
+        events = {p.stage * 2 + p.replica: p.events() for p in survivors}
+        summaries = swarm.summaries()
+    assert all(s.steps == steps for s in summaries)
+    rerouted = [e for ev in events.values() for e in of_kind(ev, Rerouted)]
+    assert {e.hop for e in rerouted} == {0}, rerouted  # stage 0 routes around the dead replica
+    # Stage 2 took the stand-in's rows of the dead replica: a refusal would show at the stand-in.
+    assert [e for ev in events.values() for e in ev if isinstance(e, Refused | ViewMismatch)] == []
+    for ev in events.values():
+        drops = sorted({e.step for e in of_kind(ev, Dropped)})
+        first = min((e.step for e in of_kind(ev, Rerouted)), default=steps)
+        assert len(drops) <= 1 and all(step < first for step in drops), (drops, first)
+
+
 def test_sigterm_makes_a_peer_leave_at_a_boundary_and_nothing_is_lost(cache: Path) -> None:
     """A stage-1 peer sent SIGTERM reports itself gone, trains to the boundary after the next,
     takes that outer step with its partner and exits 0; the others drop it from the same round
