@@ -116,7 +116,8 @@ def add_peer(p: argparse.ArgumentParser) -> None:
         "--step-timeout",
         type=float,
         default=None,
-        help="deadline of one pipeline step in s; also of an outer exchange unless set (default: 120)",
+        help="longest deadline of one pipeline step in s, also of an outer exchange unless set; "
+        "deadlines adapt below it to the steps seen (peer.deadline_factor; default: 120)",
     )
 
 
@@ -197,7 +198,8 @@ def add_testbed(p: argparse.ArgumentParser) -> None:
         "--step-timeout",
         type=float,
         default=None,
-        help="deadline of one pipeline step and of an outer exchange in s (peer.step_timeout; default: 120)",
+        help="longest deadline of one pipeline step and of an outer exchange in s (peer.step_timeout; "
+        "deadlines adapt below it to the steps seen, peer.deadline_factor; default: 120)",
     )
     p.add_argument("--keep", type=Path, default=None, help="keep peer logs and metrics in this folder")
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from noloco_swarm.peer.deadlines import Deadlines
 from noloco_swarm.peer.events import Events
 from noloco_swarm.peer.rounds import Rounds
 from noloco_swarm.peer.transport import Transport
@@ -33,6 +34,7 @@ class PeerContext:
 
     def __post_init__(self) -> None:
         self.clock = StepClock(self.cfg.outer.inner_steps, self.B, self.cfg.inner.total_steps)
+        self.deadlines = Deadlines(self.cfg.peer)
 
     @property
     def me(self) -> str:

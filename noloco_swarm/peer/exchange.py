@@ -475,7 +475,7 @@ class OuterExchange:
                 return e
         for attempt in range(CALL_ATTEMPTS):  # a live partner whose stream broke is called again
             try:
-                return await self.board.swap(peer, header, ours, timeout=ctx.cfg.peer.exchange_timeout)
+                return await self.board.swap(peer, header, ours, timeout=ctx.deadlines.exchange)
             except (StreamClosed, StreamTruncated) as e:
                 if attempt == CALL_ATTEMPTS - 1 or not await ctx.rounds.alive(peer):
                     return e
@@ -489,9 +489,7 @@ class OuterExchange:
     async def _await_caller(self, key: Key, peer: str) -> Tensors:
         """Await a lower-ranked partner's call, probing it so that a crash ends the wait, and so
         does a partner that gave up on this exchange and trains on (its call broke for good)."""
-        waiting = asyncio.ensure_future(
-            self.board.received(key, peer, timeout=self.ctx.cfg.peer.exchange_timeout)
-        )
+        waiting = asyncio.ensure_future(self.board.received(key, peer, timeout=self.ctx.deadlines.exchange))
         try:
             while True:
                 done, _ = await asyncio.wait({waiting}, timeout=PROBE_PERIOD)

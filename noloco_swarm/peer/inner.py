@@ -363,7 +363,7 @@ class InnerSteps:
     async def _collect(self, t: int, collector: StepCollector) -> None:
         """Wait for step t's rows; probe silent senders while waiting and stop expecting dead ones."""
         ctx = self.ctx
-        view, timeout = ctx.view_at(t), ctx.cfg.peer.step_timeout
+        view, timeout = ctx.view_at(t), ctx.deadlines.step
         deadline = time.monotonic() + timeout
         while not collector.complete.is_set():
             left = deadline - time.monotonic()
@@ -420,7 +420,7 @@ class InnerSteps:
             raise MessageError(f"step {header.step} is not in round {header.round}")
         # A sender may start a round a moment before we do: wait for our view of it, then compare
         # views before steps, so a sender with another view always learns that, whatever its step.
-        view = await ctx.rounds.wait(header.round, timeout=ctx.cfg.peer.step_timeout)
+        view = await ctx.rounds.wait(header.round, timeout=ctx.deadlines.step)
         if header.view != view.digest():
             ctx.events.emit(events.ViewMismatch(step=header.step, peer=peer_id))
             raise MessageError(
@@ -462,7 +462,7 @@ class InnerSteps:
         arrival = collector.add(rows, allowed)
         # Shielded: a sender's resend waits on the same arrival, and one waiter's deadline must
         # not cancel the other's answer. A resend after the answer gets it at once.
-        grad, losses = await asyncio.wait_for(asyncio.shield(arrival.result), ctx.cfg.peer.step_timeout * 2)
+        grad, losses = await asyncio.wait_for(asyncio.shield(arrival.result), ctx.deadlines.step * 2)
         return backward_reply(ctx, header, view.rank_of(ctx.me)[1], grad, losses)
 
 

@@ -138,6 +138,8 @@ async def finish_outer_step(pending: PendingOuter) -> events.Outer:
         await asyncio.to_thread(ctx.replica.apply_noloco, thetas, phis, snapshot=snapshot)
     else:
         await asyncio.to_thread(ctx.replica.apply_diloco, thetas, snapshot=snapshot)
+    if not exchange.failed:  # a failed one lasted its deadline: it says nothing of the link
+        ctx.deadlines.observe_exchange(pending.seconds)
     return events.Outer(
         step=pending.step,
         group=list(exchange.plan.group),

@@ -176,7 +176,7 @@ class Peer:
         previous = time.monotonic()
         while ctx.step < self.steps:
             t = ctx.step
-            if time.monotonic() - previous > ctx.cfg.peer.step_timeout:  # frozen, or cut off?
+            if time.monotonic() - previous > ctx.deadlines.step:  # frozen, or cut off?
                 await self._check_not_left_behind(t)
             previous = time.monotonic()
             start = time.perf_counter()
@@ -190,6 +190,7 @@ class Peer:
             if ctx.is_first:
                 self.tokens += ctx.B * ctx.cfg.model.seq_len
             seconds = time.perf_counter() - start
+            ctx.deadlines.observe_step(seconds)
             ctx.events.emit(
                 events.Step(
                     step=ctx.step,

@@ -152,7 +152,7 @@ class RowSender:
                 reply, tensors = await ctx.rounds.watched(
                     receiver,
                     ctx.transport.call(
-                        receiver, "rpc_forward", header, [*acts, toks], timeout=ctx.cfg.peer.step_timeout
+                        receiver, "rpc_forward", header, [*acts, toks], timeout=ctx.deadlines.step
                     ),
                     f"the forward of step {t}",
                 )

@@ -53,6 +53,12 @@ class PeerConfig:
     """Seconds: deadline of one pipeline round trip or one collected batch."""
     exchange_timeout: float = 120.0
     """Seconds: deadline of an outer exchange with one partner (follows step_timeout unless set)."""
+    deadline_factor: float = 8.0
+    """Once a few steps (one exchange) have run, the step (exchange) deadline is this many times
+    the longest recent one, within [min_deadline, step_timeout (exchange_timeout)]; 0: the
+    deadlines stay at step_timeout and exchange_timeout (peer/deadlines.py)."""
+    min_deadline: float = 10.0
+    """Seconds: the shortest an adapted deadline gets."""
     start_timeout: float = 120.0
     """Seconds: deadline for the manifest and a complete round-0 membership to appear."""
     join_timeout: float = 280.0
@@ -103,7 +109,19 @@ class PeerConfig:
             )
         if self.ticket:
             object.__setattr__(self, "ticket", os.path.expanduser(self.ticket))
-        for name in ("step_timeout", "exchange_timeout", "start_timeout", "join_timeout", "heartbeat_ttl"):
+        if not 0 <= self.deadline_factor < float("inf"):
+            raise ValueError(
+                f"peer.deadline_factor must be >= 0 (0: fixed deadlines), got {self.deadline_factor}"
+            )
+        names = (
+            "step_timeout",
+            "exchange_timeout",
+            "start_timeout",
+            "join_timeout",
+            "heartbeat_ttl",
+            "min_deadline",
+        )
+        for name in names:
             if not getattr(self, name) > 0:
                 raise ValueError(f"peer.{name} must be > 0 seconds, got {getattr(self, name)}")
 
