@@ -327,11 +327,30 @@ def write_atomic(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+# Corpora this process has read, by their files' identity: a stage-0 peer opens its data stream
+# again whenever the shard layout changes (a peer joined or left), and reading and splitting the
+# corpus costs over a second, which the whole pipeline would wait for at that step.
+_read: dict[tuple[Path, tuple[int, int, int, int]], Corpus] = {}
+
+
 def build_corpus(cache_dir: str | os.PathLike[str] | None = None) -> Corpus:
-    """The embedded corpus, read from the cache or built there (a few seconds) on first use."""
+    """The embedded corpus, read from the cache or built there (a few seconds) on first use; read
+    once per process while its files stay the same."""
     directory = corpus_dir(cache_dir)
     directory.mkdir(parents=True, exist_ok=True)
     docs_path, meta_path = directory / "documents.jsonl", directory / "meta.json"
+    try:
+        docs_stat, meta_stat = docs_path.stat(), meta_path.stat()
+    except FileNotFoundError:
+        return _build_corpus(directory, docs_path, meta_path)
+    key = (directory, (docs_stat.st_mtime_ns, docs_stat.st_size, meta_stat.st_mtime_ns, meta_stat.st_size))
+    if key not in _read:
+        _read.clear()  # one corpus at a time is all a process uses
+        _read[key] = _build_corpus(directory, docs_path, meta_path)
+    return _read[key]
+
+
+def _build_corpus(directory: Path, docs_path: Path, meta_path: Path) -> Corpus:
     if docs_path.is_file() and meta_path.is_file():
         meta = json.loads(meta_path.read_text())
         docs = [Document(**json.loads(line)) for line in docs_path.read_text("utf-8").splitlines()]
