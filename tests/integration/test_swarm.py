@@ -81,15 +81,23 @@ def small(method: str, **extra: str) -> RunConfig:
 
 def simulate(cfg: RunConfig, steps: int) -> tuple[list[list[str]], dict[int, list[list[str]]]]:
     """Final replica hashes, and the hashes right after every outer step (keyed by the step it
-    was applied after: its boundary, or k steps later with `outer.overlap_steps` = k)."""
-    sim = Simulator(cfg, data_batches(cfg))
-    after_outer = {}
-    for _ in range(steps):
-        if sim.inner_step().outer_step:
+    was applied after: its boundary, or k steps later with `outer.overlap_steps` = k).
+
+    Computed with one torch thread, as every peer runs: with more, a kernel may sum floats in
+    another order (on this AVX-512 machine the closed-run test's batches did) and no longer match."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        sim = Simulator(cfg, data_batches(cfg))
+        after_outer = {}
+        for _ in range(steps):
+            if sim.inner_step().outer_step:
+                after_outer[sim.step] = sim.replica_hashes()
+        if sim.finish():  # the peers, too, complete an overlapped step still under way at their end
             after_outer[sim.step] = sim.replica_hashes()
-    if sim.finish():  # the peers, too, complete an overlapped step still under way at their end
-        after_outer[sim.step] = sim.replica_hashes()
-    return sim.replica_hashes(), after_outer
+        return sim.replica_hashes(), after_outer
+    finally:
+        torch.set_num_threads(before)
 
 
 def outer_steps(swarm) -> list[tuple[int, int, Outer]]:
