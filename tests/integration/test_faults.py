@@ -45,8 +45,9 @@ def test_a_peer_frozen_past_the_deadline_is_dropped_and_rejoins_by_itself(
     next boundary, a thawed stage-0 peer still sends rows for the steps it missed; they are
     refused at once as late, and cost the others nothing.)"""
     # Long enough that, on a loaded machine too, the others are still training when the thawed
-    # peer looks for a round to join (they run on at a few steps a second meanwhile).
-    steps, H = 300, 3
+    # peer looks for a round to join (they run on at a few steps a second meanwhile; in a quiet
+    # run it rejoined at step 18, the others being slowed by the freeze, with 280 steps to go).
+    steps, H = 150, 3
     cfg = small("noloco", **{**SLOWER, "outer.inner_steps": str(H), "inner.total_steps": str(steps)})
     with local_swarm(cfg, steps, step_timeout=8, workdir=tmp_path) as swarm:  # logs kept by pytest
         victim = next(p for p in swarm.peers if p.stage == stage and p.replica == 1)
