@@ -49,6 +49,9 @@ def main() -> None:
     ap.add_argument(
         "--microbatches", default="1", help="inner.microbatches values to run, comma-separated (e.g. 1,2,4)"
     )
+    ap.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="a config value for both sides"
+    )
     ap.add_argument("--out", type=Path, default=None, help="also write the figures as JSON here")
     args = ap.parse_args()
     loops = args.loops.split(",")
@@ -60,7 +63,7 @@ def main() -> None:
         "inner.batch_size": str(args.batch_size),
         "outer.inner_steps": str(args.inner_steps),
         "eval_windows": "4",
-    }
+    } | dict(kv.split("=", 1) for kv in args.set)
     cfgs = {
         m: build_config("tiny", "noloco", assignments=base | {"inner.microbatches": str(m)}, env={})
         for m in ms
