@@ -83,8 +83,10 @@ def test_the_frame_check_fails_on_a_reader_that_escapes_its_contract(monkeypatch
 
 
 def _answers(peer: str, header: m.Message, payload: bytes = b"") -> list[m.Message]:
-    """What the fuzzed server answers one well-formed request with."""
-    transport, _ = frames.rig()
+    """What the fuzzed server answers one well-formed request with, from a rig of its own: the
+    fuzz targets share the cached one, and an exchange their examples already served would be
+    refused here as a duplicate (run alone, this file failed that way)."""
+    transport, _ = frames.rig.__wrapped__()
     envelope = m.Envelope(
         frames.VERB_OF[header.TAG], m.encode(header), streams.declared_tensors(header) or ()
     )
