@@ -18,8 +18,8 @@ is checked against the simulator's weights:
   routing around a replica of stage s > 0 that is gone (`StepPlan.around`): its rows go to its
                  stand-in, the next rank of its stage (cyclically) that is not routed around,
                  which runs them with its own in (position, origin) order and sends them on along
-                 the gone replica's routes. Rows are never dropped for a known death: only those
-                 already in flight to the replica when it died.
+                 the gone replica's routes. A sender routes around the replicas it knows are
+                 gone, so it loses only the rows it sent one before it found it dead.
   outer step     after inner step t = H, 2H, ... the replica averages with its group
                  (`outer_plan`): NoLoCo draws pairs, DiLoCo takes the whole stage and, with more
                  than two replicas, all-reduces in shards (`ShardLayout`). Within a group the lower
