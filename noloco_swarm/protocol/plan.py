@@ -90,6 +90,18 @@ def _flow(
     return tuple(flow)
 
 
+@functools.lru_cache(maxsize=1024)
+def _holders(
+    step: int, counts: tuple[int, ...], batch: int, random_routing: bool, around: frozenset[tuple[int, int]]
+) -> tuple[dict[Row, int], ...]:
+    """holders[s][row]: the rank of stage s that runs `row` at `step` (every row is held by
+    exactly one replica of each stage). Read-only: it is cached."""
+    return tuple(
+        {x.row: rank for rank, rows in enumerate(stage) for x in rows}
+        for stage in _flow(step, counts, batch, random_routing, around)
+    )
+
+
 def _stand_in(counts: tuple[int, ...], around: frozenset[tuple[int, int]], stage: int, rank: int) -> int:
     """Who holds the rows of replica `rank` of `stage`: itself, or (routed around) the next rank
     of the stage, cyclically, that is not; itself again if every replica of the stage is."""
@@ -181,24 +193,17 @@ class StepPlan:
 
     def holder(self, step: int, stage: int, row: Row) -> int:
         """The rank of `stage` that runs `row` at `step`."""
-        flow = _flow(step, self.counts, self.batch_size, self.random_routing, self.around)[stage]
-        for rank, rows in enumerate(flow):
-            if any(x.row == row for x in rows):
-                return rank
-        raise ValueError(f"no replica of stage {stage} runs row {row} at step {step}")
+        holders = _holders(step, self.counts, self.batch_size, self.random_routing, self.around)[stage]
+        if row not in holders:
+            raise ValueError(f"no replica of stage {stage} runs row {row} at step {step}")
+        return holders[row]
 
     def route(self, step: int, stage: int, rows: Sequence[Row]) -> dict[int, list[int]]:
         """Receiver rank (of stage+1) -> indices into `rows` (rows a replica of `stage` holds, in
         its batch order), ascending, of the rows it sends there."""
         if not 0 <= stage < self.num_stages - 1:
             raise ValueError(f"stage {stage} of {self.num_stages} sends nothing on")
-        where = {
-            x.row: rank
-            for rank, held in enumerate(
-                _flow(step, self.counts, self.batch_size, self.random_routing, self.around)[stage + 1]
-            )
-            for x in held
-        }
+        where = _holders(step, self.counts, self.batch_size, self.random_routing, self.around)[stage + 1]
         out: dict[int, list[int]] = {}
         for j, row in enumerate(rows):
             out.setdefault(where[row], []).append(j)
@@ -246,13 +251,7 @@ class StepPlan:
         same rows)."""
         if not 0 <= stage < self.num_stages - 1:
             raise ValueError(f"stage {stage} of {self.num_stages} sends nothing on")
-        index = {x.row: j for j, x in enumerate(self.rows(step, stage, rank, microbatch))}
-        out: dict[int, list[int]] = {}
-        for r in range(self.counts[stage + 1]):
-            mine = [index[row] for row in self.expects_from(step, stage + 1, r, rank, microbatch)]
-            if mine:
-                out[r] = mine
-        return out
+        return self.route(step, stage, [x.row for x in self.rows(step, stage, rank, microbatch)])
 
     def _check_rank(self, stage: int, rank: int) -> None:
         if not 0 <= stage < self.num_stages or not 0 <= rank < self.counts[stage]:
