@@ -52,6 +52,14 @@ class Detours:
             self.heard[peer] = max(self.heard.get(peer, view.round), view.round)
         return news
 
+    def forget(self, peer: str) -> None:
+        """`peer` answers again (the swarm keeps it): nobody routes around it any more."""
+        self.heard.pop(peer, None)
+
+    def forget_all(self) -> None:
+        """We rejoined with a donor's view: what we heard before is of no round we will run."""
+        self.heard.clear()
+
 
 def _place(view: MembershipView, peer: str) -> Place | None:
     """Where `peer` is in `view`, if it is there after stage 0."""

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -77,20 +77,22 @@ class StepCollector:
     batch runs every row that came in (position, origin) order, so arrival order never changes
     the result; on a healthy swarm these are exactly the plan's rows."""
 
-    def __init__(self, step: int, expected: tuple[Incoming, ...], microbatch: int = 0) -> None:
+    def __init__(
+        self, step: int, expected: tuple[Incoming, ...], microbatch: int = 0, gone: Iterable[int] = ()
+    ) -> None:
         self.step, self.microbatch = step, microbatch
-        self.expected = list(expected)  # in the order the batch runs them
         self.arrivals: dict[int, Arrival] = {}
         self.complete = asyncio.Event()
         self.closed = False  # collected: only resends of rows already in are accepted
-        self.gone: set[int] = set()  # senders we stopped expecting
-        self._check_complete()
+        self.gone = set(gone)  # senders we stopped expecting
+        self.expect(expected)
 
     def rows_from(self, sender: int) -> list[Row]:
         return [x.row for x in self.expected if x.sender == sender]
 
     def expect(self, expected: tuple[Incoming, ...]) -> None:
-        """Expect these rows now (we learned that a replica is routed around); what came stays."""
+        """Expect these rows (in the order the batch runs them) from every sender not gone; called
+        again when we learn that a replica is routed around: what came stays."""
         self.expected = [x for x in expected if x.sender not in self.gone]
         self._check_complete()
 
@@ -274,8 +276,7 @@ class InnerSteps:
             view = ctx.view_at(t)
             expected = self._expected(t, m)
             gone = {x.sender for x in expected if view.peer_at(ctx.stage - 1, x.sender) in ctx.rounds.dead}
-            collector = StepCollector(t, tuple(x for x in expected if x.sender not in gone), m)
-            collector.gone = gone
+            collector = StepCollector(t, expected, m, gone)
             self.collectors[(t, m)] = collector
             if gone:  # their rows will not come: say so once, here
                 lost = sum(x.sender in gone for x in expected)

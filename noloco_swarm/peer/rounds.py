@@ -120,7 +120,7 @@ class Rounds:
         whom we marked gone before (while cut off, typically the whole swarm) is forgotten. Kept,
         those marks made us skip every row from them: a rejoined peer ran its steps empty."""
         self.dead.clear()
-        self.detours.heard.clear()
+        self.detours.forget_all()
         self.set(view)
 
     def set(self, view: MembershipView) -> None:
@@ -236,7 +236,7 @@ class Rounds:
         kept = await self.evidence.weigh(current, joined, due, self.alive)
         for peer in self.evidence.live:
             self.dead.pop(peer, None)  # one we marked gone answers again: a member like any other
-            self.detours.heard.pop(peer, None)
+            self.detours.forget(peer)
         listings.insert(0, Listing(self.me, self.stage, joined_round))
         view = next_view(current, listings, credible_gone(kept))
         for peer in view.members() - current.members():

@@ -2,11 +2,12 @@
 gradients back (the sender's side of rpc_forward; the receiver's side is peer/inner.py).
 
 Each receiver gets the rows the step plan routes to it, in the run's wire format, in one call.
-A next-stage replica that failed us (gone: `Rounds.around`) gets no rows: the plan routes them to
-its stand-in (protocol.plan, `StepPlan.around`), and the header says so, so that the stand-in and
-the stages after it know whose rows they run. A call whose stream broke is made again while the receiver answers a probe (the receiver answers
-a resend with what it computed the first time); rows whose gradient never comes back are dropped
-from the step (their gradient stays zero), with the reason in a `dropped` event.
+A next-stage replica that failed us (gone: `Detours.around`) gets no rows: the plan routes them
+to its stand-in (protocol.plan, `StepPlan.around`), and the header says so, so that the stand-in
+and the stages after it know whose rows they run. A call whose stream broke is made again while
+the receiver answers a probe (the receiver answers a resend with what it computed the first
+time); rows whose gradient never comes back are dropped from the step (their gradient stays
+zero), with the reason in a `dropped` event.
 """
 
 from __future__ import annotations
