@@ -23,7 +23,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import hivemind
@@ -35,8 +35,14 @@ _PR_SET_PDEATHSIG = 1
 _ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("children_die_with_us", default=False)
 
 
-def _prctl_die_with_parent() -> None:
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
+def parent_death_signal(sig: int = signal.SIGTERM) -> Callable[[], None]:
+    """A function that asks the kernel to send its caller `sig` when the thread that started the
+    caller exits (Linux; elsewhere it does nothing). Called in a child before exec (a
+    `preexec_fn`), it binds programs that do not do so themselves; it survives exec. libc is
+    looked up here, in the parent: a forked child of a threaded process must not load libraries."""
+    if not sys.platform.startswith("linux"):
+        return lambda: None
+    return functools.partial(ctypes.CDLL(None, use_errno=True).prctl, _PR_SET_PDEATHSIG, int(sig))
 
 
 _PARENT: list[int] = []  # the parent whose death ends us, once die_with_parent() was called
@@ -48,7 +54,7 @@ def die_with_parent() -> None:
     The SIGTERM then means "stop now", not "leave at the next boundary": see `orphaned()`."""
     if sys.platform.startswith("linux"):
         _PARENT[:] = [os.getppid()]
-        _prctl_die_with_parent()
+        parent_death_signal()()
 
 
 def orphaned() -> bool:
@@ -72,10 +78,7 @@ def _install_hook() -> None:
     original = asyncio.subprocess.create_subprocess_exec
     if not sys.platform.startswith("linux") or getattr(original, "_noloco_hook", False):
         return
-    prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here: the child must not dlopen
-
-    def in_child() -> None:
-        prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
+    in_child = parent_death_signal()
 
     async def create_subprocess_exec(*args: Any, **kwargs: Any) -> asyncio.subprocess.Process:
         if _ACTIVE.get() and "preexec_fn" not in kwargs:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -11,6 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from noloco_swarm.cli.swarm import end_group
+from noloco_swarm.peer.lifetime import parent_death_signal
 
 MADDR = re.compile(r"(/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+)")
 
@@ -74,9 +76,18 @@ def p2pd_descendants(pid: int | None = None) -> set[int]:
 def process_group(
     argv: list[str], *, ready: re.Pattern[str] = MADDR, timeout: float = 60.0
 ) -> Iterator[tuple[subprocess.Popen[str], str]]:
-    """Start argv in its own process group, wait for `ready` in its output, kill the group at the end."""
+    """Start argv in its own process group, wait for `ready` in its output, kill the group at the end.
+
+    If the test process dies first (killed: no `finally` runs), the kernel sends the program
+    SIGINT: hivemind's `hivemind-dht` shuts down on it (with its DHT process), not on SIGTERM, and
+    `noloco dht` on both. Without it, a killed pytest left hivemind-dht running under init."""
     proc = subprocess.Popen(
-        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        preexec_fn=parent_death_signal(signal.SIGINT),  # noqa: PLW1509 - only a prctl, looked up before the fork
     )
     try:
         deadline = time.monotonic() + timeout
