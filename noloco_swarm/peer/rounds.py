@@ -47,6 +47,8 @@ PROBE_TIMEOUT = 5.0
 # probe before it is reported gone.
 RECENTLY = 15.0
 KEEP_ROUNDS = 3  # views kept: a request may name the round before ours or the next one
+# What a read of the run's directory returns: the peers listed, and (peer, reporter, round) reports.
+Directory = tuple[list[Listing], list[tuple[str, str, int]]]
 
 
 async def ask_status(transport: Transport, peer: str, run_id: str, timeout: float) -> messages.PeerStatus:
@@ -208,23 +210,33 @@ class Rounds:
                 raise TimeoutError(f"only {there} peers per stage after {timeout:.0f} s; need {list(counts)}")
             await asyncio.sleep(0.5)
 
-    async def next(self, current: MembershipView, joined_round: int) -> MembershipView:
-        """The view of the round after `current`, by the rule every peer applies (not yet frozen).
-
-        Raises PeerExcluded if it leaves us out or a stage has nobody left (see below).
-        """
-        listings: list[Listing] = []
-        # What we saw ourselves counts too, in case the DHT lost it (weighed with the rest).
-        seen = [(peer, self.me, round_) for peer, round_ in self.dead.items()]
-        reports: list[tuple[str, str, int]] = []
+    async def read_directory(self) -> Directory:
+        """The run's listings and gone reports, for `next`; empty if the DHT cannot be read twice
+        (the next view then keeps this round's members). The loop starts this read at the
+        boundary, beside the outer exchange, so that the exchange hides its DHT round trip:
+        only reports of rounds before the current one decide the next view (membership.py),
+        and those were stored a round ago."""
         for attempt in range(2):
             try:
-                listings, reports = await asyncio.to_thread(self._read_directory)
-                break
-            except DHT_ERRORS as e:  # keep this round's members if the DHT cannot be read
+                return await asyncio.to_thread(self._read_directory)
+            except DHT_ERRORS as e:
                 logger.warning(
                     "could not read the run's directory (%s)%s", e, "" if attempt else "; retrying"
                 )
+        return [], []
+
+    async def next(
+        self, current: MembershipView, joined_round: int, directory: Directory | None = None
+    ) -> MembershipView:
+        """The view of the round after `current`, by the rule every peer applies (not yet frozen),
+        from `directory` (read now if not given: see read_directory).
+
+        Raises PeerExcluded if it leaves us out or a stage has nobody left (see below).
+        """
+        listings, reports = await self.read_directory() if directory is None else directory
+        listings = list(listings)
+        # What we saw ourselves counts too, in case the DHT lost it (weighed with the rest).
+        seen = [(peer, self.me, round_) for peer, round_ in self.dead.items()]
         # A member missing from the read is only suspect: check it before telling everyone it is gone.
         suspects = sorted(current.members() - {item.peer for item in listings} - set(self.dead) - {self.me})
         async with asyncio.TaskGroup() as group:
@@ -253,7 +265,7 @@ class Rounds:
             )
         return view
 
-    def _read_directory(self) -> tuple[list[Listing], list[tuple[str, str, int]]]:
+    def _read_directory(self) -> Directory:
         listings = [Listing(a.peer_id, a.stage, a.joined_round) for a in self.read_peers()]
         return listings, self.directory.read_reports()
 

@@ -38,7 +38,7 @@ from noloco_swarm.peer.joining import Joining
 from noloco_swarm.peer.lifetime import trim_heap
 from noloco_swarm.peer.outer_steps import OuterSteps
 from noloco_swarm.peer.resume import Resume, SwarmMovedOn
-from noloco_swarm.peer.rounds import DHT_ERRORS, PeerExcluded, Rounds, raise_if_left_behind
+from noloco_swarm.peer.rounds import DHT_ERRORS, Directory, PeerExcluded, Rounds, raise_if_left_behind
 from noloco_swarm.peer.tickets import Gate
 from noloco_swarm.peer.transport import Transport
 from noloco_swarm.protocol import messages
@@ -215,16 +215,19 @@ class Peer:
         checkpoint.py): a swarm resumed from them runs that exchange again, from the same
         tensors, so it still equals the run that never stopped."""
         ctx, overlap = self.ctx, self.ctx.cfg.outer.overlap_steps > 0
-        if overlap:
-            await self._save(with_theta=True)
-        if ctx.cfg.outer.method in ("noloco", "diloco"):
-            await self.outer.at_boundary()
-        if not overlap:
-            await self._save()
-        if ctx.step >= self.steps:
+        last = ctx.step >= self.steps
+        async with asyncio.TaskGroup() as group:  # the DHT read runs behind the exchange
+            directory = None if last else group.create_task(ctx.rounds.read_directory())
+            if overlap:
+                await self._save(with_theta=True)
+            if ctx.cfg.outer.method in ("noloco", "diloco"):
+                await self.outer.at_boundary()
+            if not overlap:
+                await self._save()
+        if directory is None:
             return False
         try:
-            await self._advance_view()
+            await self._advance_view(directory.result())
         except PeerExcluded:
             if self.leaving is None:
                 raise
@@ -277,11 +280,12 @@ class Peer:
         self.outer.taken, self.tokens = ckpt.outer_steps, ckpt.tokens
         self.resumed_pending = ckpt.step if "theta" in ckpt.parts else None
 
-    async def _advance_view(self) -> None:
-        """At a round boundary: freeze the next round's view; keep our state for its joiners."""
+    async def _advance_view(self, directory: Directory) -> None:
+        """At a round boundary: freeze the next round's view, built from `directory` (read at the
+        boundary); keep our state for its joiners."""
         ctx = self.ctx
         current = ctx.view_at(ctx.step - 1)
-        view = await ctx.rounds.next(current, self.joining.joined_round)
+        view = await ctx.rounds.next(current, self.joining.joined_round, directory)
         await self.joining.keep_for_joiners(current, view)
         ctx.rounds.set(view)
 
