@@ -24,18 +24,30 @@ avoided; a call made again sends the same):
 
 The peer still averages its own, true weights: only what it sends lies.
 
+Stragglers, for benchmarks of the outer step (bench/outer_sync.py): `NOLOCO_STRAGGLE="MU,SIGMA"`
+(or `"MU,SIGMA,SCALE"`) makes every inner phase of this peer (the H inner steps of one round)
+last at least SCALE x LogNormal(MU, SIGMA) seconds: the peer waits at the boundary for the rest.
+The draw depends only on the run's seed, the stage, the replica's rank and the round, so two runs
+of a swarm of the same shape (NoLoCo's and DiLoCo's) straggle exactly alike.
+
 A malformed value is refused when the peer starts, so a typo cannot silently test nothing.
 """
 
 from __future__ import annotations
 
+import asyncio
+import math
 import os
+import random
 import re
+import time
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 
 import torch
 
 ENV = "NOLOCO_FAILPOINTS"
+STRAGGLE_ENV = "NOLOCO_STRAGGLE"
 POISONS = ("poison_scale", "poison_nan", "poison_shape")
 KINDS = ("lose_reply", "close_unanswered", "close_unconfirmed", *POISONS)
 _ENTRY = re.compile(r"^(?P<kind>[a-z_]+):(?P<verb>rpc_[a-z_]+)(@(?P<skip>\d+))?=(?P<count>\d+)$")
@@ -104,3 +116,44 @@ def _corrupt(tensor: torch.Tensor, kind: str) -> torch.Tensor:
         flat[:: max(1, flat.numel() // 3)] = float("nan")  # a few NaNs, spread out
         return bad
     return tensor.reshape(-1)[:-1].clone()  # poison_shape
+
+
+@dataclass(frozen=True)
+class Straggle:
+    """Inner phases of random length: SCALE x LogNormal(MU, SIGMA) seconds (see the module doc)."""
+
+    mu: float
+    sigma: float
+    scale: float = 1.0
+
+    @classmethod
+    def parse(cls, text: str) -> Straggle | None:
+        """From the variable's text (empty: no stragglers); ValueError if malformed."""
+        if not text.strip():
+            return None
+        try:
+            values = [float(v) for v in text.split(",")]
+            straggle = cls(*values)
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"{STRAGGLE_ENV}: {text!r} is not MU,SIGMA or MU,SIGMA,SCALE (numbers)"
+            ) from None
+        if not all(map(math.isfinite, values)) or straggle.sigma < 0 or straggle.scale < 0:
+            raise ValueError(f"{STRAGGLE_ENV}: {text!r} needs finite values, SIGMA >= 0 and SCALE >= 0")
+        return straggle
+
+    def seconds(self, seed: int, stage: int, rank: int, round_: int) -> float:
+        """The inner phase's length for this replica and round (the same in every process)."""
+        draw = random.Random(f"straggle/{seed}/{stage}/{rank}/{round_}")  # str seeds: sha512, stable
+        return self.scale * draw.lognormvariate(self.mu, self.sigma)
+
+
+_straggle = Straggle.parse(os.environ.get(STRAGGLE_ENV, ""))
+
+
+async def straggle(started: float, seed: int, stage: int, rank: int, round_: int) -> None:
+    """At a boundary: wait until the inner phase that began at `started` (time.monotonic) has
+    lasted its drawn length; returns at once unless NOLOCO_STRAGGLE is set."""
+    if _straggle is not None:
+        due = started + _straggle.seconds(seed, stage, rank, round_)
+        await asyncio.sleep(max(0.0, due - time.monotonic()))

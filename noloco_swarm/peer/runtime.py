@@ -27,7 +27,7 @@ import time
 from typing import Any
 
 from noloco_swarm.data.stream import train_batches
-from noloco_swarm.peer import events
+from noloco_swarm.peer import events, failpoints
 from noloco_swarm.peer.checkpoint import Checkpoint
 from noloco_swarm.peer.context import PeerContext
 from noloco_swarm.peer.directory import RunDirectory
@@ -173,11 +173,12 @@ class Peer:
             # started: every member resumed from this step runs that exchange again.
             await self.outer.at_boundary()
         self.resumed_pending = None
-        previous = time.monotonic()
+        previous = phase = time.monotonic()
         while ctx.step < self.steps:
             t = ctx.step
+            phase = time.monotonic() if ctx.clock.outer_step_due(t) else phase  # a round begins
             if time.monotonic() - previous > ctx.deadlines.step:  # frozen, or cut off?
-                await self._check_not_left_behind(t)
+                await check_not_left_behind(ctx, t)
             previous = time.monotonic()
             start = time.perf_counter()
             lr = ctx.replica.lr_at(t)
@@ -202,8 +203,12 @@ class Peer:
                 )
             )
             await self.outer.finish(due_only=True)  # k steps after its boundary: wait if in flight
-            if ctx.clock.outer_step_due(ctx.step) and await self._boundary():
-                return
+            if ctx.clock.outer_step_due(ctx.step):
+                await failpoints.straggle(
+                    phase, ctx.cfg.seed, ctx.stage, ctx.rank_at(t), ctx.view_at(t).round
+                )
+                if await self._boundary():
+                    return
         await self.outer.finish()  # the run ends before k steps are up: complete the exchange
 
     async def _boundary(self) -> bool:
@@ -244,19 +249,6 @@ class Peer:
             final=self.ctx.step >= self.steps or self.leaving is not None,
             with_theta=with_theta,
         )
-
-    async def _check_not_left_behind(self, t: int) -> None:
-        """After a step that outlasted the step deadline (this process was stopped, its link cut,
-        or it waited on someone who was): if the others are already two rounds past ours, they
-        have trained on without us and we are out of their views, or soon will be. Rejoin now,
-        instead of sending them rows for steps they left long ago."""
-        ctx = self.ctx
-        view = ctx.view_at(t)
-        others = sorted(view.members() - {ctx.me} - set(ctx.rounds.dead))
-        async with asyncio.TaskGroup() as group:
-            probes = [group.create_task(ctx.rounds.probe(p)) for p in others]
-        steps = [s.step for probe in probes if isinstance(s := probe.result(), messages.PeerStatus)]
-        raise_if_left_behind(t, view.round, ctx.clock, steps)
 
     async def leave(self) -> bool:
         """Leave the swarm without failing anyone: report ourselves gone in the current round, so
@@ -352,3 +344,16 @@ class Peer:
             resumed_from=self.resume.resumed_from,
         )
         return status, []
+
+
+async def check_not_left_behind(ctx: PeerContext, t: int) -> None:
+    """After a step that outlasted the step deadline (this process was stopped, its link cut,
+    or it waited on someone who was): if the others are already two rounds past ours, they
+    have trained on without us and we are out of their views, or soon will be. Rejoin now,
+    instead of sending them rows for steps they left long ago."""
+    view = ctx.view_at(t)
+    others = sorted(view.members() - {ctx.me} - set(ctx.rounds.dead))
+    async with asyncio.TaskGroup() as group:
+        probes = [group.create_task(ctx.rounds.probe(p)) for p in others]
+    steps = [s.step for probe in probes if isinstance(s := probe.result(), messages.PeerStatus)]
+    raise_if_left_behind(t, view.round, ctx.clock, steps)
