@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable
 
 import torch
@@ -100,6 +101,7 @@ class ExchangeBoard:
         self._served: dict[tuple[Key, str], Tensors] = {}
         self._tasks: dict[Key, set[asyncio.Task[object]]] = {}
         self._serving: set[tuple[Key, str]] = set()  # (key, caller) of calls being served now
+        self._delivering: set[tuple[Key, str]] = set()  # answered calls awaiting the caller's receipt
         self._retired: Key | None = None  # newest finished key; older ones are refused
         self.avoidance = plausible.Avoidance()  # members whose weights we rejected lately
         transport.register_stream(VERB, self._serve, on_close=self.close, accepts=Accepts.weights(numel))
@@ -244,8 +246,25 @@ class ExchangeBoard:
         self, stream: InboundStream, slot: tuple[Key, str], ours: Tensors, confirmed: bool
     ) -> None:
         """Forget the answer kept for `slot` once the caller says it has it (see `_served`)."""
-        if confirmed and await streams.receipt(stream, RECEIPT_WAIT) and self._served.get(slot) is ours:
-            del self._served[slot]
+        self._delivering.add(slot)
+        try:
+            if confirmed and await streams.receipt(stream, RECEIPT_WAIT) and self._served.get(slot) is ours:
+                del self._served[slot]
+        finally:
+            self._delivering.discard(slot)
+
+    async def drain(self, timeout: float) -> bool:
+        """Wait, at most `timeout` seconds, until no call is being served and every answer we
+        sent has reached its caller (its receipt came, or RECEIPT_WAIT ran out). A peer does this
+        before it stops: our reply leaves through p2pd's buffers, and a peer that exits as soon
+        as it has written its last answer cuts the tail off a partner still reading it over a
+        slow link. True if nothing was left in flight."""
+        deadline = time.monotonic() + timeout
+        while self._serving or self._delivering:
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.05)
+        return True
 
     async def _duplex(
         self,

@@ -123,6 +123,8 @@ class Peer:
             bytes=ctx.transport.byte_counts(),
         )
         ctx.events.emit(final)
+        if not await self.board.drain(ctx.deadlines.exchange):
+            logger.warning("stopping with an outer exchange answer still on its way to a partner")
         if not ctx.is_first:
             await asyncio.sleep(1.0)  # let the last eval reply leave before the transport closes
         return final

@@ -196,10 +196,9 @@ def test_exchange_16mib_both_ways_bitwise_with_1x_bytes(
             total = counts[f"{direction}_total"] - before.get(f"{direction}_total", 0)
             assert payload == nbytes
             assert nbytes < total < nbytes + 4096  # framing (and the caller's receipt): a few hundred bytes
-    # The caller's receipt came: the callee keeps nothing of this exchange for a call again.
-    deadline = time.monotonic() + 10
-    while (key, a.peer_id) in board(b)._served and time.monotonic() < deadline:
-        run(loop, asyncio.sleep(0.05))
+    # The caller's receipt came: the callee has nothing in flight (what a stopping peer waits
+    # for, ExchangeBoard.drain) and keeps nothing of this exchange for a call again.
+    assert run(loop, board(b).drain(10))
     assert (key, a.peer_id) not in board(b)._served
 
     # A caller whose stream broke before our answer reached it (so it sent no receipt) calls again:
