@@ -80,6 +80,7 @@ def measure(cfg: RunConfig, rounds: int, rate_mbit: float, straggle: str, keep: 
         ) as ns:
             wait(ns.swarm, timeout=1800)
             outers = [e for p in ns.swarm.peers for e in of_kind(p.events(), Outer) if e.step > H]
+            link = [ns.bed.counters(h) for h in hosts]  # (received, sent) bytes over the whole run
     finally:
         os.environ.pop(STRAGGLE_ENV, None)
     groups: dict[tuple[int, tuple[int, ...]], list[float]] = defaultdict(list)
@@ -91,6 +92,9 @@ def measure(cfg: RunConfig, rounds: int, rate_mbit: float, straggle: str, keep: 
         "ready_s": statistics.median(complete),
         "received_bytes": statistics.median(e.received_bytes for e in outers),
         "failed": sum(len(e.failed) for e in outers),
+        # What crossed a peer's link per outer step (all rounds: the first one and the inner
+        # steps' DHT traffic included), against the payload it had to receive.
+        "link_received_per_outer_step": statistics.fmean(rx for rx, _ in link) / rounds,
         "outer_steps": len(outers),
         "wall_s": time.monotonic() - started,
     }
@@ -104,6 +108,10 @@ def main() -> None:
     ap.add_argument("--inner-steps", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=5, help="outer steps per run (the first is left out)")
     ap.add_argument("--straggle", default="1,0.5", help="MU,SIGMA[,SCALE] of the inner phases' LogNormal")
+    ap.add_argument("--methods", default=",".join(METHODS), help="outer methods to run, comma-separated")
+    ap.add_argument(
+        "--stragglers", choices=("both", "off", "on"), default="both", help="runs without and/or with them"
+    )
     ap.add_argument("--keep", type=Path, default=None, help="keep each run's logs and events here")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -115,9 +123,11 @@ def main() -> None:
     for n in (int(x) for x in args.replicas.split(",")):
         stage_bytes = 4 * num_flat(build_stage(config("noloco", n, args.hidden, 2).model, 0, 1, 0))
         for rate in (float(x) for x in args.rates.split(",")):
-            for straggle in ("", args.straggle):
+            for straggle in {"both": ("", args.straggle), "off": ("",), "on": (args.straggle,)}[
+                args.stragglers
+            ]:
                 runs = {}
-                for method in METHODS:  # side by side: the same N, rate and draws
+                for method in args.methods.split(","):  # side by side: the same N, rate and draws
                     cfg = config(method, n, args.hidden, args.inner_steps)
                     run = measure(cfg, args.rounds, rate, straggle, args.keep)
                     share = 1.0 if method == "noloco" else 2 * (n - 1) / n
@@ -137,14 +147,15 @@ def main() -> None:
                     "stragglers": straggle or None,
                     "stage_bytes": stage_bytes,
                     "runs": runs,
-                    "diloco_over_noloco_sync": runs["diloco"]["sync_s"] / runs["noloco"]["sync_s"],
-                    "diloco_over_noloco_ready": runs["diloco"]["ready_s"] / runs["noloco"]["ready_s"],
                 }
-                print(
-                    f"  DiLoCo/NoLoCo: sync {row['diloco_over_noloco_sync']:.2f}x, "
-                    f"ready {row['diloco_over_noloco_ready']:.2f}x",
-                    flush=True,
-                )
+                if set(METHODS) <= set(runs):
+                    row["diloco_over_noloco_sync"] = runs["diloco"]["sync_s"] / runs["noloco"]["sync_s"]
+                    row["diloco_over_noloco_ready"] = runs["diloco"]["ready_s"] / runs["noloco"]["ready_s"]
+                    print(
+                        f"  DiLoCo/NoLoCo: sync {row['diloco_over_noloco_sync']:.2f}x, "
+                        f"ready {row['diloco_over_noloco_ready']:.2f}x",
+                        flush=True,
+                    )
                 rows.append(row)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
