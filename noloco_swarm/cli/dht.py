@@ -8,6 +8,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from noloco_swarm.peer.dialback import offer_on_dht
 from noloco_swarm.peer.node import reachability, start_dht
 from noloco_swarm.train.config import NetworkConfig
 
@@ -24,6 +25,7 @@ def run_dht(
     if net.identity_path:
         Path(net.identity_path).expanduser().parent.mkdir(parents=True, exist_ok=True)
     dht = start_dht(net)
+    offer_on_dht(dht)  # noloco doctor asks bootstraps whether they can reach it
     stop = stop or threading.Event()
     try:
         previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}

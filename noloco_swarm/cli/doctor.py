@@ -9,9 +9,10 @@ estimates where it cannot (memory: train/memory.py against what is free).
 The clock is compared with each bootstrap peer's (the DHT time in its answer to a DHT ping, any
 hivemind node answers it): DHT records and join tickets expire by wall-clock time.
 
-Not checked (yet): whether the bootstrap can dial us back on the chosen port. A dial-back needs a
-service on the bootstrap that opens a fresh connection to us; a ping back over the connection we
-opened proves nothing, and p2pd does not report libp2p's AutoNAT verdict.
+Reachability from outside is checked by dial-back (peer/dialback.py): a daemon listening where
+`noloco join` would (the --port, or network.host_maddrs, announcing network.announce_maddrs) asks
+an answering `noloco dht` bootstrap to open a fresh connection to it. A bootstrap that does not
+offer it (a plain hivemind node) leaves this unchecked, and says so.
 """
 
 from __future__ import annotations
@@ -406,6 +407,56 @@ async def _network_checks(cfg: RunConfig, timeout: float) -> list[Check]:
     return checks
 
 
+DIALBACK_FIX = (
+    "nobody outside can open a connection to this machine: forward TCP port {port} to it (router, "
+    "firewall, cloud security group) and announce your public address with --announce-maddrs "
+    "/ip4/PUBLIC_IP/tcp/{port}, or let relays carry it: --set network.use_auto_relay=true"
+)
+
+
+async def dialback_check(
+    cfg: RunConfig, port: int | None, bootstraps: Sequence[str], timeout: float
+) -> Check:
+    """Listen where `noloco join` would and ask the first bootstrap that offers it to dial us back."""
+    from hivemind.p2p import P2P
+    from hivemind.utils.multiaddr import Multiaddr
+
+    from noloco_swarm.peer import dialback
+    from noloco_swarm.peer.lifetime import children_die_with_us
+
+    net = cfg.network
+    listen = [f"/ip4/0.0.0.0/tcp/{port}"] if port else list(net.host_maddrs)
+    options = {"announce_maddrs": list(net.announce_maddrs)} if net.announce_maddrs else {}
+    try:
+        with children_die_with_us():
+            p2p = await P2P.create(host_maddrs=listen, initial_peers=list(bootstraps), **options)
+    except Exception as e:  # noqa: BLE001  (the daemon's own message says what is wrong)
+        return Check("dial-back", False, f"could not listen on {listen}: {_first_line(str(e))}", SETUP)
+    try:
+        ours = [str(a) for a in await p2p.get_visible_maddrs() if "/p2p-circuit" not in str(a)]
+        shown = (
+            Multiaddr(ours[0]).value_for_protocol("tcp") if ours else (port or "PORT")
+        )  # announced, if any
+        for maddr in bootstraps:
+            peer = Multiaddr(maddr).value_for_protocol("p2p")
+            try:
+                verdict = await dialback.ask(p2p, peer, ours[: dialback.MAX_ADDRS], timeout)
+            except Exception as e:  # noqa: BLE001  (a broken answer is as good as none)
+                return Check("dial-back", False, f"{maddr} did not answer: {_first_line(str(e))}", RETRY)
+            if verdict is None:
+                continue
+            name = f"dial-back from {maddr}"
+            if verdict.ok:
+                return Check(name, True, f"reached us at {', '.join(verdict.dialed)} on a fresh connection")
+            tried = f" (tried {', '.join(verdict.dialed)})" if verdict.dialed else ""
+            return Check(name, False, verdict.detail + tried, DIALBACK_FIX.format(port=shown))
+    finally:
+        await p2p.shutdown()
+    return Check(
+        "dial-back", True, "not checked: no answering bootstrap offers it (only noloco dht nodes do)"
+    )
+
+
 def config_check(refusals: Sequence[str]) -> Check:
     """What `noloco join` would refuse in this config before starting (RunConfig.refusals)."""
     if not refusals:
@@ -451,6 +502,10 @@ def run_checks(
             )
         )
     answered = [c for c in checks if c.name.startswith("bootstrap ") and c.ok]
+    ports_free = all(c.ok for c in checks if c.name.startswith("port "))
+    if answered and ports_free:
+        bootstraps = [c.name.removeprefix("bootstrap ") for c in answered]
+        checks.append(asyncio.run(dialback_check(cfg, port, bootstraps, timeout)))
     if cfg.peer.run_id and answered:
         checks.append(manifest_check(cfg, timeout))
     checks.append(memory_check(cfg, cfg.peer.stage, memory_limit))

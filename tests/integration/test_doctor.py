@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import shutil
 import socket
 import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import msgpack
 import pytest
@@ -79,6 +81,13 @@ def test_a_healthy_setup_passes_and_a_used_identity_fails(cache, tmp_path) -> No
         port = unused_port()
         result = doctor("--initial-peers", bootstrap, "--port", str(port), "--run-id", "doctor-test")
         twin = doctor("--initial-peers", bootstrap, "--identity", str(key))
+        # Listening on one port but announcing another that nothing forwards: the bootstrap's
+        # fresh connection to the announced address fails, as it would behind a NAT.
+        hidden = unused_port()
+        behind = doctor(
+            "--initial-peers", bootstrap, "--port", str(unused_port()),
+            "--announce-maddrs", f"/ip4/127.0.0.1/tcp/{hidden}",
+        )  # fmt: skip
     out = result.stdout + result.stderr
     assert result.returncode == 0, out
     assert not lines_of(out, "FAIL"), out
@@ -88,6 +97,7 @@ def test_a_healthy_setup_passes_and_a_used_identity_fails(cache, tmp_path) -> No
         f"bootstrap {bootstrap}",
         f"clock vs {bootstrap}",  # the bootstrap's DHT time, measured over a real DHT ping
         f"port {port}",
+        f"dial-back from {bootstrap}",  # a fresh connection from the bootstrap reached our port
         "run doctor-test",
         "memory",
         "versions",
@@ -98,6 +108,11 @@ def test_a_healthy_setup_passes_and_a_used_identity_fails(cache, tmp_path) -> No
     twin_out = twin.stdout + twin.stderr
     assert twin.returncode == 1, twin_out
     assert [line for line in lines_of(twin_out, "FAIL") if "identity" in line], twin_out
+    behind_out = behind.stdout + behind.stderr
+    assert behind.returncode == 1, behind_out
+    failed = lines_of(behind_out, "FAIL")
+    assert len(failed) == 1 and failed[0].startswith(f"FAIL  dial-back from {bootstrap}"), behind_out
+    assert f"/ip4/127.0.0.1/tcp/{hidden}" in behind_out and "forward TCP port" in behind_out, behind_out
     assert p2pd_descendants() <= before
 
 
@@ -141,3 +156,15 @@ def test_a_config_that_differs_from_the_runs_manifest_is_named(cache, tmp_path) 
     assert newer.returncode == 1, out
     failed = lines_of(out, "FAIL")
     assert len(failed) == 1 and "its manifest cannot be read: protocol version 99" in failed[0], out
+
+
+def test_a_bootstrap_without_dial_back_leaves_it_unchecked_and_says_so(cache) -> None:
+    """hivemind's own bootstrap tool answers DHT requests but offers no dial-back: doctor passes
+    and says reachability was not checked, instead of failing or claiming it was."""
+    exe = shutil.which("hivemind-dht", path=str(Path(sys.executable).parent))
+    assert exe
+    with process_group([exe, "--host_maddrs", "/ip4/127.0.0.1/tcp/0"]) as (_, bootstrap):
+        result = doctor("--initial-peers", bootstrap, "--port", str(unused_port()))
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out
+    assert lines_of(out, "ok    dial-back: not checked: no answering bootstrap offers it"), out
