@@ -21,11 +21,12 @@ protocol.membership.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from hivemind import DHT
 from hivemind.dht.crypto import RSASignatureValidator
@@ -36,6 +37,9 @@ from hivemind.utils import MPFuture, ValueWithExpiration, get_dht_time
 from noloco_swarm.peer.identity import Identity, owner_of
 from noloco_swarm.protocol import messages
 from noloco_swarm.protocol.membership import credible_gone
+
+if TYPE_CHECKING:
+    from noloco_swarm.peer.node import LoopDHT
 
 # The manifest outlives any one peer (a run longer than a week re-publishes it).
 MANIFEST_TTL = 7 * 24 * 3600.0
@@ -81,7 +85,12 @@ class RunDirectory:
     `signed_dht_kwargs`); a directory without one (`noloco status`) only reads."""
 
     def __init__(
-        self, dht: DHT, run_id: str, *, ttl: float = DEFAULT_HEARTBEAT_TTL, identity: Identity | None = None
+        self,
+        dht: DHT | LoopDHT,
+        run_id: str,
+        *,
+        ttl: float = DEFAULT_HEARTBEAT_TTL,
+        identity: Identity | None = None,
     ) -> None:
         if ttl <= 0:
             raise ValueError(f"ttl must be > 0, got {ttl}")
@@ -192,7 +201,7 @@ class RunDirectory:
     def _get(self, key: str) -> ValueWithExpiration | None:
         return self._wait(self.dht.get(key, latest=True, return_future=True))
 
-    def _wait(self, future: MPFuture[T]) -> T:
+    def _wait(self, future: MPFuture[T] | concurrent.futures.Future[T]) -> T:
         """The DHT's answer within DHT_CALL_TIMEOUT; TimeoutError (and the call cancelled) after."""
         try:
             return future.result(timeout=DHT_CALL_TIMEOUT)

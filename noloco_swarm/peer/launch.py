@@ -14,10 +14,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from noloco_swarm.peer import checkpoint, events, identity, tickets
-from noloco_swarm.peer.directory import RunDirectory, signed_dht_kwargs
-from noloco_swarm.peer.lifetime import DHT
+from noloco_swarm.peer.directory import RunDirectory
 from noloco_swarm.peer.limits import caps_for
-from noloco_swarm.peer.node import reachability
+from noloco_swarm.peer.node import LoopDHT, reachability
 from noloco_swarm.peer.rounds import ask_status_at
 from noloco_swarm.peer.runtime import Peer
 from noloco_swarm.peer.streams import PeerUnavailable, RemoteRefused
@@ -81,10 +80,9 @@ async def run_peer(
             sink.sinks.append(_prometheus(cfg, transport))
         if watch is not None:
             sink.sinks.append(watch(transport))
-        # The DHT shares the transport's daemon: one libp2p identity and one p2pd per peer.
-        dht = await asyncio.to_thread(
-            DHT, initial_peers=list(net.initial_peers), p2p=transport.p2p, start=True, **signed_dht_kwargs(me)
-        )
+        # The DHT node runs on this loop and shares the transport's daemon: one process, one
+        # libp2p identity and one p2pd per peer (node.py: LoopDHT).
+        dht = await LoopDHT.create(transport.p2p, net.initial_peers, me)
         directory = RunDirectory(dht, opts.run_id, ttl=opts.heartbeat_ttl, identity=me)
         manifest = messages.RunManifest.create(opts.run_id, cfg.manifest())
         await _join_manifest(directory, manifest, new_run, opts.start_timeout)
@@ -124,7 +122,7 @@ async def run_peer(
     finally:
         sink.close()
         if dht is not None:
-            await asyncio.to_thread(dht.shutdown)
+            await dht.shutdown()
         await transport.shutdown()
 
 

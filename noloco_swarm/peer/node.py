@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+import concurrent.futures
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, TypeVar
+
+from hivemind.dht.node import DHTNode
+from hivemind.dht.validation import CompositeValidator
+from hivemind.p2p import P2P
 
 from noloco_swarm.peer import identity
 from noloco_swarm.peer.directory import signed_dht_kwargs
+from noloco_swarm.peer.identity import Identity
 from noloco_swarm.peer.lifetime import DHT
 from noloco_swarm.train.config import NetworkConfig
+
+T = TypeVar("T")
 
 
 def start_dht(net: NetworkConfig) -> DHT:
@@ -59,3 +69,60 @@ def reachability_kind(addresses: Sequence[str]) -> str:
     if not direct:
         return f"through a relay only ({len(addresses)} relayed addresses)"
     return f"direct ({len(direct)} addresses" + (", relays too)" if len(direct) < len(addresses) else ")")
+
+
+class LoopDHT:
+    """hivemind's DHT node running on this process's event loop, behind the part of hivemind's
+    `DHT` interface that RunDirectory uses (`get`, `store`, `run_coroutine`, `shutdown`).
+
+    hivemind's `DHT` runs its node in a process forked from ours, which for a peer means a copy
+    of a process that has torch loaded: about 0.3 GiB more per peer (docs/benchmarks.md, "A real
+    model's peers"). Here the node shares the peer's event loop and its libp2p daemon instead.
+    Its calls are made from worker threads (the directory blocks on their answers, as on
+    hivemind's), never from the loop's own thread, which would wait on itself: such a call
+    raises RuntimeError at once.
+    """
+
+    def __init__(
+        self, node: DHTNode, loop: asyncio.AbstractEventLoop, identity: Identity | None = None
+    ) -> None:
+        self.node, self.loop, self.identity = node, loop, identity
+
+    @classmethod
+    async def create(cls, p2p: P2P, initial_peers: Sequence[str], identity: Identity | None) -> LoopDHT:
+        """A node on the running loop, joined through `initial_peers` over `p2p` (which it does
+        not own), signing its records with `identity` and checking everyone's (directory.py)."""
+        validators = signed_dht_kwargs(identity)["record_validators"]
+        node = await DHTNode.create(
+            initial_peers=list(initial_peers), p2p=p2p, record_validator=CompositeValidator(validators)
+        )
+        return cls(node, asyncio.get_running_loop(), identity)
+
+    def _submit(self, coro: Coroutine[Any, Any, T], return_future: bool) -> concurrent.futures.Future[T] | T:
+        try:
+            on_loop = asyncio.get_running_loop() is self.loop
+        except RuntimeError:
+            on_loop = False
+        if on_loop:
+            coro.close()
+            raise RuntimeError(
+                "a DHT call from the event loop's own thread would wait on itself: use a thread"
+            )
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        return future if return_future else future.result()
+
+    def get(self, key: str, latest: bool = False, return_future: bool = False) -> Any:
+        return self._submit(self.node.get(key, latest=latest), return_future)
+
+    def store(
+        self, key: str, value: Any, expiration_time: float, subkey: Any = None, return_future: bool = False
+    ) -> Any:
+        return self._submit(self.node.store(key, value, expiration_time, subkey=subkey), return_future)
+
+    def run_coroutine(
+        self, coro: Callable[[Any, DHTNode], Coroutine[Any, Any, T]], return_future: bool = False
+    ) -> Any:
+        return self._submit(coro(self, self.node), return_future)
+
+    async def shutdown(self) -> None:
+        await self.node.shutdown()
