@@ -91,7 +91,9 @@ class LoopDHT:
     @classmethod
     async def create(cls, p2p: P2P, initial_peers: Sequence[str], identity: Identity | None) -> LoopDHT:
         """A node on the running loop, joined through `initial_peers` over `p2p` (which it does
-        not own), signing its records with `identity` and checking everyone's (directory.py)."""
+        not own, and whose daemon was started with the same initial peers: hivemind's node pings
+        them by peer id, the daemon knows their addresses), signing its records with `identity`
+        and checking everyone's (directory.py)."""
         validators = signed_dht_kwargs(identity)["record_validators"]
         node = await DHTNode.create(
             initial_peers=list(initial_peers), p2p=p2p, record_validator=CompositeValidator(validators)

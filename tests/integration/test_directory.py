@@ -216,3 +216,45 @@ def test_rebootstrap_pings_the_entry_points_again(two_peers: tuple[DHT, DHT], bo
     entry = bootstrap.rsplit("/p2p/", 1)[1]
     assert found.rebootstrap([entry]) == 1
     assert found.rebootstrap([entry, str(b.peer_id)]) == 2
+
+
+def test_a_directory_over_a_node_on_the_peers_own_loop(bootstrap: str, two_peers: tuple[DHT, DHT]) -> None:
+    """A peer's DHT node runs on its event loop (LoopDHT): its directory, called from worker
+    threads as the peer calls it, reads what hivemind's forked DHT nodes store and the other
+    way round; a call from the loop's own thread is refused at once, not left to wait on itself."""
+    import asyncio
+
+    from hivemind.p2p import P2P
+
+    from noloco_swarm.peer import identity
+    from noloco_swarm.peer.node import LoopDHT
+
+    a, _ = two_peers
+    theirs = RunDirectory(a, "loop-run")
+    theirs.announce(messages.PeerAnnouncement("loop-run", a.identity.peer_id, 0, 0, ("/ip4/1.2.3.4/tcp/1",)))
+
+    async def main() -> tuple[set[str], set[str]]:
+        with identity.identity_file(None) as (path, _):  # a fresh key, as a new peer's
+            me = identity.load(path)
+            p2p = await P2P.create(host_maddrs=list(LOOPBACK), identity_path=path, initial_peers=[bootstrap])
+        try:
+            dht = await LoopDHT.create(p2p, [bootstrap], me)
+            try:
+                ours = RunDirectory(dht, "loop-run")
+                announcement = messages.PeerAnnouncement(
+                    "loop-run", me.peer_id, 1, 0, ("/ip4/1.2.3.5/tcp/2",)
+                )
+                assert await asyncio.to_thread(ours.announce, announcement)
+                seen_by_us = {x.peer_id for x in (await asyncio.to_thread(ours.read_peers)).announcements}
+                seen_by_them = {x.peer_id for x in (await asyncio.to_thread(theirs.read_peers)).announcements}
+                with pytest.raises(RuntimeError, match="would wait on itself"):
+                    ours.read_peers()
+                return seen_by_us, seen_by_them
+            finally:
+                await dht.shutdown()
+        finally:
+            await p2p.shutdown()
+
+    seen_by_us, seen_by_them = asyncio.run(main())
+    assert a.identity.peer_id in seen_by_us and len(seen_by_us) == 2
+    assert seen_by_us == seen_by_them
