@@ -268,7 +268,7 @@ def end_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
 
 
 def end_groups(procs: list[subprocess.Popen], grace: float = 10.0) -> None:
-    """Stop process groups (a peer, its p2pd and its DHT process) at once, all together: SIGTERM
+    """Stop process groups (a peer and its p2pd) at once, all together: SIGTERM
     twice (a peer takes the first as a request to leave gracefully, the second as "stop now"),
     then SIGKILL what remains after `grace` seconds; reap the leaders."""
     running = [p for p in procs if p.poll() is None]

@@ -186,7 +186,7 @@ class RunDirectory:
         """Ping `peer_ids` (the run's entry points) from our DHT node and look up our neighbours
         again, as hivemind does at start: a node that was cut off from everyone has emptied its
         routing table, and would otherwise find no record again. How many answered."""
-        ping = functools.partial(_ping_entry_points, tuple(peer_ids))  # runs in the DHT process
+        ping = functools.partial(_ping_entry_points, tuple(peer_ids))  # runs where the DHT node runs
         return self._wait(self.dht.run_coroutine(ping, return_future=True))
 
     def _store(self, key: str, record: messages.PeerAnnouncement | messages.GoneReport, ttl: float) -> bool:

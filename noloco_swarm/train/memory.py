@@ -5,8 +5,8 @@ two moments, the slow weights phi and the outer momentum delta (6 x 4 bytes per 
 top: the activations kept for backward (the whole batch on stages before the last, whose
 microbatches are all in flight before the flush; one microbatch on the last stage, which
 backpropagates each at once), the last stage's logits and their gradient, and a fixed overhead per
-peer process (Python and torch, the forked DHT process, p2pd), about 0.9 GiB on CPU as measured
-for issue 14.
+peer process (Python and torch, p2pd; a forked DHT process until the DHT node moved into the
+peer), about 0.9 GiB on CPU as measured for issue 14, kept as a margin.
 
 Known limits: the activation term counts the tensors a Llama layer keeps per token (norm inputs,
 q/k/v, attention output, the SwiGLU's three ffn-wide tensors) and, under eager attention, the
@@ -30,7 +30,7 @@ from noloco_swarm.train.config import RunConfig
 GIB = 2**30
 FP32 = 4
 STATE_COPIES = 6  # weights, grads, Adam m and v, phi, delta
-PROCESS_OVERHEAD = int(0.9 * GIB)  # Python + torch 0.5, DHT process 0.3, p2pd and shm manager 0.1
+PROCESS_OVERHEAD = int(0.9 * GIB)  # Python, torch and the DHT node 0.8, p2pd 0.1 (RSS-like: kept high)
 
 
 @dataclass(frozen=True)

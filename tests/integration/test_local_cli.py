@@ -54,8 +54,8 @@ def wait_for_a_step(proc: subprocess.Popen[str], timeout: float = 180) -> None:
 
 def test_a_killed_launcher_takes_its_peers_and_their_daemons_with_it(cache: Path) -> None:
     """`noloco local` SIGKILLed (an OOM kill, a CI runner's timeout) cannot end its peers itself:
-    each peer learns from the kernel that its parent died and stops at once, with its p2pd and
-    DHT process, instead of leaving gracefully for minutes with nobody to report to."""
+    each peer learns from the kernel that its parent died and stops at once, with its p2pd,
+    instead of leaving gracefully for minutes with nobody to report to."""
     before_dirs = local_dirs()
     # Outer steps 2000 inner steps apart: a graceful leave (at the boundary after next) would take
     # minutes, so only peers that stop at once are gone by the deadline below.

@@ -524,7 +524,7 @@ def test_a_killed_peer_takes_its_processes_and_a_replacement_takes_its_stage(
     the same later round's view, and the run finishes. Killed as its outer exchange begins, its
     partner sees the death in that round and the stage-0 peers only on the next round's forwards:
     all must still agree on every view. With 3 stages the stand-in carries the dead replica's rows
-    on to stage 2, which takes them. Every process of the dead peer (p2pd, the DHT's) ends with
+    on to stage 2, which takes them. Every process of the dead peer (its p2pd) ends with
     it, and a `--stage auto` replacement started 3 s after the death takes the dead peer's stage,
     whose announcement is still in the DHT."""
     steps = 60
@@ -541,8 +541,8 @@ def test_a_killed_peer_takes_its_processes_and_a_replacement_takes_its_stage(
             assert time.monotonic() < deadline, victim.log_tail()
             time.sleep(0.05)
         assert p2pd_descendants(victim.proc.pid), "the peer should run its own p2pd"
-        family = descendants(victim.proc.pid)  # p2pd, and the process hivemind's DHT runs in
-        assert len(family) >= 2, family
+        family = descendants(victim.proc.pid)  # p2pd (the DHT node runs in the peer's process)
+        assert family, family
         os.kill(victim.proc.pid, signal.SIGKILL)  # no cleanup code of the peer runs
         killed_at = time.monotonic()
         deadline = killed_at + 15

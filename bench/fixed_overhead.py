@@ -1,0 +1,144 @@
+"""A peer's fixed memory: the PSS of every process a `noloco join` peer runs, on a training swarm.
+
+Starts `noloco local` (2 stages x 2 replicas of the tiny preset, whose model is small beside the
+fixed costs) from each checkout named in --trees, waits --after seconds into the run, and reads
+every process's PSS (/proc/PID/smaps_rollup: shared pages are split between the processes that
+map them, so the figures add up) under each peer, by kind: the peer's Python process, p2pd, a
+forked DHT process, torch_shm_manager. Trees alternate over --reps, so builds are compared side by
+side on the same machine state.
+
+    python bench/fixed_overhead.py --trees /path/to/old-checkout,. --out docs/results/fixed_overhead.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+MIB = 1 << 20
+
+
+def pss(pid: int) -> float:
+    """PSS of `pid` in MiB (0 if it is gone). Not USS: a peer's forked DHT process shares most
+    of its pages with the peer, and private pages alone would count them for neither."""
+    try:
+        lines = Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()
+    except OSError:
+        return 0.0
+    return sum(int(line.split()[1]) * 1024 / MIB for line in lines if line.startswith("Pss:"))
+
+
+def children() -> dict[int, list[int]]:
+    kids: dict[int, list[int]] = defaultdict(list)
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            kids[int(stat.rsplit(")", 1)[1].split()[1])].append(int(entry))
+    return kids
+
+
+def kind(pid: int) -> str:
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return "gone"
+    text = b" ".join(argv).decode(errors="replace")
+    if "p2pd" in text:
+        return "p2pd"
+    if "torch_shm_manager" in text:
+        return "torch_shm_manager"
+    if " join " in f" {text} ":
+        return "peer"
+    return "other"
+
+
+def peer_trees(root: int) -> list[dict[str, float]]:
+    """Per `noloco join` peer under `root`: MiB by process kind (a forked child of the peer that
+    runs the same command line is its DHT process)."""
+    kids = children()
+    peers = []
+
+    def walk(pid: int) -> None:
+        if kind(pid) == "peer":
+            usage: dict[str, float] = defaultdict(float)
+            usage["peer"] += pss(pid)
+            stack = list(kids[pid])
+            while stack:
+                child = stack.pop()
+                k = kind(child)
+                usage["dht process" if k == "peer" else k] += pss(child)
+                stack += kids[child]
+            peers.append(dict(usage))
+            return
+        for child in kids[pid]:
+            walk(child)
+
+    walk(root)
+    return peers
+
+
+def measure(tree: Path, after: float) -> list[dict[str, float]]:
+    argv = [sys.executable, "-m", "noloco_swarm.cli.main", "local", "--preset", "tiny", "--replicas", "2"]
+    argv += ["--steps", "100000", "--plain"]
+    env = os.environ | {"PYTHONPATH": str(tree)}
+    proc = subprocess.Popen(argv, cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    try:
+        time.sleep(after)
+        return peer_trees(proc.pid)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--trees", default=".", help="noloco-swarm checkouts to compare, comma-separated")
+    ap.add_argument("--after", type=float, default=30.0, help="seconds into the run to read the PSS")
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    trees = [Path(t).resolve() for t in args.trees.split(",")]
+    runs: dict[str, list[list[dict[str, float]]]] = {str(t): [] for t in trees}
+    for _ in range(args.reps):
+        for tree in trees:
+            runs[str(tree)].append(measure(tree, args.after))
+    result = {}
+    for tree, reps in runs.items():
+        totals = [sum(p.values()) for rep in reps for p in rep]
+        kinds = sorted({k for rep in reps for p in rep for k in p})
+        by_kind = {k: statistics.median(p.get(k, 0.0) for rep in reps for p in rep) for k in kinds}
+        commit = subprocess.run(
+            ["git", "-C", tree, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+        ).stdout.strip()
+        result[tree] = {"commit": commit, "peers": reps, "per_peer_mib_median": statistics.median(totals)}
+        result[tree] |= {"by_kind_mib_median": by_kind}
+        shown = ", ".join(f"{k} {v:.0f}" for k, v in by_kind.items())
+        print(
+            f"{tree} ({commit}): {len(totals)} peers, {statistics.median(totals):.0f} MiB PSS per peer "
+            f"(range {min(totals):.0f}-{max(totals):.0f}; median by kind: {shown})"
+        )
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        command = "python bench/fixed_overhead.py " + " ".join(sys.argv[1:])
+        args.out.write_text(
+            json.dumps({"command": command, "after_s": args.after, "trees": result}, indent=2) + "\n"
+        )
+
+
+if __name__ == "__main__":
+    main()
