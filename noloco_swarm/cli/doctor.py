@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
+from noloco_swarm.peer.dialback import first_line
 from noloco_swarm.train import memory
 from noloco_swarm.train.config import RunConfig
 
@@ -155,7 +156,7 @@ async def bootstrap_check(p2p, maddr: str, timeout: float) -> Check:
                 "nothing answers there: is the bootstrap node running (noloco dht), and are its IP and "
                 "port right? A restarted node without --identity has a new peer id"
             )
-        return Check(name, False, f"dial failed: {_first_line(text)}", fix)
+        return Check(name, False, f"dial failed: {first_line(text)}", fix)
     return Check(name, True, "answers (libp2p connection made, peer id verified)")
 
 
@@ -195,7 +196,7 @@ async def clock_check(p2p, maddr: str, timeout: float) -> Check:
         return Check(
             name,
             False,
-            f"the bootstrap did not answer a DHT ping: {_first_line(str(e)) or type(e).__name__}",
+            f"the bootstrap did not answer a DHT ping: {first_line(str(e)) or type(e).__name__}",
             "the bootstrap answers libp2p but is no DHT node: use the address noloco dht (or a peer) prints",
         )
     back = time.time()
@@ -225,11 +226,6 @@ async def identity_check(path: str, initial_peers: Sequence[str]) -> Check:
             "stop the other process that uses this key, or give this one its own --identity file",
         )
     return Check("identity", True, f"no live node uses the key in {path}")
-
-
-def _first_line(text: str, limit: int = 200) -> str:
-    line = text.strip().splitlines()[0] if text.strip() else "(no message)"
-    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 def manifest_check(cfg: RunConfig, timeout: float) -> Check:
@@ -431,7 +427,7 @@ async def dialback_check(
         with children_die_with_us():
             p2p = await P2P.create(host_maddrs=listen, initial_peers=list(bootstraps), **options)
     except Exception as e:  # noqa: BLE001  (the daemon's own message says what is wrong)
-        return Check("dial-back", False, f"could not listen on {listen}: {_first_line(str(e))}", SETUP)
+        return Check("dial-back", False, f"could not listen on {listen}: {first_line(str(e))}", SETUP)
     try:
         ours = [str(a) for a in await p2p.get_visible_maddrs() if "/p2p-circuit" not in str(a)]
         shown = (
@@ -442,7 +438,7 @@ async def dialback_check(
             try:
                 verdict = await dialback.ask(p2p, peer, ours[: dialback.MAX_ADDRS], timeout)
             except Exception as e:  # noqa: BLE001  (a broken answer is as good as none)
-                return Check("dial-back", False, f"{maddr} did not answer: {_first_line(str(e))}", RETRY)
+                return Check("dial-back", False, f"{maddr} did not answer: {first_line(str(e))}", RETRY)
             if verdict is None:
                 continue
             name = f"dial-back from {maddr}"

@@ -40,6 +40,13 @@ class Verdict:
     detail: str
 
 
+def first_line(text: str, limit: int = 200) -> str:
+    """The first line of a (daemon's, often multi-line) error message, for a one-line report
+    (here and in `noloco doctor`; this module imports hivemind only when it dials)."""
+    line = text.strip().splitlines()[0] if text.strip() else "(no message)"
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
 def addresses_to_dial(request: Any, observed: str) -> list[str]:
     """The addresses of `request` (parsed JSON) that may be dialled back, given the multiaddr the
     request came from. ValueError (saying why) for a malformed request or no address allowed."""
@@ -123,7 +130,7 @@ class DialBack:
             except TimeoutError:
                 return Verdict(False, tuple(addrs), f"no connection within {DIAL_SECONDS:.0f} s")
             except Exception as e:  # noqa: BLE001  (the daemon's errors name what failed)
-                return Verdict(False, tuple(addrs), f"dial failed: {str(e).strip().splitlines()[0][:200]}")
+                return Verdict(False, tuple(addrs), f"dial failed: {first_line(str(e))}")
             finally:
                 await fresh.shutdown()
         return Verdict(True, tuple(addrs), "a fresh connection reached you")

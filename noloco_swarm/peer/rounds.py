@@ -225,16 +225,13 @@ class Rounds:
                 )
         return [], []
 
-    async def next(
-        self, current: MembershipView, joined_round: int, directory: Directory | None = None
-    ) -> MembershipView:
+    async def next(self, current: MembershipView, joined_round: int, directory: Directory) -> MembershipView:
         """The view of the round after `current`, by the rule every peer applies (not yet frozen),
-        from `directory` (read now if not given: see read_directory).
+        from `directory` (read at the boundary: see read_directory).
 
         Raises PeerExcluded if it leaves us out or a stage has nobody left (see below).
         """
-        listings, reports = await self.read_directory() if directory is None else directory
-        listings = list(listings)
+        listings, reports = list(directory[0]), directory[1]
         # What we saw ourselves counts too, in case the DHT lost it (weighed with the rest).
         seen = [(peer, self.me, round_) for peer, round_ in self.dead.items()]
         # A member missing from the read is only suspect: check it before telling everyone it is gone.

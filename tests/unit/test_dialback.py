@@ -92,3 +92,9 @@ def test_a_malformed_request_gets_an_answer_not_an_error(sent: bytes) -> None:
     answer = json.loads(writer.data)
     assert answer["ok"] is False and answer["dialed"] == [] and answer["detail"].startswith("refused: ")
     assert writer.closed
+
+
+def test_a_daemon_error_is_reported_by_its_first_line_even_when_empty() -> None:
+    assert dialback.first_line("Connect failed.\n  * [/ip4/1.2.3.4/tcp/1] dial refused") == "Connect failed."
+    assert dialback.first_line("") == dialback.first_line(" \n ") == "(no message)"
+    assert dialback.first_line("x" * 300) == "x" * 197 + "..."
