@@ -195,6 +195,17 @@ class Rerouted(Event):
 
 
 @dataclass(frozen=True)
+class StoodIn(Event):
+    """Stage 0 fed `samples` rows of step `step` from the shards of gone stage-0 replicas it
+    stands in for (`replicas`: their ranks), besides its own (protocol.plan, StepPlan.around)."""
+
+    KIND: ClassVar[str] = "stood_in"
+    step: int
+    samples: int
+    replicas: list[int]
+
+
+@dataclass(frozen=True)
 class Dropped(Event):
     """Samples of step `step` lost on hop `hop` (their gradient is zero this step).
 

@@ -3,8 +3,9 @@ getting their gradients back is peer/sending.py).
 
 Which rows go where comes from the step plan (protocol.plan) of the step's round:
 
-  stage 0      reads its data shard, runs its stage, sends each row's activations (with its token
-               ids) to the replica the plan names, and gets the gradients back in the reply.
+  stage 0      reads its data shard (and the shards of gone stage-0 replicas it stands in for),
+               runs its stage, sends each row's activations (with its token ids) to the replica
+               the plan names, and gets the gradients back in the reply.
                Both cross in the run's wire format (protocol.wire: encoded at the send, decoded
                and checked at the receipt).
   stage s > 0  collects the rows the plan routes to it (`StepCollector`, any arrival order), runs
@@ -85,6 +86,7 @@ class StepCollector:
         self.complete = asyncio.Event()
         self.closed = False  # collected: only resends of rows already in are accepted
         self.gone = set(gone)  # senders we stopped expecting
+        self._gone_before = frozenset(gone)  # those gone before the step began
         self.expect(expected)
 
     def rows_from(self, sender: int) -> list[Row]:
@@ -94,6 +96,8 @@ class StepCollector:
         """Expect these rows (in the order the batch runs them) from every sender not gone; called
         again when we learn that a replica is routed around: what came stays."""
         self.expected = [x for x in expected if x.sender not in self.gone]
+        # rows from senders gone before the step began, that no stand-in of theirs brings: lost
+        self.unsent = [x for x in expected if x.sender in self._gone_before]
         self._check_complete()
 
     def add(self, arrival: Arrival, allowed: list[Row]) -> Arrival:
@@ -103,8 +107,8 @@ class StepCollector:
         A sender whose stream broke before our answer sends the same rows again, before or after
         the step was collected: it then waits for the first arrival's result. Rows the plan does
         not route to us from this sender, different rows for the same step, or new rows once
-        collected are refused. (A sender may send fewer rows than `allowed`: rows lost on an
-        earlier hop.)"""
+        collected are refused, and so are rows another sender brought already. (A sender may
+        send fewer rows than `allowed`: rows lost on an earlier hop.)"""
         rows = _matched(arrival.positions, allowed)
         if rows is None:
             raise MessageError(
@@ -124,6 +128,13 @@ class StepCollector:
             raise MessageError(
                 f"rows for step {self.step} (microbatch {self.microbatch}) came after this replica "
                 "had collected them"
+            )
+        # Two senders with one row: a stage-0 replica believed gone (and stood in for) that runs.
+        taken = {row for other in self.arrivals.values() for row in other.rows} & set(rows)
+        if taken:
+            raise MessageError(
+                f"rows {sorted((r.position, r.origin) for r in taken)} of step {self.step} already "
+                "came from another sender"
             )
         arrival.rows = rows
         self.arrivals[arrival.sender] = arrival
@@ -197,8 +208,9 @@ class InnerSteps:
         self.collected: dict[Slot, StepCollector] = {}
         self.consumed: Slot = (-1, -1)  # the last (step, microbatch) taken out of its collector
         self.sender = RowSender(ctx)
-        self._data: Iterator[torch.Tensor] | None = None  # stage 0's batches
-        self._data_at: tuple[tuple[int, int], int] = ((0, 0), 0)  # (shard layout, next step) of _data
+        # Stage 0's batches: shard -> its stream, and (stage-0 replica count, next step) of it.
+        self._data: dict[int, tuple[Iterator[torch.Tensor], tuple[int, int]]] = {}
+        self.rows_fed = 0  # rows stage 0 fed into the pipeline at the last step (B, or more as a stand-in)
         # A request's rows: at most ROW_MARGIN batches of the run's shape (uneven stages).
         model = ctx.cfg.model
         rows = Accepts.rows(ctx.B * ROW_MARGIN, model.seq_len, model.hidden_size, ctx.cfg.wire.activations)
@@ -226,25 +238,44 @@ class InnerSteps:
 
     # ------------------------------------------------------------------ stage 0
 
-    def _batch(self, t: int) -> torch.Tensor:
-        """Stage 0's data: shard `rank` of this round's stage-0 replica count, batch t.
+    def _batches(self, t: int, shards: list[int]) -> dict[int, torch.Tensor]:
+        """Stage 0's data: batch t of each of `shards` (ours, and those of the gone replicas we
+        stand in for) of this round's stage-0 replica count.
 
-        The stream is reopened at step t whenever the shard layout changes or steps were skipped
-        (joining); a streaming dataset then reads its new shard forward to t (see data.hub).
+        A shard's stream is reopened at step t whenever the shard layout changes or steps were
+        skipped (joining, or a shard we start standing in for); a streaming dataset then reads
+        its new shard forward to t (see data.hub).
         """
-        cfg, view = self.ctx.cfg, self.ctx.view_at(t)
-        key = (view.rank_of(self.ctx.me)[1], view.replica_counts()[0])
-        if self._data is None or self._data_at != (key, t):
-            self._data = train_batches(cfg.data, key[0], key[1], self.ctx.B, cfg.seed, start_step=t)
-        self._data_at = (key, t + 1)
-        return next(self._data)
+        cfg, count = self.ctx.cfg, self.ctx.view_at(t).replica_counts()[0]
+        batches = {}
+        for shard in shards:
+            stream, at = self._data.get(shard, (None, (count, t)))
+            if stream is None or at != (count, t):
+                stream = train_batches(cfg.data, shard, count, self.ctx.B, cfg.seed, start_step=t)
+            batches[shard] = next(stream)
+            self._data[shard] = (stream, (count, t + 1))
+        for shard in set(self._data) - set(shards):  # a shard we no longer read
+            del self._data[shard]
+        return batches
 
     async def _first_stage(self, t: int) -> list[float]:
-        ctx = self.ctx
-        window = await asyncio.to_thread(self._batch, t)  # a new shard layout loads the corpus
+        ctx, view = self.ctx, self.ctx.view_at(t)
+        rank = view.rank_of(ctx.me)[1]
+        plan = ctx.plan_at(t).routing_around(ctx.rounds.detours.around(view))
+        rows = [x.row for x in plan.rows(t, 0, rank)]  # (position, origin) order
+        shards = sorted({row.origin for row in rows})
+        batches = await asyncio.to_thread(self._batches, t, shards)  # a new layout loads the corpus
+        window = torch.stack([batches[row.origin][row.position] for row in rows])
+        self.rows_fed = len(rows)
+        if len(shards) > 1:
+            others = [s for s in shards if s != rank]
+            extra = sum(row.origin != rank for row in rows)
+            ctx.events.emit(events.StoodIn(step=t, samples=extra, replicas=others))
         x, y = window[:, :-1].to(ctx.device), window[:, 1:]
-        per = ctx.B // ctx.cfg.inner.microbatches
-        parts = [(x[lo : lo + per], y[lo : lo + per]) for lo in range(0, ctx.B, per)]
+        # Microbatch m: rows of batch positions in m (contiguous in (position, origin) order).
+        where = [plan.microbatch_of(row.position) for row in rows]
+        spans = [[j for j, m in enumerate(where) if m == k] for k in range(ctx.cfg.inner.microbatches)]
+        parts = [(x[js[0] : js[-1] + 1], y[js[0] : js[-1] + 1], rows[js[0] : js[-1] + 1]) for js in spans]
         losses: list[float] = []
         if ctx.is_last:  # one stage: the whole model here
 
@@ -253,15 +284,15 @@ class InnerSteps:
                 ctx.replica.backward_losses(sample_losses)
                 return [float(v) for v in sample_losses.detach()]
 
-            for xm, ym in parts:
+            for xm, ym, _ in parts:
                 losses += await asyncio.to_thread(whole, xm, ym)
             return losses
         # Microbatch m is sent on while m+1 is computed; backward in ascending m.
         async with asyncio.TaskGroup() as group:
             sending = []
-            for m, (xm, ym) in enumerate(parts):
+            for m, (xm, ym, rm) in enumerate(parts):
                 out = await asyncio.to_thread(ctx.replica.module, xm)
-                sending.append((out, group.create_task(self.sender.send_on(t, m, out.detach(), ym))))
+                sending.append((out, group.create_task(self.sender.send_on(t, m, out.detach(), ym, rm))))
             for out, task in sending:
                 grad, got = await task
                 await asyncio.to_thread(out.backward, grad)
@@ -272,19 +303,10 @@ class InnerSteps:
 
     def _collector(self, t: int, m: int) -> StepCollector:
         if (t, m) not in self.collectors:
-            ctx = self.ctx
-            view = ctx.view_at(t)
+            ctx, view = self.ctx, self.ctx.view_at(t)
             expected = self._expected(t, m)
             gone = {x.sender for x in expected if view.peer_at(ctx.stage - 1, x.sender) in ctx.rounds.dead}
-            collector = StepCollector(t, expected, m, gone)
-            self.collectors[(t, m)] = collector
-            if gone:  # their rows will not come: say so once, here
-                lost = sum(x.sender in gone for x in expected)
-                ctx.events.emit(
-                    events.Dropped(
-                        step=t, hop=ctx.stage - 1, samples=lost, side="receiver", senders=sorted(gone)
-                    )
-                )
+            self.collectors[(t, m)] = StepCollector(t, expected, m, gone)
         return self.collectors[(t, m)]
 
     def _expected(self, t: int, m: int) -> tuple[Incoming, ...]:
@@ -350,6 +372,7 @@ class InnerSteps:
         collector = self._collector(t, m)
         try:
             await self._collect(t, collector)
+            _say_unsent(self.ctx, collector)
         except BaseException:
             collector.abandon(f"step {t} was abandoned by the receiving replica")
             raise
@@ -389,15 +412,15 @@ class InnerSteps:
             raise_if_left_behind(
                 t, view.round, ctx.clock, [s.step for s in statuses if isinstance(s, PeerStatus)]
             )
-            passed = []
+            lost = []  # senders whose rows will not come: dead, or past step t (they gave up on us)
             for sender, peer, status in zip(missing, peers, statuses, strict=True):
                 if status is None:
                     ctx.rounds.mark_dead(peer, f"stopped answering while we waited for step {t}")
-                    collector.drop_sender(sender)
+                    lost.append(sender)
                 elif isinstance(status, PeerStatus) and status.step > t:
-                    passed.append(sender)  # it gave up on us for step t: its rows will not come
-            if passed:
-                self._give_up_on(collector, passed)
+                    lost.append(sender)
+            if lost:
+                self._give_up_on(collector, lost)
 
     def _give_up_on(self, collector: StepCollector, senders: list[int]) -> None:
         """Run the step without `senders`' rows, and record them as dropped."""
@@ -464,7 +487,22 @@ class InnerSteps:
         # Shielded: a sender's resend waits on the same arrival, and one waiter's deadline must
         # not cancel the other's answer. A resend after the answer gets it at once.
         grad, losses = await asyncio.wait_for(asyncio.shield(arrival.result), ctx.deadlines.step * 2)
-        return backward_reply(ctx, header, view.rank_of(ctx.me)[1], grad, losses)
+        return backward_reply(ctx, header, view.rank_of(ctx.me)[1], grad, losses, _gone_senders(ctx, view))
+
+
+def _say_unsent(ctx: PeerContext, collector: StepCollector) -> None:
+    """Once a step ran: record the rows of senders gone before it began that no stand-in brought."""
+    if collector.unsent:
+        senders = sorted({x.sender for x in collector.unsent})
+        ctx.events.emit(
+            events.Dropped(
+                step=collector.step,
+                hop=ctx.stage - 1,
+                samples=len(collector.unsent),
+                side="receiver",
+                senders=senders,
+            )
+        )
 
 
 def _answer(x: torch.Tensor, placement: Placement, losses: list[float]) -> None:
@@ -474,6 +512,14 @@ def _answer(x: torch.Tensor, placement: Placement, losses: list[float]) -> None:
     for arrival, rows in placement:
         if not arrival.result.done():  # the sender may have given up on us meanwhile
             arrival.result.set_result((x_grad[rows].contiguous(), [losses[r] for r in rows]))
+
+
+def _gone_senders(ctx: PeerContext, view: MembershipView) -> tuple[int, ...]:
+    """On stage 1: the ranks of stage 0 that failed us, said in our answers (stage 0 stands in
+    for them from its next step: peer/detours.py). Elsewhere nobody acts on it: ()."""
+    if ctx.stage != 1:
+        return ()
+    return tuple(r for r, peer in enumerate(view.stages[0]) if peer in ctx.rounds.dead)
 
 
 def _senders_plan(ctx: PeerContext, view: MembershipView, header: ForwardHeader) -> StepPlan:
@@ -487,9 +533,15 @@ def _senders_plan(ctx: PeerContext, view: MembershipView, header: ForwardHeader)
 
 
 def backward_reply(
-    ctx: PeerContext, header: ForwardHeader, rank: int, grad: torch.Tensor, losses: list[float]
+    ctx: PeerContext,
+    header: ForwardHeader,
+    rank: int,
+    grad: torch.Tensor,
+    losses: list[float],
+    gone: tuple[int, ...] = (),
 ) -> tuple[BackwardHeader, list[torch.Tensor]]:
-    """The answer to `header`'s rows: their gradients in the run's wire format, and their losses."""
+    """The answer to `header`'s rows: their gradients in the run's wire format, their losses, and
+    the ranks of the sender's stage that failed us (`gone`: stage 0 stands in for them)."""
     grads = wire.encode(grad, ctx.cfg.wire.activations)
     reply = BackwardHeader(
         run_id=header.run_id,
@@ -501,6 +553,7 @@ def backward_reply(
         grad=TensorMeta.of(grads[0]),
         losses=tuple(losses),
         scale=TensorMeta.of(grads[1]) if len(grads) > 1 else None,
+        gone=gone,
     )
     return reply, grads
 

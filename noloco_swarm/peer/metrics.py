@@ -136,6 +136,11 @@ class Prometheus:
             "Samples sent to the stand-in of a next-stage replica that is gone, instead of dropped",
             registry=registry,
         )
+        self.stood_in = Counter(
+            "noloco_stood_in_samples",
+            "Samples stage 0 fed from the shards of gone stage-0 replicas it stands in for",
+            registry=registry,
+        )
         self.retried = Counter(
             "noloco_retried_calls", "Calls made again after a broken stream", ["call"], registry=registry
         )
@@ -243,6 +248,9 @@ class Prometheus:
 
     def _on_rerouted(self, e: events.Rerouted) -> None:
         self.rerouted.inc(e.samples)
+
+    def _on_stood_in(self, e: events.StoodIn) -> None:
+        self.stood_in.inc(e.samples)
 
     def _on_retried(self, e: events.Retried) -> None:
         self.retried.labels(e.call).inc()

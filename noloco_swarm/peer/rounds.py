@@ -108,7 +108,7 @@ class Rounds:
         self.views: dict[int, MembershipView] = {}  # round -> frozen view
         self._ready: dict[int, asyncio.Event] = {}
         self.dead: dict[str, int] = {}  # peer id -> the round it failed us in (also reported in the DHT)
-        self.detours = Detours(me, self.dead)  # whom rows are routed around
+        self.detours = Detours(me, stage, self.dead)  # whom rows are routed around
         self.addresses: dict[str, tuple[str, ...]] = {}  # peer id -> announced addresses
         self.answered: dict[str, float] = {}  # peer id -> when it last answered a probe (monotonic)
         self.evidence = Evidence(me, sink)  # which gone reports we believe
@@ -252,6 +252,7 @@ class Rounds:
             self.dead.pop(peer, None)  # a peer that rejoined is a member again
         if self.me not in view.members():
             raise PeerExcluded(f"the view of round {view.round} leaves this peer out (reported gone?)")
+        self.detours.check_reported(view, kept, self.suspect)
         if not view.is_complete():
             # Every replica of a stage gone at once is more likely our own link cut off than all
             # of them dead: join again, which finds the live swarm or says no replica is left.
@@ -364,5 +365,6 @@ class Rounds:
             logger.warning("could not report %s gone: %s", report.peer_id, e)
 
     async def close(self) -> None:
-        """Let pending gone reports finish."""
+        """Stop probing reported peers; let pending gone reports finish."""
+        await self.detours.close()
         await asyncio.gather(*self._reports, return_exceptions=True)

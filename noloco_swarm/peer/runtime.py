@@ -191,7 +191,7 @@ class Peer:
             ctx.step = t + 1
             self.last_loss = loss
             if ctx.is_first:
-                self.tokens += ctx.B * ctx.cfg.model.seq_len
+                self.tokens += self.inner.rows_fed * ctx.cfg.model.seq_len
             seconds = time.perf_counter() - start
             ctx.deadlines.observe_step(seconds)
             ctx.events.emit(

@@ -4,7 +4,8 @@ gradients back (the sender's side of rpc_forward; the receiver's side is peer/in
 Each receiver gets the rows the step plan routes to it, in the run's wire format, in one call.
 A next-stage replica that failed us (gone: `Detours.around`) gets no rows: the plan routes them
 to its stand-in (protocol.plan, `StepPlan.around`), and the header says so, so that the stand-in
-and the stages after it know whose rows they run. A call whose stream broke is made again while
+and the stages after it know whose rows they run. A stand-in's headers name whom it stands in
+for (on stage 0: the gone replicas whose shards it reads). A call whose stream broke is made again while
 the receiver answers a probe (the receiver answers a resend with what it computed the first
 time); rows whose gradient never comes back are dropped from the step (their gradient stays
 zero), with the reason in a `dropped` event.
@@ -67,7 +68,7 @@ class RowSender:
             rows = [x.row for x in plan.rows(t, ctx.stage, rank, m)]
         routes = plan.route(t, ctx.stage, rows)
         around = Around(
-            stands_in_for=plan.stands_in_for(t, ctx.stage, rank, rows) if ctx.stage else (),
+            stands_in_for=plan.stands_in_for(t, ctx.stage, rank, rows),
             routes_around=tuple(sorted(r for s, r in plan.around if s == ctx.stage + 1)),
         )
         if around.routes_around:
@@ -164,6 +165,7 @@ class RowSender:
                 plausible.check_rows(grad, f"gradients from {receiver} for step {t}")
                 if not all(math.isfinite(v) for v in reply.losses):
                     raise Implausible("nonfinite", f"{receiver} answered step {t} with non-finite losses")
+                ctx.rounds.detours.told_gone(view, reply.gone, receiver, ctx.rounds.suspect)
                 return sent, grad, reply.losses
             except RemoteRefused as e:  # alive but disagrees (e.g. another view): drop these rows
                 logger.warning("stage %d peer %s refused step %d: %s", hop + 1, receiver, t, e)

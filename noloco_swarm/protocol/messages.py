@@ -24,8 +24,9 @@ import msgpack
 import torch
 
 # 2: forward and backward rows in a wire format (fp32, bf16, int8 + scale); 3: forward headers say
-# which gone replicas their rows are routed around
-PROTOCOL_VERSION = 3
+# which gone replicas their rows are routed around; 4: stage 0 stands in for its gone replicas
+# (a version-3 stage 1 would refuse their rows), told of them in backward headers (`gone`)
+PROTOCOL_VERSION = 4
 MAX_MESSAGE_BYTES = 1 << 20  # headers only; tensor payloads are streamed separately
 MAX_SEQUENCE = 1 << 16
 MAX_STRING = 4096
@@ -379,8 +380,9 @@ class ForwardHeader(Message):
     view: str = ""  # digest of the sender's membership view of `round`; a mismatch is refused
     scale: TensorMeta | None = None  # int8 activations' per-row scales (wire_format)
     # Routing around gone replicas (protocol.plan, StepPlan.around): the ranks of stage `hop`
-    # whose rows the sender holds as their stand-in, and the ranks of stage hop + 1 it routes
-    # around (their rows come to their stand-ins). Both empty on a healthy swarm.
+    # whose rows the sender holds as their stand-in (on stage 0: read from their shards), and the
+    # ranks of stage hop + 1 it routes around (their rows come to their stand-ins). Both empty on
+    # a healthy swarm.
     stands_in_for: tuple[int, ...] = ()
     routes_around: tuple[int, ...] = ()
 
@@ -393,8 +395,8 @@ class ForwardHeader(Message):
             ranks = getattr(self, name)
             if any(r < 0 for r in ranks) or list(ranks) != sorted(set(ranks)):
                 raise ValueError(f"{name} must be ascending, distinct ranks >= 0, got {list(ranks)}")
-        if self.sender_rank in self.stands_in_for or (self.hop == 0 and self.stands_in_for):
-            raise ValueError("a sender stands in only for other replicas of a stage after the first")
+        if self.sender_rank in self.stands_in_for:
+            raise ValueError("a sender stands in only for other replicas of its stage, not itself")
 
     @property
     def tensors(self) -> tuple[TensorMeta, ...]:
@@ -416,6 +418,9 @@ class BackwardHeader(Message):
     grad: TensorMeta
     losses: tuple[float, ...] = ()
     scale: TensorMeta | None = None  # int8 gradients' per-row scales (wire_format)
+    # Ranks of stage `hop` that failed the answering replica (it stops waiting for their rows):
+    # a stage-0 replica that hears of a gone one probes it and stands in for it (peer/detours.py).
+    gone: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         _check_run_id(self.run_id)
@@ -424,6 +429,8 @@ class BackwardHeader(Message):
         wire_format(self.grad, self.scale)
         if self.losses and len(self.losses) != len(self.samples):
             raise ValueError("losses must have one entry per sample")
+        if any(r < 0 for r in self.gone) or list(self.gone) != sorted(set(self.gone)):
+            raise ValueError(f"gone must be ascending, distinct ranks >= 0, got {list(self.gone)}")
 
     @property
     def tensors(self) -> tuple[TensorMeta, ...]:

@@ -15,11 +15,13 @@ is checked against the simulator's weights:
                  in ascending m, and backpropagates them in ascending m too.
                  Uneven replica counts use routing.route_uneven; with S > R senders a receiver
                  may hold two rows of one position (from different origins).
-  routing around a replica of stage s > 0 that is gone (`StepPlan.around`): its rows go to its
-                 stand-in, the next rank of its stage (cyclically) that is not routed around,
-                 which runs them with its own in (position, origin) order and sends them on along
-                 the gone replica's routes. A sender routes around the replicas it knows are
-                 gone, so it loses only the rows it sent one before it found it dead.
+  routing around a replica that is gone (`StepPlan.around`): its rows go to its stand-in, the
+                 next rank of its stage (cyclically) that is not routed around, which runs them
+                 with its own in (position, origin) order and sends them on along the gone
+                 replica's routes. A sender routes around the replicas it knows are gone, so it
+                 loses only the rows it sent one before it found it dead. A stage-0 stand-in
+                 reads the gone replica's rows from that replica's data shard: its batch
+                 positions are the same, its origin stays the gone replica's rank.
   outer step     after inner step t = H, 2H, ... the replica averages with its group
                  (`outer_plan`): NoLoCo draws pairs, DiLoCo takes the whole stage and, with more
                  than two replicas, all-reduces in shards (`ShardLayout`). Within a group the lower
@@ -79,13 +81,15 @@ def _flow(
     def stand_in(stage: int, rank: int) -> int:
         return _stand_in(counts, around, stage, rank)
 
-    flow = [base[0]]
-    for stage in range(1, len(counts)):
+    flow = []
+    for stage in range(len(counts)):
         held: list[list[Incoming]] = [[] for _ in range(counts[stage])]
         for rank, rows in enumerate(base[stage]):
+            holder = stand_in(stage, rank)
             for item in rows:
-                sender = stand_in(stage - 1, item.sender) if stage > 1 else item.sender
-                held[stand_in(stage, rank)].append(Incoming(item.row, sender))
+                # stage 0's rows come from the holder's own reading of the shard: it sends them
+                sender = stand_in(stage - 1, item.sender) if stage else holder
+                held[holder].append(Incoming(item.row, sender))
         flow.append(tuple(tuple(sorted(rows, key=lambda x: x.row)) for rows in held))
     return tuple(flow)
 
@@ -147,8 +151,9 @@ class StepPlan:
     microbatches: int = 1
     """M: microbatches per inner step (B/M consecutive batch positions each); M divides B."""
     around: frozenset[tuple[int, int]] = frozenset()
-    """(stage, rank) of replicas, stage > 0, that are routed around (gone): their stand-ins hold
-    their rows. Empty on a healthy swarm and in the simulator."""
+    """(stage, rank) of replicas that are routed around (gone): their stand-ins hold their rows
+    (on stage 0: read them from the gone replica's shard). Empty on a healthy swarm and in the
+    simulator."""
 
     def __post_init__(self) -> None:
         if not self.counts or min(self.counts) < 1:
@@ -158,10 +163,9 @@ class StepPlan:
         if self.microbatches < 1 or self.batch_size % self.microbatches:
             raise ValueError(f"{self.microbatches} microbatches do not divide a batch of {self.batch_size}")
         for stage, rank in self.around:
-            if not 0 < stage < len(self.counts) or not 0 <= rank < self.counts[stage]:
+            if not 0 <= stage < len(self.counts) or not 0 <= rank < self.counts[stage]:
                 raise ValueError(
-                    f"cannot route around replica {rank} of stage {stage} with counts {list(self.counts)} "
-                    "(stage 0 replicas are never routed around: their rows do not exist)"
+                    f"cannot route around replica {rank} of stage {stage} with counts {list(self.counts)}"
                 )
 
     @classmethod

@@ -40,6 +40,7 @@ from noloco_swarm.peer.events import (
     Retried,
     StateFetch,
     Step,
+    StoodIn,
     ViewMismatch,
     of_kind,
 )
@@ -515,6 +516,21 @@ def num_flat_stage(cfg: RunConfig, stage: int) -> int:
     return num_flat(build_stage(cfg.model, stage, cfg.num_stages, cfg.seed))
 
 
+def kill_with_its_processes(victim) -> float:
+    """SIGKILL a peer (no cleanup code of it runs) and wait until every process it started (its
+    p2pd; the DHT node runs in the peer's process) has ended with it; when it was killed."""
+    assert p2pd_descendants(victim.proc.pid), "the peer should run its own p2pd"
+    family = descendants(victim.proc.pid)
+    assert family, family
+    os.kill(victim.proc.pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    deadline = killed_at + 15
+    while alive(family):
+        assert time.monotonic() < deadline, f"processes {alive(family)} outlived their SIGKILLed peer"
+        time.sleep(0.2)
+    return killed_at
+
+
 @pytest.mark.parametrize(("when", "stages"), [("mid-round", 3), ("at-outer-step", 2)])
 def test_a_killed_peer_takes_its_processes_and_a_replacement_takes_its_stage(
     cache: Path, when: str, stages: int
@@ -540,15 +556,7 @@ def test_a_killed_peer_takes_its_processes_and_a_replacement_takes_its_stage(
         ):
             assert time.monotonic() < deadline, victim.log_tail()
             time.sleep(0.05)
-        assert p2pd_descendants(victim.proc.pid), "the peer should run its own p2pd"
-        family = descendants(victim.proc.pid)  # p2pd (the DHT node runs in the peer's process)
-        assert family, family
-        os.kill(victim.proc.pid, signal.SIGKILL)  # no cleanup code of the peer runs
-        killed_at = time.monotonic()
-        deadline = killed_at + 15
-        while alive(family):
-            assert time.monotonic() < deadline, f"processes {alive(family)} outlived their SIGKILLed peer"
-            time.sleep(0.2)
+        killed_at = kill_with_its_processes(victim)
         time.sleep(max(0.0, killed_at + 3 - time.monotonic()))
         replacement = swarm.start_peer(None)
         survivors = [p for p in swarm.peers if p is not victim]
@@ -595,6 +603,57 @@ def test_a_killed_peer_takes_its_processes_and_a_replacement_takes_its_stage(
     assert waited <= lost, (waited, lost)
     drops = [e.step for events in survivor_events for e in of_kind(events, Dropped)]
     assert all(step < (killed_in + 3) * 3 for step in drops), (drops, killed_in)
+
+
+def test_a_killed_stage_zero_replicas_shard_is_fed_by_the_other_until_the_views_drop_it(
+    cache: Path,
+) -> None:
+    """Nobody can re-route a dead stage-0 replica's rows: they were never made. The other stage-0
+    replica stands in for it (protocol.plan): it reads the dead one's shard besides its own and
+    sends those rows along the dead one's routes, from its step after a stage-1 replica's answer
+    (or a gone report read at a boundary) told it of the death, and on every step until the views
+    drop the dead one. Rows are lost only before it starts, no later than the round after the
+    death's. (A replacement's stage choice is the test above's.)"""
+    steps, h, batch = 60, 3, int(SLOWER["inner.batch_size"])
+    cfg = small("noloco", **{"inner.total_steps": str(steps), **SLOWER})
+    before = p2pd_descendants()
+    with local_swarm(cfg, steps, step_timeout=10) as swarm:
+        victim = next(p for p in swarm.peers if p.stage == 0 and p.replica == 1)
+        deadline = time.monotonic() + 120
+        while not any(e.step >= 4 and e.step % h == 1 for e in of_kind(victim.events(), Step)):
+            assert time.monotonic() < deadline, victim.log_tail()
+            time.sleep(0.05)
+        kill_with_its_processes(victim)  # mid-round: one step of the round done
+        survivors = [p for p in swarm.peers if p is not victim]
+        wait(swarm, timeout=400, ignore=[victim])
+        assert [p.proc.returncode for p in survivors] == [0] * len(survivors), "\n".join(
+            p.log_tail() for p in survivors
+        )
+        summaries = {s.peer_id: s for s in swarm.summaries()}
+        victim_id = next(e.peer_id for e in of_kind(victim.events(), Membership))
+        killed_in = max(e.step for e in of_kind(victim.events(), Step)) // h  # its last round
+        stood = of_kind(next(p for p in survivors if p.stage == 0).events(), StoodIn)
+        survivor_events = [p.events() for p in survivors]
+    assert p2pd_descendants() <= before
+    assert all(s.steps == steps for s in summaries.values())
+    kept = next(s for s in summaries.values() if s.stage == 0)
+    assert victim_id in kept.gone and kept.outer_steps == steps // h
+    views = views_by_round(survivor_events)
+    assert all(len(v) == 1 for v in views.values()), views
+    with_victim = [r for r, v in views.items() if victim_id in next(iter(v))[0]]
+    dropped_from = max(with_victim) + 1  # the first round whose view is without the victim
+    assert dropped_from <= killed_in + 2 and victim_id not in next(iter(views[max(views)]))[0]
+    rank = {r: next(iter(views[r]))[0].index(victim_id) for r in with_victim}
+    # The stand-in fed the victim's rows on every step from its first until the views dropped it.
+    assert stood and all(e.replicas == [rank[e.step // h]] and e.samples == batch for e in stood), stood
+    first = min(e.step for e in stood)
+    assert first // h <= killed_in + 1, (first, killed_in)
+    assert sorted(e.step for e in stood) == list(range(first, dropped_from * h)), stood
+    # Rows were lost only before it started: the victim's, where stage 1 waited for them.
+    drops = [e for events in survivor_events for e in of_kind(events, Dropped)]
+    assert all(e.side == "receiver" and e.step < first for e in drops), (drops, first)
+    refused = [e for events in survivor_events for e in of_kind(events, Refused)]
+    assert not [e for e in refused if "the plan gives" in e.reason or "another sender" in e.reason]
 
 
 def test_sigterm_makes_a_peer_leave_at_a_boundary_and_nothing_is_lost(cache: Path) -> None:

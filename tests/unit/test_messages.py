@@ -34,6 +34,8 @@ EXAMPLES: list[m.Message] = [
     m.PeerStatus("run-1", "12D3KooWabc", 0, 0, 0, 0, 0, 0, None),
     # a stand-in of stage 1 for replicas 0 and 2, routing around replica 1 of stage 2
     m.ForwardHeader("run-1", 2, 117, 1, 3, (936, 937), ACT, TOK, stands_in_for=(0, 2), routes_around=(1,)),
+    # a stage-0 replica feeding the rows of gone replica 0 from its shard
+    m.ForwardHeader("run-1", 2, 117, 0, 1, (936, 937), ACT, TOK, stands_in_for=(0,)),
     m.ErrorReply("busy", "try again next round"),
 ]
 
@@ -85,7 +87,6 @@ def forward_body(**changes: object) -> dict[str, object]:
         (raw("forward", forward_body(routes_around=[1, 1])), "ascending, distinct"),
         (raw("forward", forward_body(routes_around=[2, 1])), "ascending, distinct"),
         (raw("forward", forward_body(stands_in_for=[-1])), "ascending, distinct"),
-        (raw("forward", forward_body(stands_in_for=[1])), "stands in only"),  # hop 0
         (raw("forward", forward_body(hop=1, stands_in_for=[3])), "stands in only"),  # itself
         (raw("exchange", {**msgpack.unpackb(m.encode(EXAMPLES[4]))["b"], "parts": ["phi"]}), "parts"),
         (raw("exchange", {**msgpack.unpackb(m.encode(EXAMPLES[4]))["b"], "chunk_bytes": 0}), "chunk_bytes"),

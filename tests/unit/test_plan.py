@@ -147,12 +147,12 @@ def test_microbatches_must_divide_the_batch() -> None:
 
 @st.composite
 def plans_around(draw: st.DrawFn) -> tuple[StepPlan, StepPlan]:
-    """A plan, and the same plan routing around some replicas after stage 0 (never a whole stage)."""
+    """A plan, and the same plan routing around some replicas of any stage (never a whole stage)."""
     counts = draw(st.lists(st.integers(1, 5), min_size=2, max_size=4).map(tuple))
     batch = draw(st.integers(1, 5))
     around = {
         (s, r)
-        for s in range(1, len(counts))
+        for s in range(len(counts))
         for r in draw(st.sets(st.integers(0, counts[s] - 1), max_size=counts[s] - 1))
     }
     plan = StepPlan.of(counts, batch)
@@ -190,7 +190,7 @@ def test_routing_around_gives_a_gone_replicas_rows_to_its_stand_in_and_no_row_is
                     assert (s + 1, receiver) not in plan.around
                     assert [rows[j] for j in indices] == plan.expects_from(step, s + 1, receiver, r)
                     assert plan.sends(step, s, r)[receiver] == indices
-                others = plan.stands_in_for(step, s, r, rows) if s else ()
+                others = plan.stands_in_for(step, s, r, rows)
                 assert set(others) == {
                     g
                     for g in range(counts[s])
@@ -198,9 +198,23 @@ def test_routing_around_gives_a_gone_replicas_rows_to_its_stand_in_and_no_row_is
                 }
 
 
-def test_routing_around_refuses_stage_zero_and_unknown_replicas() -> None:
-    with pytest.raises(ValueError, match="stage 0"):
-        StepPlan.of((2, 2), 4, around=[(0, 1)])
+def test_a_stage_zero_stand_in_feeds_the_gone_replicas_rows_and_sends_them_along_its_routes() -> None:
+    base = StepPlan.of((3, 2), 4)
+    plan = base.routing_around([(0, 1)])
+    assert plan.rows(5, 0, 1) == ()
+    mine = plan.rows(5, 0, 2)
+    assert [x.row for x in mine] == sorted(Row(i, o) for i in range(4) for o in (1, 2))
+    assert {x.sender for x in mine} == {2}
+    assert plan.stands_in_for(5, 0, 2, [x.row for x in mine]) == (1,)
+    for receiver in range(2):  # stage 1 gets the same rows as on the healthy plan, rank 1's from 2
+        moved = [x for x in base.expects(5, 1, receiver) if x.sender == 1]
+        assert [x.row for x in moved] == [x.row for x in plan.expects(5, 1, receiver) if x.row.origin == 1]
+        assert all(x.sender == 2 for x in plan.expects(5, 1, receiver) if x.row.origin in (1, 2))
+
+
+def test_routing_around_refuses_unknown_replicas() -> None:
     with pytest.raises(ValueError, match="cannot route around"):
         StepPlan.of((2, 2), 4, around=[(1, 2)])
+    with pytest.raises(ValueError, match="cannot route around"):
+        StepPlan.of((2, 2), 4, around=[(2, 0)])
     assert StepPlan.of((2, 2), 4).routing_around([]).around == frozenset()
