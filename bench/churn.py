@@ -6,9 +6,12 @@ Schedule (seconds after every peer has taken its first step):
   t0 + 3   a replacement starts with --stage auto (it must take stage 1) and joins late
   t0 + 20  SIGTERM a stage-0 replica (it leaves gracefully at a boundary)
   t0 + 23  a replacement starts with --stage auto (it must take stage 0)
+  t0 + 40  SIGKILL a stage-0 replica (another stage-0 replica reads its shard until the views
+           drop it: `stood_in_samples`)
 
 Reported per run: inner steps per minute of the swarm (the surviving peers' steps over their
-training time), samples dropped (sender and receiver side) and re-routed to a stand-in, refusals, peers that failed, and
+training time), samples dropped (sender and receiver side), re-routed to a stand-in and fed by a
+stage-0 stand-in from a dead replica's shard, refusals, peers that failed, and
 whether no state was lost: every survivor ran to the end, and each joiner started from a state
 that a live replica of its stage held at that boundary (hash equal to an outer-step hash).
 Freezing a peer (SIGSTOP) and cutting links are not in the schedule yet: the first is a known
@@ -40,6 +43,7 @@ from noloco_swarm.peer.events import (
     Refused,
     Rerouted,
     Step,
+    StoodIn,
     of_kind,
 )
 
@@ -87,6 +91,10 @@ def run(args: argparse.Namespace, churn: bool) -> dict:
             os.kill(leaver.proc.pid, signal.SIGTERM)
             pause_until(t0 + 23)
             started.append(swarm.start_peer(None))
+            pause_until(t0 + 40)
+            victim = next(p for p in swarm.peers if p.stage == 0 and p.replica == 1)
+            os.kill(victim.proc.pid, signal.SIGKILL)
+            killed.append(victim)
         until(
             lambda: all(p.proc.poll() is not None for p in swarm.peers if p not in killed),
             1800,
@@ -137,6 +145,7 @@ def summarise(
         / train_seconds,
         "dropped_samples": sum(e.samples for ev in events.values() for e in of_kind(ev, Dropped)),
         "rerouted_samples": sum(e.samples for ev in events.values() for e in of_kind(ev, Rerouted)),
+        "stood_in_samples": sum(e.samples for ev in events.values() for e in of_kind(ev, StoodIn)),
         "refusals": sum(len(of_kind(ev, Refused)) for ev in events.values()),
         "gone_reports_seen": sum(len(of_kind(ev, PeerGone)) for ev in events.values()),
         "failed_peers": [
@@ -171,7 +180,7 @@ def main() -> None:
     for name, r in (("no churn", calm), ("churn", churned)):
         print(
             f"{name:9s}: {r['steps_per_minute']:6.1f} steps/min, {r['dropped_samples']} samples dropped, "
-            f"{r['rerouted_samples']} re-routed, "
+            f"{r['rerouted_samples']} re-routed, {r['stood_in_samples']} fed by a stage-0 stand-in, "
             f"{r['refusals']} refusals, failed {[f['peer'] for f in r['failed_peers']] or 'none'}, survivors to the end: "
             f"{r['survivors_ran_to_the_end']}, joiners {r['joiners']}"
         )

@@ -22,11 +22,14 @@ ready, side by side for the same N, rate and stragglers.
 
     sudo nice -n 10 python bench/outer_sync.py --out docs/results/outer_sync.json
     sudo python bench/outer_sync.py --replicas 4 --rates 100 --rounds 3     # a quick look
+    sudo python bench/outer_sync.py --replicas 2 --rates 100 --bursts 64,auto --queues 20,100 \
+        --methods noloco --stragglers off     # the shaper's token bucket and queue, side by side
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -41,7 +44,7 @@ from noloco_swarm.cli.testbed import namespace_swarm, peer_host
 from noloco_swarm.model import build_stage, num_flat
 from noloco_swarm.peer.events import Outer, of_kind
 from noloco_swarm.peer.failpoints import STRAGGLE_ENV, Straggle
-from noloco_swarm.testbed.bed import namespaces_permitted
+from noloco_swarm.testbed.bed import default_burst_kbit, namespaces_permitted
 from noloco_swarm.testbed.schedule import Shape
 from noloco_swarm.train.config import RunConfig
 
@@ -63,20 +66,36 @@ def config(method: str, replicas: int, hidden: int, inner_steps: int) -> RunConf
     return build_config("tiny", method, assignments=assignments, env={})
 
 
-def measure(cfg: RunConfig, rounds: int, rate_mbit: float, straggle: str, keep: Path | None) -> dict:
-    """One run on the testbed: the sync and ready times of outer steps 2..rounds."""
+def measure(
+    cfg: RunConfig,
+    rounds: int,
+    rate_mbit: float,
+    straggle: str,
+    keep: Path | None,
+    burst: float | None = None,
+    queue_ms: float = 100.0,
+) -> dict:
+    """One run on the testbed: the sync and ready times of outer steps 2..rounds (links shaped
+    with a token bucket of `burst` kbit, None: the testbed's default, and a queue of `queue_ms`)."""
     H = cfg.outer.inner_steps
     hosts = [peer_host(0, d) for d in range(cfg.num_replicas)]
     workdir = None
     if keep is not None:
         tag = "stragglers" if straggle else "even"
-        workdir = keep / f"{cfg.outer.method}-n{cfg.num_replicas}-{rate_mbit:g}mbit-{tag}"
+        workdir = (
+            keep
+            / f"{cfg.outer.method}-n{cfg.num_replicas}-{rate_mbit:g}mbit-{tag}-burst{burst or 'auto'}-queue{queue_ms:g}ms"
+        )
         workdir.mkdir(parents=True, exist_ok=True)
     os.environ[STRAGGLE_ENV] = straggle  # the peers inherit it ("" : no stragglers)
     started = time.monotonic()
     try:
         with namespace_swarm(
-            cfg, rounds * H, step_timeout=300, shapes=[Shape(h, rate_mbit) for h in hosts], workdir=workdir
+            cfg,
+            rounds * H,
+            step_timeout=300,
+            shapes=[Shape(h, rate_mbit, burst, queue_ms) for h in hosts],
+            workdir=workdir,
         ) as ns:
             wait(ns.swarm, timeout=1800)
             outers = [e for p in ns.swarm.peers for e in of_kind(p.events(), Outer) if e.step > H]
@@ -112,6 +131,12 @@ def main() -> None:
     ap.add_argument(
         "--stragglers", choices=("both", "off", "on"), default="both", help="runs without and/or with them"
     )
+    ap.add_argument(
+        "--bursts",
+        default="auto",
+        help="token buckets (kbit) to shape with, comma-separated; auto: the testbed's default (10 ms of the rate)",
+    )
+    ap.add_argument("--queues", default="100", help="the shapers' queues (tbf latency, ms), comma-separated")
     ap.add_argument("--keep", type=Path, default=None, help="keep each run's logs and events here")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -122,41 +147,46 @@ def main() -> None:
     rows = []
     for n in (int(x) for x in args.replicas.split(",")):
         stage_bytes = 4 * num_flat(build_stage(config("noloco", n, args.hidden, 2).model, 0, 1, 0))
-        for rate in (float(x) for x in args.rates.split(",")):
-            for straggle in {"both": ("", args.straggle), "off": ("",), "on": (args.straggle,)}[
-                args.stragglers
-            ]:
-                runs = {}
-                for method in args.methods.split(","):  # side by side: the same N, rate and draws
-                    cfg = config(method, n, args.hidden, args.inner_steps)
-                    run = measure(cfg, args.rounds, rate, straggle, args.keep)
-                    share = 1.0 if method == "noloco" else 2 * (n - 1) / n
-                    run["floor_s"] = share * stage_bytes * 8 / (rate * 1e6)
-                    run["ready_over_floor"] = run["ready_s"] / run["floor_s"]
-                    runs[method] = run
-                    print(
-                        f"N={n} {rate:g} Mbit/s {'stragglers' if straggle else 'even      '} {method:6s}: "
-                        f"sync {run['sync_s']:.2f} s, ready {run['ready_s']:.2f} s "
-                        f"({run['ready_over_floor']:.3f}x floor {run['floor_s']:.2f} s), "
-                        f"{run['failed']} failed, run {run['wall_s']:.0f} s",
-                        flush=True,
-                    )
-                row = {
-                    "replicas": n,
-                    "rate_mbit": rate,
-                    "stragglers": straggle or None,
-                    "stage_bytes": stage_bytes,
-                    "runs": runs,
-                }
-                if set(METHODS) <= set(runs):
-                    row["diloco_over_noloco_sync"] = runs["diloco"]["sync_s"] / runs["noloco"]["sync_s"]
-                    row["diloco_over_noloco_ready"] = runs["diloco"]["ready_s"] / runs["noloco"]["ready_s"]
-                    print(
-                        f"  DiLoCo/NoLoCo: sync {row['diloco_over_noloco_sync']:.2f}x, "
-                        f"ready {row['diloco_over_noloco_ready']:.2f}x",
-                        flush=True,
-                    )
-                rows.append(row)
+        rates = [float(x) for x in args.rates.split(",")]
+        bursts = [None if x == "auto" else float(x) for x in args.bursts.split(",")]
+        queues = [float(x) for x in args.queues.split(",")]
+        stragglers = {"both": ("", args.straggle), "off": ("",), "on": (args.straggle,)}[args.stragglers]
+        for rate, burst, queue, straggle in itertools.product(rates, bursts, queues, stragglers):
+            runs = {}
+            for method in args.methods.split(","):  # side by side: the same N, rate and draws
+                cfg = config(method, n, args.hidden, args.inner_steps)
+                run = measure(cfg, args.rounds, rate, straggle, args.keep, burst, queue)
+                share = 1.0 if method == "noloco" else 2 * (n - 1) / n
+                run["floor_s"] = share * stage_bytes * 8 / (rate * 1e6)
+                run["ready_over_floor"] = run["ready_s"] / run["floor_s"]
+                runs[method] = run
+                print(
+                    f"N={n} {rate:g} Mbit/s burst {burst or 'auto'} queue {queue:g} ms "
+                    f"{'stragglers' if straggle else 'even      '} "
+                    f"{method:6s}: "
+                    f"sync {run['sync_s']:.2f} s, ready {run['ready_s']:.2f} s "
+                    f"({run['ready_over_floor']:.3f}x floor {run['floor_s']:.2f} s), "
+                    f"{run['failed']} failed, run {run['wall_s']:.0f} s",
+                    flush=True,
+                )
+            row = {
+                "replicas": n,
+                "rate_mbit": rate,
+                "burst_kbit": burst or default_burst_kbit(rate),
+                "queue_ms": queue,
+                "stragglers": straggle or None,
+                "stage_bytes": stage_bytes,
+                "runs": runs,
+            }
+            if set(METHODS) <= set(runs):
+                row["diloco_over_noloco_sync"] = runs["diloco"]["sync_s"] / runs["noloco"]["sync_s"]
+                row["diloco_over_noloco_ready"] = runs["diloco"]["ready_s"] / runs["noloco"]["ready_s"]
+                print(
+                    f"  DiLoCo/NoLoCo: sync {row['diloco_over_noloco_sync']:.2f}x, "
+                    f"ready {row['diloco_over_noloco_ready']:.2f}x",
+                    flush=True,
+                )
+            rows.append(row)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         result = {

@@ -99,7 +99,7 @@ def namespace_swarm(
         for shape in shapes:
             if shape.host not in bed.hosts:
                 raise ValueError(f"--shape names host {shape.host!r}; the hosts are {', '.join(bed.hosts)}")
-            bed.shape(shape.host, shape.rate_mbit)
+            bed.shape(shape.host, shape.rate_mbit, burst_kbit=shape.burst_kbit, latency_ms=shape.queue_ms)
         peers = [name for name in bed.hosts if name != BOOT]
         unknown = set(delays or {}) - set(peers)
         if unknown:

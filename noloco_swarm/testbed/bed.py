@@ -290,18 +290,20 @@ class Testbed:
         rate_mbit: float,
         *,
         up_mbit: float | None = None,
-        burst_kbit: float = 64.0,
+        burst_kbit: float | None = None,
         latency_ms: float = 100.0,
         qdisc: Literal["tbf", "htb"] = "tbf",
     ) -> None:
-        """Limit `host`'s link to `rate_mbit` down and `up_mbit` (default: the same) up."""
+        """Limit `host`'s link to `rate_mbit` down and `up_mbit` (default: the same) up. The
+        bucket (`burst_kbit`) defaults to 10 ms of the rate, at least 256 kbit (32 kB): a bucket
+        that the shaper must refill more often than the kernel's timers fire holds a TCP flow
+        below the rate (see docs/benchmarks.md, "The outer step alone")."""
         h = self.hosts[host]
         # The host's end sends what the host uploads; the root end sends what it downloads.
         ends = ((["tc", "-n", h.netns], "eth0", up_mbit or rate_mbit), (["tc"], h.veth, rate_mbit))
         for tc, dev, rate in ends:
-            for argv in shaping_commands(
-                dev, rate, burst_kbit=burst_kbit, latency_ms=latency_ms, qdisc=qdisc
-            ):
+            burst = burst_kbit if burst_kbit is not None else default_burst_kbit(rate)
+            for argv in shaping_commands(dev, rate, burst_kbit=burst, latency_ms=latency_ms, qdisc=qdisc):
                 sh(*tc, *argv)
 
     def unshape(self, host: str) -> None:
@@ -314,6 +316,11 @@ class Testbed:
         stats = Path(f"/sys/class/net/{self.hosts[host].veth}/statistics")
         # The root end's tx is what the host received, and its rx what the host sent.
         return int((stats / "tx_bytes").read_text()), int((stats / "rx_bytes").read_text())
+
+
+def default_burst_kbit(rate_mbit: float) -> float:
+    """A token bucket of 10 ms at `rate_mbit`, at least 256 kbit (32 kB)."""
+    return max(rate_mbit * 10.0, 256.0)
 
 
 def shaping_commands(

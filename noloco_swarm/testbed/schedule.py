@@ -18,10 +18,14 @@ _MBIT = {"kbit": 1e-3, "mbit": 1.0, "gbit": 1e3}
 
 @dataclass(frozen=True)
 class Shape:
-    """Limit `host`'s link to `rate_mbit` each way for the whole run."""
+    """Limit `host`'s link to `rate_mbit` each way for the whole run (a token bucket of
+    `burst_kbit`; None: Testbed.shape's default, 10 ms of the rate), queueing at most `queue_ms`
+    of data (tbf's latency) before it drops."""
 
     host: str
     rate_mbit: float
+    burst_kbit: float | None = None
+    queue_ms: float = 100.0
 
 
 @dataclass(frozen=True)

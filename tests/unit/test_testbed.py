@@ -11,7 +11,7 @@ import time
 import pytest
 
 from noloco_swarm.cli.main import main, parser
-from noloco_swarm.testbed.bed import LINK, NAME, Testbed, shaping_commands
+from noloco_swarm.testbed.bed import LINK, NAME, Testbed, default_burst_kbit, shaping_commands
 from noloco_swarm.testbed.delay import DelayRelay, Route
 from noloco_swarm.testbed.schedule import Action, Timeline, parse_cut, parse_rate, parse_shape
 
@@ -50,6 +50,9 @@ def test_shaping_commands() -> None:
         shaping_commands("v0", 0, burst_kbit=32, latency_ms=100, qdisc="tbf")
     with pytest.raises(ValueError, match="tbf"):
         shaping_commands("v0", 1, burst_kbit=32, latency_ms=100, qdisc="netem")
+    # the default bucket: 10 ms of the rate, at least 32 kB
+    assert default_burst_kbit(100) == 1000 and default_burst_kbit(1000) == 10000
+    assert default_burst_kbit(10) == 256
 
 
 def test_rates_shapes_and_cuts_parse() -> None:
