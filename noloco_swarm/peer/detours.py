@@ -73,11 +73,12 @@ class Detours:
         reports: Iterable[tuple[str, str, int]],
         suspect: Callable[[str, str], Awaitable[bool]],
     ) -> None:
-        """Probe (`suspect`: Rounds.suspect, which marks the dead gone), in the background, the
-        members of `view` reported gone whom we would route around if we knew: replicas of the
-        next stage (we send them rows) and, on stage 0, of ours (we stand in for them). A report
-        decides views only a round after it was filed (evidence.py); a replica found dead now is
-        routed around from our next step on, not once its rows are lost or the views drop it."""
+        """Probe in the background the members of `view` reported gone whom we would route
+        around if we knew: replicas of the next stage (we send them rows) and, on stage 0, of
+        ours (we stand in for them). A report decides views only a round after it was filed
+        (evidence.py); a replica found dead now is routed around from our next step on, not once
+        its rows are lost or the views drop it. (`suspect`: Rounds.hearsay, which probes twice
+        and marks the dead gone: any member's word and one lost probe must not evict a peer.)"""
         ours = {self.stage + 1, *([0] if self.stage == 0 else [])}
         members = view.members()
         for peer, reporter in sorted({(r[0], r[1]) for r in reports}):
@@ -93,8 +94,10 @@ class Detours:
         suspect: Callable[[str, str], Awaitable[bool]],
     ) -> None:
         """A stage-1 replica (`by`) answered our rows saying that the stage-0 replicas at `ranks`
-        failed it: on stage 0, probe them in the background and stand in for the dead ones from
-        our next step on. (Elsewhere, or for ranks `view` does not have, nothing happens.)"""
+        failed it: on stage 0, probe them in the background (`suspect`: Rounds.suspect, one
+        probe: `by` waited on them and probed them itself, and we trust its rows as much) and
+        stand in for the dead ones from our next step on. (Elsewhere, or for ranks `view` does
+        not have, nothing happens.)"""
         if self.stage == 0:
             for rank in ranks:
                 if rank < len(view.stages[0]):

@@ -252,7 +252,7 @@ class Rounds:
             self.dead.pop(peer, None)  # a peer that rejoined is a member again
         if self.me not in view.members():
             raise PeerExcluded(f"the view of round {view.round} leaves this peer out (reported gone?)")
-        self.detours.check_reported(view, kept, self.suspect)
+        self.detours.check_reported(view, kept, self.hearsay)
         if not view.is_complete():
             # Every replica of a stage gone at once is more likely our own link cut off than all
             # of them dead: join again, which finds the live swarm or says no replica is left.
@@ -321,12 +321,13 @@ class Rounds:
                 task.cancel()
             await asyncio.gather(task, return_exceptions=True)
 
-    async def suspect(self, peer: str, why: str) -> bool:
-        """`peer` failed us in a way a slow peer could too: it is gone only if it does not answer."""
+    async def suspect(self, peer: str, why: str, *, twice: bool = False) -> bool:
+        """`peer` failed us in a way a slow peer could too: it is gone only if it does not answer
+        (`twice`: two probes PROBE_PERIOD apart, for a peer only someone else says failed)."""
         if peer in self.dead:
             return True
         alive = await self.alive(peer)
-        if not alive and time.monotonic() - self.answered.get(peer, -math.inf) < RECENTLY:
+        if not alive and (twice or time.monotonic() - self.answered.get(peer, -math.inf) < RECENTLY):
             # It answered a probe moments ago (e.g. while it kept us waiting on a long outer
             # exchange of its own): one lost probe, on a loaded machine, is no proof it died, and
             # marking a live peer gone can empty a stage. Ask once more before reporting it.
@@ -337,6 +338,11 @@ class Rounds:
             return False
         self.mark_dead(peer, why)
         return True
+
+    async def hearsay(self, peer: str, why: str) -> bool:
+        """`suspect`, for a peer that another one says failed it: its word and one lost probe
+        would corroborate each other's report (evidence.py), so it takes two."""
+        return await self.suspect(peer, why, twice=True)
 
     def mark_dead(self, peer: str, why: str) -> None:
         """Stop waiting for, and sending to, a peer that failed us; tell the swarm through the DHT."""
