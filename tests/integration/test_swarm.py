@@ -531,6 +531,19 @@ def kill_with_its_processes(victim) -> float:
     return killed_at
 
 
+def finish_without(swarm, victim) -> tuple[list, dict, str, int]:
+    """Wait for the run's end without a killed peer: the survivors (each exited 0), their
+    summaries by peer id, the victim's peer id and the inner steps it had taken."""
+    survivors = [p for p in swarm.peers if p is not victim]
+    wait(swarm, timeout=400, ignore=[victim])
+    assert [p.proc.returncode for p in survivors] == [0] * len(survivors), "\n".join(
+        p.log_tail() for p in survivors
+    )
+    summaries = {s.peer_id: s for s in swarm.summaries()}
+    victim_id = next(e.peer_id for e in of_kind(victim.events(), Membership))
+    return survivors, summaries, victim_id, max(e.step for e in of_kind(victim.events(), Step))
+
+
 @pytest.mark.parametrize(("when", "stages"), [("mid-round", 3), ("at-outer-step", 2)])
 def test_a_killed_peer_takes_its_processes_and_a_replacement_takes_its_stage(
     cache: Path, when: str, stages: int
@@ -559,14 +572,8 @@ def test_a_killed_peer_takes_its_processes_and_a_replacement_takes_its_stage(
         killed_at = kill_with_its_processes(victim)
         time.sleep(max(0.0, killed_at + 3 - time.monotonic()))
         replacement = swarm.start_peer(None)
-        survivors = [p for p in swarm.peers if p is not victim]
-        wait(swarm, timeout=400, ignore=[victim])
-        assert [p.proc.returncode for p in survivors] == [0] * len(survivors), "\n".join(
-            p.log_tail() for p in survivors
-        )
-        summaries = {s.peer_id: s for s in swarm.summaries()}
-        victim_id = next(e.peer_id for e in of_kind(victim.events(), Membership))
-        killed_in = max(e.step for e in of_kind(victim.events(), Step)) // 3  # its last round
+        survivors, summaries, victim_id, last = finish_without(swarm, victim)
+        killed_in = last // 3  # its last round
         survivor_events = [p.events() for p in survivors]
         joined = next(iter(of_kind(replacement.events(), Joined)))
     assert p2pd_descendants() <= before
@@ -624,14 +631,8 @@ def test_a_killed_stage_zero_replicas_shard_is_fed_by_the_other_until_the_views_
             assert time.monotonic() < deadline, victim.log_tail()
             time.sleep(0.05)
         kill_with_its_processes(victim)  # mid-round: one step of the round done
-        survivors = [p for p in swarm.peers if p is not victim]
-        wait(swarm, timeout=400, ignore=[victim])
-        assert [p.proc.returncode for p in survivors] == [0] * len(survivors), "\n".join(
-            p.log_tail() for p in survivors
-        )
-        summaries = {s.peer_id: s for s in swarm.summaries()}
-        victim_id = next(e.peer_id for e in of_kind(victim.events(), Membership))
-        killed_in = max(e.step for e in of_kind(victim.events(), Step)) // h  # its last round
+        survivors, summaries, victim_id, last = finish_without(swarm, victim)
+        killed_in = last // h  # its last round
         stood = of_kind(next(p for p in survivors if p.stage == 0).events(), StoodIn)
         survivor_events = [p.events() for p in survivors]
     assert p2pd_descendants() <= before
