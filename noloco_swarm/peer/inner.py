@@ -249,7 +249,7 @@ class InnerSteps:
         cfg, count = self.ctx.cfg, self.ctx.view_at(t).replica_counts()[0]
         batches = {}
         for shard in shards:
-            stream, at = self._data.get(shard, (None, (count, t)))
+            stream, at = self._data.get(shard, (None, None))
             if stream is None or at != (count, t):
                 stream = train_batches(cfg.data, shard, count, self.ctx.B, cfg.seed, start_step=t)
             batches[shard] = next(stream)
