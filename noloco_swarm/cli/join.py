@@ -17,7 +17,7 @@ from noloco_swarm.cli.panel import PeerPanel
 from noloco_swarm.peer.events import Final, to_dict
 from noloco_swarm.peer.joining import RunEnding
 from noloco_swarm.peer.launch import run_on_loop, run_peer
-from noloco_swarm.peer.lifetime import orphaned
+from noloco_swarm.peer.lifetime import exit_within, orphaned
 from noloco_swarm.peer.transport import Transport
 from noloco_swarm.train.config import RunConfig
 
@@ -89,6 +89,7 @@ def run_join(
                 return
             if orphaned():  # the launcher that started us died: nobody waits for a graceful leave
                 console.print("the process that started this peer is gone: stopping now")
+                exit_within()  # a clean shutdown, if it is quick; gone in seconds either way
                 task.cancel()
                 return
             console.print("leaving the swarm at the next boundary; a second signal stops at once")

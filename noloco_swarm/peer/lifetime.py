@@ -17,13 +17,16 @@ import asyncio
 import contextlib
 import contextvars
 import ctypes
+import faulthandler
 import functools
+import glob
 import os
 import signal
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import hivemind
@@ -61,6 +64,56 @@ def orphaned() -> bool:
     """True if this process asked to die with its parent and that parent is gone: whoever
     started it (`noloco local`) will not collect its results, so it stops at once."""
     return bool(_PARENT) and os.getppid() != _PARENT[0]
+
+
+ORPHAN_GRACE = 10.0  # seconds an orphaned peer may take to shut down cleanly before it is cut short
+
+
+def exit_within(grace: float = ORPHAN_GRACE) -> None:
+    """Make sure this process is gone `grace` seconds from now, however its shutdown goes: a
+    daemon thread then writes every thread's stack to stderr (why it did not stop by itself),
+    ends our child processes (p2pd) and exits with status 1. An orphan's clean shutdown waits on
+    peers that are dying with it (gone reports to their DHT nodes, calls in flight): nobody
+    waits for its result, and its launcher's killer expects it gone in seconds."""
+
+    def cut_short() -> None:
+        time.sleep(grace)
+        sys.stderr.write(f"shutdown took over {grace:g} s; exiting now. Threads:\n")
+        faulthandler.dump_traceback(all_threads=True)
+        end_children()
+        os._exit(1)
+
+    threading.Thread(target=cut_short, name="exit-within", daemon=True).start()
+
+
+def end_children(grace: float = 1.0) -> None:
+    """SIGTERM this process's children (p2pd), SIGKILL those still running `grace` seconds later."""
+    children = _children()
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + grace
+        while sig == signal.SIGTERM and time.monotonic() < deadline and any(map(_running, children)):
+            time.sleep(0.05)
+
+
+def _children() -> list[int]:
+    """Our child processes' pids, from every thread's /proc children list (Linux; else none)."""
+    pids = []
+    for task in glob.glob(f"/proc/{os.getpid()}/task/*/children"):
+        with contextlib.suppress(OSError):
+            pids += [int(pid) for pid in Path(task).read_text().split()]
+    return pids
+
+
+def _running(pid: int) -> bool:
+    """Is `pid` a running (not a zombie) process? Our unreaped children stay zombies."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 @contextlib.contextmanager

@@ -52,6 +52,19 @@ def wait_for_a_step(proc: subprocess.Popen[str], timeout: float = 180) -> None:
         seen.append(proc.stdout.readline())  # type: ignore[union-attr]
 
 
+def survivors(pids: set[int], run_dirs: set[str]) -> str:
+    """What outlived the launcher, and the tail of every peer's log: where a peer hung."""
+    lines = ["processes outlived the launcher:"]
+    for pid in sorted(pids):
+        try:
+            lines.append(f"  {pid}: {Path(f'/proc/{pid}/cmdline').read_text().replace(chr(0), ' ')[:200]}")
+        except OSError:
+            lines.append(f"  {pid}: (gone)")
+    for log in sorted(p for d in run_dirs for p in Path(d).glob("*.log")):
+        lines += [f"--- {log.name}:", *log.read_text(errors="replace").splitlines()[-40:]]
+    return "\n".join(lines)
+
+
 def test_a_killed_launcher_takes_its_peers_and_their_daemons_with_it(cache: Path) -> None:
     """`noloco local` SIGKILLed (an OOM kill, a CI runner's timeout) cannot end its peers itself:
     each peer learns from the kernel that its parent died and stops at once, with its p2pd,
@@ -70,7 +83,7 @@ def test_a_killed_launcher_takes_its_peers_and_their_daemons_with_it(cache: Path
         deadline = time.monotonic() + 45
         while alive(family) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not alive(family), f"processes outlived the launcher: {sorted(alive(family))}"
+        assert not alive(family), survivors(alive(family), local_dirs() - before_dirs)
     finally:
         if proc.poll() is None:
             proc.kill()
