@@ -198,16 +198,15 @@ class Testbed:
 
     def _open_forwarding(self) -> None:
         """With bridge netfilter on and a DROP forward policy (dockerd sets both), bridged frames
-        between hosts would be dropped: accept this bridge's traffic for our lifetime."""
+        between hosts would be dropped: accept this bridge's traffic for our lifetime. The rule
+        goes in whenever iptables works, not only when dockerd runs now: a dockerd started while
+        we run (the compose testbed, beside us in the test suite) would cut our hosts apart."""
         iptables = shutil.which("iptables")
-        nf = Path("/proc/sys/net/bridge/bridge-nf-call-iptables")
-        if iptables is None or not nf.exists() or nf.read_text().strip() != "1":
-            return
-        if "-P FORWARD DROP" not in sh(iptables, "-S", "FORWARD", check=False).stdout:
+        if iptables is None:
             return
         rule = ["FORWARD", "-i", self.bridge, "-o", self.bridge, "-j", "ACCEPT"]
-        sh(iptables, "-I", *rule)
-        self._iptables_rule = [iptables, "-D", *rule]
+        if sh(iptables, "-w", "-I", *rule, check=False).returncode == 0:  # -w: dockerd may hold the lock
+            self._iptables_rule = [iptables, "-w", "-D", *rule]
 
     def close(self) -> None:
         """End our processes, then remove the rule, namespaces, links and bridge; idempotent."""
@@ -229,7 +228,15 @@ class Testbed:
         """What of this testbed still exists (empty after close)."""
         spaces, links = owned_names()
         ours = {h.netns for h in self.hosts.values()} | {h.veth for h in self.hosts.values()} | {self.bridge}
-        return sorted(ours & set(spaces + links))
+        return sorted(ours & set(spaces + links)) + self.forwarding_rules()
+
+    def forwarding_rules(self) -> list[str]:
+        """Our bridge's rules in iptables' FORWARD chain (one while we run, where iptables works)."""
+        iptables = shutil.which("iptables")
+        if iptables is None:
+            return []
+        chain = sh(iptables, "-w", "-S", "FORWARD", check=False).stdout.splitlines()
+        return [rule for rule in chain if f"-i {self.bridge} " in rule]
 
     # ---- processes -------------------------------------------------------------------------------
 
