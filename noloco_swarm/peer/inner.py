@@ -229,12 +229,16 @@ class InnerSteps:
             losses = await self._receiving(t)
         return sum(losses) / len(losses) if losses else None
 
-    def abandon(self, reason: str) -> None:
-        """Forget every step collected so far (a join or the end of training), failing its senders."""
+    def abandon(self, reason: str, *, keep_answers: bool = False) -> None:
+        """Fail the senders of every step still collecting (a join or the end of training), and
+        forget the steps collected lately unless `keep_answers`: at the end of training they
+        still answer a sender of the last steps whose reply stream broke, until this peer stops
+        (cleared, such a resend was refused as late and its rows dropped)."""
         for collector in self.collectors.values():
             collector.abandon(reason)
         self.collectors.clear()
-        self.collected.clear()
+        if not keep_answers:
+            self.collected.clear()
 
     # ------------------------------------------------------------------ stage 0
 

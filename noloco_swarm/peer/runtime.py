@@ -156,7 +156,7 @@ class Peer:
                 self.inner.abandon("this peer left the swarm's view and joins again")
                 await self.joining.join_late(self.steps, stale=True)
         seconds = time.perf_counter() - start
-        self.inner.abandon("this peer finished training")
+        self.inner.abandon("this peer finished training", keep_answers=True)
         self.evaluation.trained.set()
         if self.leaving is not None:  # the others train on: no evaluation path waits for us
             return seconds, None

@@ -45,6 +45,7 @@ from noloco_swarm.peer.events import (
     of_kind,
 )
 from noloco_swarm.protocol import wire
+from noloco_swarm.protocol.plan import StepPlan
 from noloco_swarm.sim.engine import Simulator
 from noloco_swarm.sim.run import data_batches
 from noloco_swarm.train.config import RunConfig
@@ -178,23 +179,26 @@ def test_replies_lost_to_broken_streams_are_recovered_exactly(
 ) -> None:
     """p2pd now and then closes a stream between two live peers under load. Failpoints make that
     happen on purpose in every peer: each stage-1 replica closes its first forward stream after
-    computing the rows' gradients, each stage-0 replica discards its fifth gradient reply (a
-    later step's), in the first outer exchange the callee closes the stream unanswered, and in
-    the second the caller discards the answer. Every call is made again and answered with what
-    was computed the first time, so nothing is dropped and every replica still ends with the
-    simulator's weights. In the third exchange the callee reads everything and answers, but
+    computing the rows' gradients, each stage-0 replica discards its first gradient reply of the
+    last step (its receiver has finished training when the rows come again, and still answers
+    them from the steps it keeps), in the first outer exchange the callee closes the stream
+    unanswered, and in the second the caller discards the answer. Every call is made again and
+    answered with what was computed the first time, so nothing is dropped and every replica
+    still ends with the simulator's weights. In the third exchange the callee reads everything and answers, but
     closes the stream without the confirmation that ends the caller's call: the caller calls again
     and gets the first answer. (One forced break per call at most, so that a break p2pd makes by
     itself under load still finds an attempt left.)"""
     steps = 10  # outer steps at 3, 6 and 9
-    points = "close_unanswered:rpc_forward=1,lose_reply:rpc_forward@4=1"
+    cfg = small("noloco", **{"inner.total_steps": str(steps)})
+    plan = StepPlan.of(cfg.replica_counts, cfg.inner.batch_size)  # one call per receiver and step
+    before_last = min(sum(len(plan.sends(t, 0, r)) for t in range(steps - 1)) for r in range(2))
+    points = f"close_unanswered:rpc_forward=1,lose_reply:rpc_forward@{before_last}=1"
     # The callee reaches its confirmation once in the first exchange (its second serve), twice in
     # the second (the call, then the call again after the lost answer): the fourth is the third's.
     exchange = (
         "close_unanswered:rpc_exchange=1,lose_reply:rpc_exchange@1=1,close_unconfirmed:rpc_exchange@3=1"
     )
     monkeypatch.setenv("NOLOCO_FAILPOINTS", f"{points},{exchange}")
-    cfg = small("noloco", **{"inner.total_steps": str(steps)})
     with local_swarm(cfg, steps, step_timeout=60) as swarm:
         wait(swarm, timeout=400)
         summaries, outers, trouble = swarm.summaries(), outer_steps(swarm), troubles(swarm)
