@@ -327,9 +327,14 @@ class Transport:
                 await self._answer(stream)
         except Refused as e:  # no slot for this caller: 'busy', answered briefly
             await streams.refuse(stream, e.code, e.reason, _BUSY_LINGER)
+        except asyncio.CancelledError:
+            # Shut down while serving (shutdown() cancels us and waits): this task ends here.
+            # Raised on, it reached the stream server's callback, which logged it as an error.
+            return
         finally:
             self._serving.discard(task)
-            writer.close()
+            with contextlib.suppress(RuntimeError):  # a loop closed under a stream never finished
+                writer.close()
 
     async def _answer(self, stream: InboundStream) -> None:
         """Serve one stream within its deadline; answer ErrorReply for whatever goes wrong."""

@@ -205,7 +205,10 @@ def test_a_dht_call_gives_up_at_its_deadline_when_the_dht_process_cannot_answer(
         assert time.monotonic() - started < 30  # the deadline, not hivemind's own waits
     finally:
         os.kill(a.pid, signal.SIGCONT)
-    assert found.read_peers().announcements == []  # and the DHT still serves once it runs again
+    # And the DHT still serves once it runs again (at the usual deadline: a process just woken
+    # on a loaded machine may take more than half a second to answer its first call).
+    monkeypatch.undo()
+    assert found.read_peers().announcements == []
 
 
 def test_rebootstrap_pings_the_entry_points_again(two_peers: tuple[DHT, DHT], bootstrap: str) -> None:

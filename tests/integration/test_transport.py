@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import signal
 import subprocess
@@ -449,6 +450,32 @@ def test_shut_down_peer_is_unavailable_within_the_deadline(
     assert time.monotonic() - start < 4
     with pytest.raises(RuntimeError, match="shut down"):
         run(loop, c.call(a.peer_id, "rpc_echo", m.StateRequest("run", 0), timeout=3))
+
+
+async def hang(peer: str, header: m.Message, tensors: list[torch.Tensor]) -> tuple[m.Message, list]:
+    await asyncio.sleep(3600)
+    raise AssertionError("never answers")
+
+
+def test_a_transport_shut_down_while_serving_ends_its_calls_quietly(
+    loop: asyncio.AbstractEventLoop, pair: tuple[Transport, Transport], caplog: pytest.LogCaptureFixture
+) -> None:
+    """shutdown() cancels the calls being served: their callers learn that the peer is gone,
+    and the server logs no error (a cancelled handler used to reach the stream server's
+    callback, which logged a traceback on every peer stopped mid-step)."""
+    a, _ = pair
+    peers = run(loop, a.visible_addresses())
+    c = run(loop, Transport.create(initial_peers=peers, config=CONFIG))
+    c.register("rpc_echo", hang)
+    call = loop.create_task(a.call(c.peer_id, "rpc_echo", m.StateRequest("run", 0), timeout=20))
+    try:
+        assert run(loop, eventually(lambda: c.streams_from(a.peer_id) > 0, timeout=20)), "not served"
+    finally:
+        with caplog.at_level(logging.ERROR, logger="asyncio"):
+            run(loop, c.shutdown())
+            with pytest.raises(PeerUnavailable):
+                run(loop, call)
+    assert not [r for r in caplog.records if r.name == "asyncio"], caplog.text
 
 
 DAEMON_CHILD = """
