@@ -56,9 +56,16 @@ class PeerProcess:
         return read(self.metrics)
 
     def log_tail(self, lines: int = 25) -> str:
-        return (
-            "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:]) if self.log.exists() else ""
-        )
+        """The last `lines` lines of the peer's log without tracebacks' frames (indented), so that
+        a failure's report shows what the peer said before the error, and the error itself."""
+        if not self.log.exists():
+            return ""
+        said = [
+            line
+            for line in self.log.read_text(errors="replace").splitlines()
+            if line.strip() and not line.startswith((" ", "\t", "Traceback ", "During handling"))
+        ]
+        return "\n".join(said[-lines:])
 
 
 @dataclass
@@ -251,8 +258,11 @@ def wait(
         bad = [p for p in watched if p.proc.poll() not in (None, 0)]
         if bad:
             p = bad[0]
+            others = "".join(
+                f"\n--- stage {o.stage} replica {o.replica}:\n{o.log_tail(10)}" for o in watched if o is not p
+            )
             raise RuntimeError(
-                f"peer stage {p.stage} replica {p.replica} exited {p.proc.returncode}:\n{p.log_tail()}"
+                f"peer stage {p.stage} replica {p.replica} exited {p.proc.returncode}:\n{p.log_tail()}{others}"
             )
         if time.monotonic() > deadline:
             running = [p for p in swarm.peers if p.proc.poll() is None]
