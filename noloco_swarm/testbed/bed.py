@@ -93,7 +93,8 @@ def owned_names() -> tuple[list[str], list[str]]:
 
 
 def sweep_leftovers() -> list[str]:
-    """Remove the namespaces and links of testbeds whose process is gone (it was SIGKILLed)."""
+    """Remove the namespaces, links and forwarding rules of testbeds whose process is gone (it
+    was SIGKILLed)."""
     removed = []
     spaces, links = owned_names()
     for name in spaces:
@@ -106,6 +107,22 @@ def sweep_leftovers() -> list[str]:
         if match and not _alive(int(match.group(1), 16)):
             sh("ip", "link", "del", name, check=False)
             removed.append(name)
+    return removed + _sweep_forwarding()
+
+
+def _sweep_forwarding() -> list[str]:
+    """Remove the FORWARD rules (`-A FORWARD -i BRIDGE -o BRIDGE -j ACCEPT`) of testbeds whose
+    process is gone."""
+    iptables = shutil.which("iptables")
+    if iptables is None:
+        return []
+    removed = []
+    for rule in sh(iptables, "-w", "-S", "FORWARD", check=False).stdout.splitlines():
+        words = rule.split()
+        match = LINK.match(words[3]) if len(words) > 3 and words[2] == "-i" else None
+        if match and not _alive(int(match.group(1), 16)):
+            sh(iptables, "-w", "-D", *words[1:], check=False)
+            removed.append(f"FORWARD rule for {words[3]}")
     return removed
 
 

@@ -137,6 +137,47 @@ def test_links_connect_cut_restore_and_shape(mode: str, nothing_left: None) -> N
     assert bed.leftovers() == []
 
 
+KILLED = """
+import os, signal, sys
+from noloco_swarm.testbed import Testbed
+bed = Testbed(["a", "b"]).__enter__()
+print(bed.bridge, flush=True)
+sys.stdin.read()  # until the test has looked, then SIGKILLed: no cleanup runs
+"""
+
+
+def forward_rules() -> str:
+    """iptables' FORWARD chain as `iptables -S` prints it ("" without iptables)."""
+    if not shutil.which("iptables"):
+        return ""
+    return subprocess.run(
+        ["iptables", "-w", "-S", "FORWARD"], check=True, capture_output=True, text=True
+    ).stdout
+
+
+def test_a_sigkilled_testbed_is_swept_by_the_next_one(nothing_left: None) -> None:
+    """A testbed's process SIGKILLed cannot remove what it made; the next testbed to start sweeps
+    its namespaces, links and forwarding rule, and nothing of it is left."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILLED], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        bridge = proc.stdout.readline().strip()  # type: ignore[union-attr]
+        assert bridge, "the testbed did not start"
+        owner = f"{proc.pid:x}"
+        spaces, links = owned_names()
+        assert any(NAME.match(n)[1] == owner for n in spaces) and bridge in links  # type: ignore[index]
+        assert bridge in forward_rules() or not shutil.which("iptables")
+    finally:
+        proc.kill()
+        proc.wait()
+    with Testbed(["c"]):  # its start sweeps what the dead one left
+        spaces, links = owned_names()
+        assert not [n for n in spaces if NAME.match(n)[1] == owner], spaces  # type: ignore[index]
+        assert bridge not in links
+        assert bridge not in forward_rules(), forward_rules()
+
+
 def test_swarm_in_namespaces_ends_with_the_simulators_weights(
     cache: Path, one_thread: None, nothing_left: None, tmp_path: Path
 ) -> None:
