@@ -8,7 +8,8 @@ SIGKILLed peer would leave them running. Two uses of PR_SET_PDEATHSIG(SIGTERM):
     so the kernel signals p2pd when the thread that started it (our event loop's) exits.
 And one for the DHT's forked process, `DHT` below: the kernel's signal follows the *thread* that
 forked (a worker thread here, which may end first), so that child watches its parent instead and
-exits within a second of being orphaned.
+exits within a second of being orphaned. An orphaned peer (`orphaned()`) stops at once, and
+`exit_within` makes sure it is gone, with its children, seconds later however its shutdown goes.
 """
 
 from __future__ import annotations
