@@ -217,11 +217,8 @@ class Transport:
     # -- calling ----------------------------------------------------------------------------
 
     async def connect(self, peer_id: str, addresses: Sequence[str], *, timeout: float) -> bool:
-        """Dial `peer_id` at the addresses it announced, so that calls to it need no lookup.
-
-        A fresh daemon knows only the peers it has talked to; without this, the first call to a
-        peer found through the run's directory can fail with "Connect failed". False if it fails.
-        """
+        """Dial `peer_id` at its announced addresses (False if it fails): a fresh daemon knows only
+        the peers it has talked to, and a first call without this can fail with "Connect failed"."""
         maddrs = []
         for address in addresses:
             with contextlib.suppress(ValueError, TypeError):  # an announcement's address is untrusted
@@ -327,13 +324,11 @@ class Transport:
                 await self._answer(stream)
         except Refused as e:  # no slot for this caller: 'busy', answered briefly
             await streams.refuse(stream, e.code, e.reason, _BUSY_LINGER)
-        except asyncio.CancelledError:
-            # Shut down while serving (shutdown() cancels us and waits): this task ends here.
-            # Raised on, it reached the stream server's callback, which logged it as an error.
+        except asyncio.CancelledError:  # shut down while serving: end here (raised, asyncio logs it)
             return
         finally:
             self._serving.discard(task)
-            with contextlib.suppress(RuntimeError):  # a loop closed under a stream never finished
+            with contextlib.suppress(RuntimeError):  # a loop closed under an unfinished stream
                 writer.close()
 
     async def _answer(self, stream: InboundStream) -> None:
