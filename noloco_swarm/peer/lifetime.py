@@ -90,13 +90,17 @@ def exit_within(grace: float = ORPHAN_GRACE) -> None:
 def end_children(grace: float = 1.0) -> None:
     """SIGTERM this process's children (p2pd), SIGKILL those still running `grace` seconds later."""
     children = _children()
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in children:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, sig)
-        deadline = time.monotonic() + grace
-        while sig == signal.SIGTERM and time.monotonic() < deadline and any(map(_running, children)):
-            time.sleep(0.05)
+    _send(children, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and any(map(_running, children)):
+        time.sleep(0.05)
+    _send([pid for pid in children if _running(pid)], signal.SIGKILL)
+
+
+def _send(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
 
 
 def _children() -> list[int]:

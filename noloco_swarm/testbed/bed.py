@@ -110,18 +110,21 @@ def sweep_leftovers() -> list[str]:
     return removed + _sweep_forwarding()
 
 
+def forward_rules() -> list[str]:
+    """iptables' FORWARD chain, one rule per line as `iptables -S` prints it (none without iptables)."""
+    iptables = shutil.which("iptables")
+    return [] if iptables is None else sh(iptables, "-w", "-S", "FORWARD", check=False).stdout.splitlines()
+
+
 def _sweep_forwarding() -> list[str]:
     """Remove the FORWARD rules (`-A FORWARD -i BRIDGE -o BRIDGE -j ACCEPT`) of testbeds whose
     process is gone."""
-    iptables = shutil.which("iptables")
-    if iptables is None:
-        return []
     removed = []
-    for rule in sh(iptables, "-w", "-S", "FORWARD", check=False).stdout.splitlines():
+    for rule in forward_rules():
         words = rule.split()
         match = LINK.match(words[3]) if len(words) > 3 and words[2] == "-i" else None
         if match and not _alive(int(match.group(1), 16)):
-            sh(iptables, "-w", "-D", *words[1:], check=False)
+            sh("iptables", "-w", "-D", *words[1:], check=False)
             removed.append(f"FORWARD rule for {words[3]}")
     return removed
 
@@ -249,11 +252,7 @@ class Testbed:
 
     def forwarding_rules(self) -> list[str]:
         """Our bridge's rules in iptables' FORWARD chain (one while we run, where iptables works)."""
-        iptables = shutil.which("iptables")
-        if iptables is None:
-            return []
-        chain = sh(iptables, "-w", "-S", "FORWARD", check=False).stdout.splitlines()
-        return [rule for rule in chain if f"-i {self.bridge} " in rule]
+        return [rule for rule in forward_rules() if f"-i {self.bridge} " in rule]
 
     # ---- processes -------------------------------------------------------------------------------
 
