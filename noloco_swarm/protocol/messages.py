@@ -13,6 +13,7 @@ Tensor bytes travel beside these headers (streamed in parts); `TensorMeta` descr
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import math
 import types
@@ -91,9 +92,8 @@ def decode(data: bytes, expected: type[M] | None = None) -> M:
 def _build(cls: type, body: object) -> Any:
     if not isinstance(body, dict):
         raise MessageError(f"{cls.__name__}: body must be a map")
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    if set(body) != set(names):
+    hints, names = _layout(cls)
+    if body.keys() != set(names):
         missing, extra = set(names) - set(body), set(body) - set(names)
         raise MessageError(
             f"{cls.__name__}: missing fields {sorted(missing)}, unknown fields {sorted(extra)}"
@@ -103,6 +103,13 @@ def _build(cls: type, body: object) -> Any:
         return cls(**values)
     except (ValueError, TypeError) as e:
         raise MessageError(f"{cls.__name__}: {e}") from e
+
+
+@functools.cache
+def _layout(cls: type) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """A message class's field types and names, resolved once: get_type_hints evaluates every
+    annotation string again on each call, most of a small message's decoding time."""
+    return typing.get_type_hints(cls), tuple(f.name for f in dataclasses.fields(cls))
 
 
 def _to_wire(value: object) -> object:
