@@ -56,12 +56,9 @@ def p2pd_binary() -> Path:
 
 
 async def start_p2p():  # -> hivemind.P2P, typed loosely: hivemind is imported lazily
-    from hivemind.p2p import P2P
+    from noloco_swarm.peer import lifetime
 
-    from noloco_swarm.peer.lifetime import children_die_with_us
-
-    with children_die_with_us():
-        return await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    return await lifetime.start_p2p(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
 
 
 def p2pd_check(error: BaseException | None) -> Check:
@@ -414,18 +411,15 @@ async def dialback_check(
     cfg: RunConfig, port: int | None, bootstraps: Sequence[str], timeout: float
 ) -> Check:
     """Listen where `noloco join` would and ask the first bootstrap that offers it to dial us back."""
-    from hivemind.p2p import P2P
     from hivemind.utils.multiaddr import Multiaddr
 
-    from noloco_swarm.peer import dialback
-    from noloco_swarm.peer.lifetime import children_die_with_us
+    from noloco_swarm.peer import dialback, lifetime
 
     net = cfg.network
     listen = [f"/ip4/0.0.0.0/tcp/{port}"] if port else list(net.host_maddrs)
     options = {"announce_maddrs": list(net.announce_maddrs)} if net.announce_maddrs else {}
     try:
-        with children_die_with_us():
-            p2p = await P2P.create(host_maddrs=listen, initial_peers=list(bootstraps), **options)
+        p2p = await lifetime.start_p2p(host_maddrs=listen, initial_peers=list(bootstraps), **options)
     except Exception as e:  # noqa: BLE001  (the daemon's own message says what is wrong)
         return Check("dial-back", False, f"could not listen on {listen}: {first_line(str(e))}", SETUP)
     try:

@@ -23,6 +23,7 @@ from pathlib import Path
 from noloco_swarm.peer import identity, tickets
 from noloco_swarm.peer.directory import RunDirectory
 from noloco_swarm.peer.events import Event, Final, of_kind, read
+from noloco_swarm.peer.lifetime import sweep_sockets
 from noloco_swarm.peer.node import start_dht
 from noloco_swarm.protocol.messages import RunManifest
 from noloco_swarm.train.config import NetworkConfig, RunConfig
@@ -239,6 +240,7 @@ def local_swarm(
         yield swarm
     finally:
         end_groups([peer.proc for peer in swarm.peers])
+        sweep_sockets()  # of the peers that were killed (a test's victims) or cut short
         dht.shutdown()
         if tmp is not None:
             tmp.cleanup()

@@ -110,20 +110,19 @@ class DialBack:
             writer.close()
 
     async def _dial(self, peer: str, addrs: list[str]) -> Verdict:
-        from hivemind.p2p import P2P, PeerID
+        from hivemind.p2p import PeerID
         from hivemind.utils.multiaddr import Multiaddr
 
-        from noloco_swarm.peer.lifetime import children_die_with_us
+        from noloco_swarm.peer.lifetime import start_p2p
 
         now = time.monotonic()
         if now - self._last.get(peer, -RATE_SECONDS) < RATE_SECONDS:
             return Verdict(False, (), f"asked again within {RATE_SECONDS:.0f} s: try later")
         self._last = {p: t for p, t in self._last.items() if now - t < RATE_SECONDS} | {peer: now}
         async with self._lock:
-            with children_die_with_us():
-                fresh = await P2P.create(
-                    host_maddrs=["/ip4/0.0.0.0/tcp/0"], use_relay=False, auto_nat=False, nat_port_map=False
-                )
+            fresh = await start_p2p(
+                host_maddrs=["/ip4/0.0.0.0/tcp/0"], use_relay=False, auto_nat=False, nat_port_map=False
+            )
             try:
                 async with asyncio.timeout(DIAL_SECONDS):
                     await fresh._client.connect(PeerID.from_base58(peer), [Multiaddr(a) for a in addrs])

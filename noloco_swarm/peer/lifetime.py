@@ -15,6 +15,7 @@ exits within a second of being orphaned. An orphaned peer (`orphaned()`) stops a
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import contextvars
 import ctypes
@@ -22,6 +23,7 @@ import faulthandler
 import functools
 import glob
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -31,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import hivemind
+from hivemind.p2p import P2P
 
 if TYPE_CHECKING:
     from noloco_swarm.peer.identity import Identity
@@ -121,6 +124,48 @@ def _running(pid: int) -> bool:
         return False
 
 
+# hivemind puts p2pd's and its client's unix sockets in /tmp and removes them only on a clean
+# shutdown. Ours go in a folder per process, which the next peer or launcher removes once the
+# process is gone: a SIGKILLed peer leaves nothing behind for long.
+SOCKETS = Path("/tmp")  # hivemind's own place: short paths (a unix socket's is at most 107 bytes)
+SOCKETS_PREFIX = "noloco-p2p-"
+
+
+class _P2P(P2P):
+    """hivemind's P2P, its sockets in this process's folder (`sockets_folder`)."""
+
+
+async def start_p2p(**options: Any) -> P2P:
+    """`hivemind.P2P.create(**options)`: a p2pd that dies with this process (children_die_with_us),
+    its sockets in this process's own folder, after sweeping the folders of processes gone."""
+    _P2P._UNIX_SOCKET_PREFIX = f"/unix{sockets_folder()}/hivemind-"
+    with children_die_with_us():
+        return await _P2P.create(**options)
+
+
+def sockets_folder() -> Path:
+    """This process's folder for its daemons' sockets (made now), the dead's swept first."""
+    sweep_sockets()
+    folder = SOCKETS / f"{SOCKETS_PREFIX}{os.getpid()}"
+    if not folder.is_dir():
+        folder.mkdir(mode=0o700, exist_ok=True)
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)  # a clean exit leaves nothing
+    return folder
+
+
+def sweep_sockets() -> list[Path]:
+    """Remove the socket folders of processes that no longer run; the folders removed. (Another
+    user's folder stays: we may not remove it.)"""
+    swept = []
+    for folder in SOCKETS.glob(SOCKETS_PREFIX + "*"):
+        pid = folder.name.removeprefix(SOCKETS_PREFIX)
+        if pid.isdigit() and not _running(int(pid)) and folder.is_dir():
+            shutil.rmtree(folder, ignore_errors=True)
+            if not folder.exists():
+                swept.append(folder)
+    return swept
+
+
 @contextlib.contextmanager
 def children_die_with_us() -> Iterator[None]:
     """Within the block, asyncio subprocesses get SIGTERM when their starting thread exits."""
@@ -171,6 +216,8 @@ class DHT(hivemind.DHT):
 
     def run(self) -> None:  # runs in the forked child
         exit_when_orphaned()
+        # its daemon's sockets in the child's own folder: a group SIGTERM kills it without cleanup
+        P2P._UNIX_SOCKET_PREFIX = f"/unix{sockets_folder()}/hivemind-"
         super().run()
 
 

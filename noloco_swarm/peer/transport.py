@@ -29,7 +29,7 @@ from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure, P2PDaemonErro
 from hivemind.utils.multiaddr import Multiaddr
 
 from noloco_swarm.peer import failpoints, streams
-from noloco_swarm.peer.lifetime import children_die_with_us
+from noloco_swarm.peer.lifetime import start_p2p
 from noloco_swarm.peer.limits import NONE, Accepts, Admission
 from noloco_swarm.peer.streams import (
     ByteCounts,
@@ -110,13 +110,12 @@ class Transport:
         **p2p_options: Any,
     ) -> Transport:
         """Start a p2pd daemon that dies with this process, and serve on it."""
-        with children_die_with_us():
-            p2p = await P2P.create(
-                initial_peers=list(initial_peers) or None,
-                host_maddrs=list(host_maddrs),
-                identity_path=identity_path,
-                **p2p_options,
-            )
+        p2p = await start_p2p(
+            initial_peers=list(initial_peers) or None,
+            host_maddrs=list(host_maddrs),
+            identity_path=identity_path,
+            **p2p_options,
+        )
         transport = cls(p2p, config, owns_p2p=True)
         try:
             await transport.start()

@@ -8,7 +8,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from noloco_swarm.cli.swarm import end_group
@@ -101,6 +101,12 @@ def process_group(
             match = ready.search(line)
         yield proc, match.group(1)
     finally:
+        # Both bootstraps shut down cleanly on SIGINT, their DHT process and its sockets with them
+        # (a group's SIGTERM kills that process before it removes them); what remains is ended.
+        with suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGINT)
+        with suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=15)
         end_group(proc)
 
 

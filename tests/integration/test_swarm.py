@@ -44,6 +44,7 @@ from noloco_swarm.peer.events import (
     ViewMismatch,
     of_kind,
 )
+from noloco_swarm.peer.lifetime import SOCKETS, SOCKETS_PREFIX
 from noloco_swarm.protocol import wire
 from noloco_swarm.protocol.plan import StepPlan
 from noloco_swarm.sim.engine import Simulator
@@ -573,6 +574,8 @@ def test_a_killed_peer_takes_its_processes_and_a_replacement_takes_its_stage(
         ):
             assert time.monotonic() < deadline, victim.log_tail()
             time.sleep(0.05)
+        sockets = SOCKETS / f"{SOCKETS_PREFIX}{victim.proc.pid}"  # its p2pd's and its own
+        assert sorted(p.name.split("-")[1] for p in sockets.iterdir()) == ["p2pclient", "p2pd"]
         killed_at = kill_with_its_processes(victim)
         time.sleep(max(0.0, killed_at + 3 - time.monotonic()))
         replacement = swarm.start_peer(None)
@@ -581,6 +584,7 @@ def test_a_killed_peer_takes_its_processes_and_a_replacement_takes_its_stage(
         survivor_events = [p.events() for p in survivors]
         joined = next(iter(of_kind(replacement.events(), Joined)))
     assert p2pd_descendants() <= before
+    assert not sockets.exists(), "the killed peer's sockets outlived the swarm"
     assert all(s.steps == steps for s in summaries.values())
     new = summaries[joined.peer_id]
     assert new.stage == 1 and new.joined_round == joined.round, "the replacement chose another stage"

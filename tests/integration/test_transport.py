@@ -17,7 +17,7 @@ import pytest
 import torch
 from hivemind.p2p import PeerID
 
-from noloco_swarm.peer import failpoints, streams
+from noloco_swarm.peer import failpoints, lifetime, streams
 from noloco_swarm.peer.exchange import ExchangeBoard
 from noloco_swarm.peer.transport import (
     PROTOCOL,
@@ -490,15 +490,19 @@ asyncio.run(main())
 
 
 def test_p2pd_dies_with_a_sigkilled_owner() -> None:
+    """...and the sockets it leaves (its folder) go with the next sweep, which keeps a live one's."""
     proc = subprocess.Popen(
         [sys.executable, "-c", DAEMON_CHILD], stdout=subprocess.PIPE, text=True, start_new_session=True
     )
     try:
         daemon = int(proc.stdout.readline())  # type: ignore[union-attr]
         assert os.path.exists(f"/proc/{daemon}")
+        sockets = lifetime.SOCKETS / f"{lifetime.SOCKETS_PREFIX}{proc.pid}"
+        assert len(list(sockets.glob("hivemind-*.sock"))) == 2 and sockets not in lifetime.sweep_sockets()
         proc.kill()  # SIGKILL: no cleanup code of ours runs
         proc.wait(timeout=10)
         assert wait_until(lambda: not os.path.exists(f"/proc/{daemon}") or _zombie(daemon), 10)
+        assert sockets in lifetime.sweep_sockets() and not sockets.exists()
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)  # the session we started, daemon included
