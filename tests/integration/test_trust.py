@@ -89,9 +89,10 @@ def test_forged_records_and_a_lying_member_evict_nobody(cache: Path, tmp_path: P
 async def stored(
     directory: RunDirectory, announcement: messages.PeerAnnouncement, timeout: float = 60
 ) -> bool:
-    """Store `announcement` as a peer's heartbeat does: again, each second, until a DHT node takes
-    it. On a loaded machine every node the store reaches can miss hivemind's 3 s reply deadline,
-    and the store then reports False (CI saw that once)."""
+    """Store `announcement` as a peer's heartbeat does: again, each second, until a store says it
+    took. hivemind's store reports the status of whichever replica answered last, and on CI one
+    said False under load (the cause was not visible); one refusal must not fail the test.
+    """
     deadline = time.monotonic() + timeout
     while not await asyncio.to_thread(directory.announce, announcement):
         if time.monotonic() > deadline:
