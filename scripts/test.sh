@@ -25,7 +25,9 @@ second_lane() {
 }
 second_lane >"$report" 2>&1 &
 lane=$!
-trap 'pkill -P "$lane" 2>/dev/null; kill "$lane" 2>/dev/null || true; rm -f "$report"' EXIT
+# Under set -e a failing command in the trap (pkill finds nothing once the lane has ended) would
+# make the script's exit status 1 after both lanes passed: every command here must succeed.
+trap 'pkill -P "$lane" 2>/dev/null || true; kill "$lane" 2>/dev/null || true; rm -f "$report"' EXIT
 integration=0
 .venv/bin/python -m pytest -m integration --ignore "$compose" || integration=$?
 second=0

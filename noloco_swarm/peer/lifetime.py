@@ -216,9 +216,14 @@ class DHT(hivemind.DHT):
 
     def run(self) -> None:  # runs in the forked child
         exit_when_orphaned()
-        # its daemon's sockets in the child's own folder: a group SIGTERM kills it without cleanup
-        P2P._UNIX_SOCKET_PREFIX = f"/unix{sockets_folder()}/hivemind-"
-        super().run()
+        # Its daemon's sockets in the child's own folder: a group SIGTERM kills it without cleanup.
+        # (A forked child ends with os._exit: no atexit handler removes the folder.)
+        folder = sockets_folder()
+        P2P._UNIX_SOCKET_PREFIX = f"/unix{folder}/hivemind-"
+        try:
+            super().run()
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
