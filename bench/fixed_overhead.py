@@ -3,7 +3,8 @@
 Starts `noloco local` (2 stages x 2 replicas of the tiny preset, whose model is small beside the
 fixed costs) from each checkout named in --trees, waits --after seconds into the run, and reads
 every process's PSS (/proc/PID/smaps_rollup: shared pages are split between the processes that
-map them, so the figures add up) under each peer, by kind: the peer's Python process, p2pd, a
+map them, so the figures add up) and RSS (shared pages counted whole in each process: what `top`
+shows a volunteer) under each peer, by kind: the peer's Python process, p2pd, a
 forked DHT process, torch_shm_manager. Trees alternate over --reps, so builds are compared side by
 side on the same machine state.
 
@@ -29,11 +30,21 @@ MIB = 1 << 20
 def pss(pid: int) -> float:
     """PSS of `pid` in MiB (0 if it is gone). Not USS: a peer's forked DHT process shares most
     of its pages with the peer, and private pages alone would count them for neither."""
+    return _field(f"/proc/{pid}/smaps_rollup", "Pss:")
+
+
+def rss(pid: int) -> float:
+    """RSS of `pid` in MiB (0 if it is gone): shared pages count whole in every process, as a
+    volunteer's `top` shows them and as issue 14 first measured the overhead."""
+    return _field(f"/proc/{pid}/status", "VmRSS:")
+
+
+def _field(path: str, name: str) -> float:
     try:
-        lines = Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()
+        lines = Path(path).read_text().splitlines()
     except OSError:
         return 0.0
-    return sum(int(line.split()[1]) * 1024 / MIB for line in lines if line.startswith("Pss:"))
+    return sum(int(line.split()[1]) * 1024 / MIB for line in lines if line.startswith(name))
 
 
 def children() -> dict[int, list[int]]:
@@ -63,21 +74,21 @@ def kind(pid: int) -> str:
     return "other"
 
 
-def peer_trees(root: int) -> list[dict[str, float]]:
-    """Per `noloco join` peer under `root`: MiB by process kind (a forked child of the peer that
-    runs the same command line is its DHT process)."""
+def peer_trees(root: int, size=pss) -> list[dict[str, float]]:
+    """Per `noloco join` peer under `root`: MiB (`size`: pss or rss) by process kind (a forked
+    child of the peer that runs the same command line is its DHT process)."""
     kids = children()
     peers = []
 
     def walk(pid: int) -> None:
         if kind(pid) == "peer":
             usage: dict[str, float] = defaultdict(float)
-            usage["peer"] += pss(pid)
+            usage["peer"] += size(pid)
             stack = list(kids[pid])
             while stack:
                 child = stack.pop()
                 k = kind(child)
-                usage["dht process" if k == "peer" else k] += pss(child)
+                usage["dht process" if k == "peer" else k] += size(child)
                 stack += kids[child]
             peers.append(dict(usage))
             return
@@ -88,14 +99,14 @@ def peer_trees(root: int) -> list[dict[str, float]]:
     return peers
 
 
-def measure(tree: Path, after: float) -> list[dict[str, float]]:
+def measure(tree: Path, after: float) -> dict[str, list[dict[str, float]]]:
     argv = [sys.executable, "-m", "noloco_swarm.cli.main", "local", "--preset", "tiny", "--replicas", "2"]
     argv += ["--steps", "100000", "--plain"]
     env = os.environ | {"PYTHONPATH": str(tree)}
     proc = subprocess.Popen(argv, cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     try:
         time.sleep(after)
-        return peer_trees(proc.pid)
+        return {"pss": peer_trees(proc.pid, pss), "rss": peer_trees(proc.pid, rss)}
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -113,25 +124,33 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     trees = [Path(t).resolve() for t in args.trees.split(",")]
-    runs: dict[str, list[list[dict[str, float]]]] = {str(t): [] for t in trees}
+    runs: dict[str, list[dict[str, list[dict[str, float]]]]] = {str(t): [] for t in trees}
     for _ in range(args.reps):
         for tree in trees:
             runs[str(tree)].append(measure(tree, args.after))
     result = {}
     for tree, reps in runs.items():
-        totals = [sum(p.values()) for rep in reps for p in rep]
-        kinds = sorted({k for rep in reps for p in rep for k in p})
-        by_kind = {k: statistics.median(p.get(k, 0.0) for rep in reps for p in rep) for k in kinds}
         commit = subprocess.run(
             ["git", "-C", tree, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
         ).stdout.strip()
-        result[tree] = {"commit": commit, "peers": reps, "per_peer_mib_median": statistics.median(totals)}
-        result[tree] |= {"by_kind_mib_median": by_kind}
-        shown = ", ".join(f"{k} {v:.0f}" for k, v in by_kind.items())
-        print(
-            f"{tree} ({commit}): {len(totals)} peers, {statistics.median(totals):.0f} MiB PSS per peer "
-            f"(range {min(totals):.0f}-{max(totals):.0f}; median by kind: {shown})"
-        )
+        result[tree] = {"commit": commit}
+        for size in ("pss", "rss"):
+            peers = [p for rep in reps for p in rep[size]]
+            totals = [sum(p.values()) for p in peers]
+            kinds = sorted({k for p in peers for k in p})
+            by_kind = {k: statistics.median(p.get(k, 0.0) for p in peers) for k in kinds}
+            # "peers" and "per_peer_mib_median" stay PSS, as in the results written before RSS was read
+            suffix = "" if size == "pss" else "_rss"
+            result[tree] |= {
+                f"peers{suffix}": [rep[size] for rep in reps],
+                f"per_peer_mib_median{suffix}": statistics.median(totals),
+                f"by_kind_mib_median{suffix}": by_kind,
+            }
+            shown = ", ".join(f"{k} {v:.0f}" for k, v in by_kind.items())
+            print(
+                f"{tree} ({commit}): {len(totals)} peers, {statistics.median(totals):.0f} MiB "
+                f"{size.upper()} per peer (range {min(totals):.0f}-{max(totals):.0f}; median by kind: {shown})"
+            )
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         command = "python bench/fixed_overhead.py " + " ".join(sys.argv[1:])

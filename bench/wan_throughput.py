@@ -7,16 +7,23 @@ Every peer runs on its own emulated host (`noloco testbed`'s machinery). Each pr
 periods 2 and 3 (steps H to 3H, outer steps included) and the utilisation, tokens/s over the
 best tokens/s of the same swarm on an unshaped link (its compute-bound rate, the best of the
 variants run unshaped); and the inner steps' utilisation alone (the best unshaped median step
-time over this one's), which leaves out the outer exchange (its weights cross the same link). Each profile also states the ratio of one hop's activation transfer
-(fp32, one direction) to a stage's compute per step, measured from the unshaped run.
+time over this one's), which leaves out the outer exchange (its weights cross the same link).
+Each profile also states the ratio of one hop's activation transfer (fp32, one direction) to a
+stage's compute per step, measured from the unshaped run. With --rounds, everything runs again in
+each round, each round's shaped runs are divided by that round's best unshaped one, and the
+figures are medians over rounds (this machine's pace drifts by 20% within an hour).
 
     sudo nice -n 10 python bench/wan_throughput.py --out docs/results/wan_throughput.json
+    # the new schedule as a whole, H = 50, on a link whose fp32 hop transfer exceeds a stage's compute
+    sudo nice -n 10 python bench/wan_throughput.py --inner-steps 50 --profiles 20:25 --rounds 3 \
+        --variants "today: M=1 fp32,M=2 int8 overlap H/2" --unshaped "today: M=1 fp32,M=2 int8 overlap H/2"
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -30,7 +37,24 @@ VARIANTS = {
     "M=8 fp32": {"inner.microbatches": "8"},
     "M=8 bf16": {"inner.microbatches": "8", "wire.activations": "bf16"},
     "M=8 int8": {"inner.microbatches": "8", "wire.activations": "int8"},
+    # The new schedule as a whole: few microbatches (each one pays the layers' per-call cost on a
+    # CPU), int8 rows, and the outer exchange overlapped with half of the next period.
+    "M=2 int8 overlap H/2": {
+        "inner.microbatches": "2",
+        "wire.activations": "int8",
+        "outer.overlap_steps": "H/2",
+    },
+    "M=4 int8 overlap H/2": {
+        "inner.microbatches": "4",
+        "wire.activations": "int8",
+        "outer.overlap_steps": "H/2",
+    },
 }
+
+
+def settings(name: str, inner_steps: int) -> dict[str, str]:
+    """A variant's config values, "H/2" resolved for this H."""
+    return {k: str(inner_steps // 2) if v == "H/2" else v for k, v in VARIANTS[name].items()}
 
 
 def main() -> None:
@@ -39,71 +63,114 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--inner-steps", type=int, default=10)
     ap.add_argument("--profiles", default="10:25", help="RATE_MBIT:ONE_WAY_DELAY_MS, comma-separated")
-    ap.add_argument("--variants", default=",".join(VARIANTS), help="variant names, comma-separated")
+    ap.add_argument("--variants", default=",".join(list(VARIANTS)[:5]), help="variant names, comma-separated")
     ap.add_argument(
         "--unshaped",
         default="today: M=1 fp32,M=8 fp32",
         help="variants run unshaped (the best one is the 1.0)",
     )
+    ap.add_argument(
+        "--rounds", type=int, default=1, help="repeat everything; figures are the medians over rounds"
+    )
     ap.add_argument("--keep", type=Path, default=None, help="keep each run's logs and events here")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    cfgs = {
-        name: testbed_config(args.seq_len, args.batch_size, args.inner_steps, **VARIANTS[name])
-        for name in {*args.variants.split(","), *args.unshaped.split(",")}
-    }
-    steps = 3 * args.inner_steps
+    names = {*args.variants.split(","), *args.unshaped.split(",")}
+    unknown = names - set(VARIANTS)
+    if unknown:
+        ap.error(f"unknown variants {sorted(unknown)}; known: {list(VARIANTS)}")
+    H = args.inner_steps
+    cfgs = {name: testbed_config(args.seq_len, args.batch_size, H, **settings(name, H)) for name in names}
+    steps = 3 * H
 
-    def run(name: str, rate: float | None, delay: float) -> dict:
-        keep = (
-            None
-            if args.keep is None
-            else args.keep / f"{name.replace(' ', '_').replace(':', '')}-{rate}-{delay}"
-        )
+    def run(name: str, rate: float | None, delay: float, round_: int) -> dict:
+        keep = None
+        if args.keep is not None:
+            keep = args.keep / f"r{round_}-{name.replace(' ', '_').replace(':', '').replace('/', '')}"
         result = measure(cfgs[name], steps, rate, delay, keep)
         print(
-            f"  {name:18s} rate {rate} Mbit/s, one-way {delay:g} ms: {result['tokens_per_s']:8.0f} tokens/s, "
+            f"  {name:22s} rate {rate} Mbit/s, one-way {delay:g} ms: {result['tokens_per_s']:8.0f} tokens/s, "
             f"step {result['step_s']:.3f} s, exchange {result['exchange_s']:.2f} s",
             flush=True,
         )
         return result
 
-    print("unshaped (the compute-bound rate):")
-    unshaped = {name: run(name, None, 0.0) for name in args.unshaped.split(",")}
-    best = max(r["tokens_per_s"] for r in unshaped.values())
-    best_step = min(r["step_s"] for r in unshaped.values())  # inner steps only, outer steps apart
+    profiles = [tuple(float(x) for x in p.split(":")) for p in args.profiles.split(",")]
+    rounds = []
+    for round_ in range(args.rounds):  # each round runs everything, so rounds see alike machine states
+        print(f"round {round_ + 1} of {args.rounds}, unshaped (the compute-bound rate):")
+        unshaped = {name: run(name, None, 0.0, round_) for name in args.unshaped.split(",")}
+        shaped = {}
+        for rate, delay in profiles:
+            print(f"round {round_ + 1}, {rate:g} Mbit/s, RTT {2 * delay:g} ms:")
+            shaped[f"{rate:g}:{delay:g}"] = {
+                name: run(name, rate, delay, round_) for name in args.variants.split(",")
+            }
+        rounds.append({"unshaped": unshaped, "shaped": shaped})
+
+    def ratios(round_: dict, key: str) -> dict[str, float]:
+        """This round's utilisation per variant and profile: against the best unshaped run of the
+        same round (tokens/s), or its fastest unshaped inner step (the inner steps alone)."""
+        if key == "tokens":
+            best = max(r["tokens_per_s"] for r in round_["unshaped"].values())
+            return {
+                f"{p}|{n}": r["tokens_per_s"] / best
+                for p, runs in round_["shaped"].items()
+                for n, r in runs.items()
+            }
+        best_step = min(r["step_s"] for r in round_["unshaped"].values())
+        return {
+            f"{p}|{n}": best_step / r["step_s"]
+            for p, runs in round_["shaped"].items()
+            for n, r in runs.items()
+        }
+
     cfg = cfgs["today: M=1 fp32"] if "today: M=1 fp32" in cfgs else next(iter(cfgs.values()))
     rows = (args.batch_size, args.seq_len, cfg.model.hidden_size)
-    compute_s = unshaped["today: M=1 fp32"]["step_s"] / 2 if "today: M=1 fp32" in unshaped else None
-    profiles = []
-    for profile in args.profiles.split(","):
-        rate, delay = (float(x) for x in profile.split(":"))
-        print(f"{rate:g} Mbit/s, RTT {2 * delay:g} ms:")
+    # Half the unshaped M=1 step: two stages run in series with one batch in flight.
+    compute_s = (
+        statistics.median(r["unshaped"]["today: M=1 fp32"]["step_s"] for r in rounds) / 2
+        if "today: M=1 fp32" in args.unshaped.split(",")
+        else None
+    )
+    per_round = {key: [ratios(r, key) for r in rounds] for key in ("tokens", "inner")}
+    summary = []
+    for rate, delay in profiles:
+        tag = f"{rate:g}:{delay:g}"
         hop_s = wire.nbytes(rows, "fp32") * 8 / (rate * 1e6)
-        runs = {name: run(name, rate, delay) for name in args.variants.split(",")}
-        profiles.append(
-            {
-                "rate_mbit": rate,
-                "rtt_ms": 2 * delay,
-                "fp32_hop_transfer_s": hop_s,
-                "hop_transfer_over_stage_compute": None if compute_s is None else hop_s / compute_s,
-                "runs": runs,
-                "utilisation": {name: r["tokens_per_s"] / best for name, r in runs.items()},
-                "inner_step_utilisation": {name: best_step / r["step_s"] for name, r in runs.items()},
-            }
-        )
-    for p in profiles:
-        ratio = p["hop_transfer_over_stage_compute"]
-        print(
-            f"{p['rate_mbit']:g} Mbit/s, RTT {p['rtt_ms']:g} ms "
-            f"(fp32 hop transfer / stage compute per step: {'?' if ratio is None else f'{ratio:.1f}'})"
-        )
-        for name, u in p["utilisation"].items():
-            print(
-                f"  {name:18s} utilisation {u:.3f}  ({p['runs'][name]['tokens_per_s']:.0f} tokens/s); "
-                f"inner steps alone {p['inner_step_utilisation'][name]:.3f}"
+        entry = {
+            "rate_mbit": rate,
+            "rtt_ms": 2 * delay,
+            "fp32_hop_transfer_s": hop_s,
+            "hop_transfer_over_stage_compute": None if compute_s is None else hop_s / compute_s,
+            "utilisation": {},
+            "utilisation_per_round": {},
+            "inner_step_utilisation": {},
+            "tokens_per_s": {},
+        }
+        for name in args.variants.split(","):
+            key = f"{tag}|{name}"
+            entry["utilisation_per_round"][name] = [r[key] for r in per_round["tokens"]]
+            entry["utilisation"][name] = statistics.median(r[key] for r in per_round["tokens"])
+            entry["inner_step_utilisation"][name] = statistics.median(r[key] for r in per_round["inner"])
+            entry["tokens_per_s"][name] = statistics.median(
+                r["shaped"][tag][name]["tokens_per_s"] for r in rounds
             )
-    print(f"best unshaped: {best:.0f} tokens/s")
+        summary.append(entry)
+        ratio = entry["hop_transfer_over_stage_compute"]
+        print(
+            f"{rate:g} Mbit/s, RTT {2 * delay:g} ms "
+            f"(fp32 hop transfer / stage compute per step: {'?' if ratio is None else f'{ratio:.2f}'}); "
+            f"medians over {args.rounds} round(s):"
+        )
+        for name, u in entry["utilisation"].items():
+            shown = ", ".join(f"{x:.3f}" for x in entry["utilisation_per_round"][name])
+            print(
+                f"  {name:22s} utilisation {u:.3f} (rounds {shown}; {entry['tokens_per_s'][name]:.0f} tokens/s); "
+                f"inner steps alone {entry['inner_step_utilisation'][name]:.3f}"
+            )
+    best = [max(r["tokens_per_s"] for r in round_["unshaped"].values()) for round_ in rounds]
+    print(f"best unshaped per round: {', '.join(f'{b:.0f}' for b in best)} tokens/s")
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         result = {
@@ -112,14 +179,15 @@ def main() -> None:
             | {
                 k: v
                 for k, v in vars(args).items()
-                if k in ("seq_len", "batch_size", "inner_steps", "profiles")
+                if k in ("seq_len", "batch_size", "inner_steps", "profiles", "rounds")
             },
-            "variants": {name: VARIANTS[name] for name in cfgs},
+            "variants": {name: settings(name, H) for name in sorted(cfgs)},
             "stage_compute_per_step_s": compute_s,
-            "stage_compute_note": "half the unshaped M=1 step: two stages run in series with one batch in flight",
-            "unshaped": unshaped,
-            "best_unshaped_tokens_per_s": best,
-            "profiles": profiles,
+            "stage_compute_note": "half the unshaped M=1 step (median over rounds): two stages run in "
+            "series with one batch in flight",
+            "best_unshaped_tokens_per_s_per_round": best,
+            "profiles": summary,
+            "rounds": rounds,
         }
         args.out.write_text(json.dumps(result, indent=2) + "\n")
 
