@@ -11,7 +11,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -23,12 +22,14 @@ from tests.small import SMALL_RUN
 pytestmark = pytest.mark.integration
 
 
-def local_dirs() -> set[str]:
-    return set(glob.glob(str(Path(tempfile.gettempdir()) / "noloco-local-*")))
+def local_dirs(tmp: Path) -> set[str]:
+    return set(glob.glob(str(tmp / "noloco-local-*")))
 
 
-def start_local(*flags: str) -> subprocess.Popen[str]:
-    """`noloco local` on the small test run, its output readable line by line."""
+def start_local(*flags: str, tmp: Path) -> subprocess.Popen[str]:
+    """`noloco local` on the small test run, its output readable line by line. Its run folder
+    goes under `tmp` (TMPDIR), so the test finds (and removes) only its own, never a folder of a
+    `noloco local` that runs beside it (another test lane, a user's run)."""
     argv = [
         sys.executable,
         "-m",
@@ -40,7 +41,8 @@ def start_local(*flags: str) -> subprocess.Popen[str]:
         *flags,
         *SMALL_RUN,
     ]
-    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    env = os.environ | {"TMPDIR": str(tmp)}
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
 
 def wait_for_a_step(proc: subprocess.Popen[str], timeout: float = 180) -> None:
@@ -65,14 +67,13 @@ def survivors(pids: set[int], run_dirs: set[str]) -> str:
     return "\n".join(lines)
 
 
-def test_a_killed_launcher_takes_its_peers_and_their_daemons_with_it(cache: Path) -> None:
+def test_a_killed_launcher_takes_its_peers_and_their_daemons_with_it(cache: Path, tmp_path: Path) -> None:
     """`noloco local` SIGKILLed (an OOM kill, a CI runner's timeout) cannot end its peers itself:
     each peer learns from the kernel that its parent died and stops at once, with its p2pd,
     instead of leaving gracefully for minutes with nobody to report to."""
-    before_dirs = local_dirs()
     # Outer steps 2000 inner steps apart: a graceful leave (at the boundary after next) would take
     # minutes, so only peers that stop at once are gone by the deadline below.
-    proc = start_local("--steps", "5000", "--set", "outer.inner_steps=2000")
+    proc = start_local("--steps", "5000", "--set", "outer.inner_steps=2000", tmp=tmp_path)
     family: set[int] = set()
     try:
         wait_for_a_step(proc)
@@ -83,12 +84,12 @@ def test_a_killed_launcher_takes_its_peers_and_their_daemons_with_it(cache: Path
         deadline = time.monotonic() + 45
         while alive(family) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not alive(family), survivors(alive(family), local_dirs() - before_dirs)
+        assert not alive(family), survivors(alive(family), local_dirs(tmp_path))
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
         for pid in alive(family):  # never leave them running, whatever failed above
             os.kill(pid, signal.SIGKILL)
-        for folder in local_dirs() - before_dirs:  # a killed launcher cannot remove its own
+        for folder in local_dirs(tmp_path):  # a killed launcher cannot remove its own
             shutil.rmtree(folder, ignore_errors=True)
