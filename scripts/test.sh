@@ -1,17 +1,12 @@
 #!/usr/bin/env bash
 # Set up (if needed), lint, and run the whole test suite. The README's test command.
 #
-# With no arguments the suite runs in two lanes side by side. The first runs most integration
-# tests (real peer processes and daemons, which spend most of their time waiting on each other).
-# The second runs the in-process tests (unit, simulator, fuzz: CPU-bound), the compose testbed's
-# test (mostly building images), then the integration test files named in SECOND_LANE, chosen
-# so that both lanes take about as long (CI on 8549770: 28.7 minutes for one integration lane,
-# 4.3 for the second). Integration tests must pass on a loaded machine anyway (stress-ng), and none
-# may touch what another test started: each finds its own processes and folders by their parent
-# or its own temporary directory. The namespace testbed's tests stay in the first lane, after
-# the compose test has stopped its Docker engine (which changes the host's forwarding rules).
-# The second lane's report is printed after the first's. With arguments: one pytest run of
-# exactly those.
+# With no arguments the suite runs in two lanes side by side: the integration tests (real peer
+# processes and daemons, which spend most of their time waiting on each other), and the in-process
+# tests (unit, simulator, fuzz: CPU-bound) followed by the compose testbed's test (mostly building
+# images). The integration tests must pass on a loaded machine anyway (stress-ng); the second lane
+# saves about seven minutes. Its report is printed after the integration lane's. With arguments:
+# one pytest run of exactly those.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -22,19 +17,10 @@ if [ "$#" -gt 0 ]; then
 fi
 report=$(mktemp)
 compose=tests/integration/test_compose.py
-SECOND_LANE=(
-    tests/integration/test_faults.py
-    tests/integration/test_trust.py
-    tests/integration/test_doctor.py
-    tests/integration/test_transport.py
-    tests/integration/test_directory.py
-    tests/integration/test_donors.py
-)
 second_lane() {
     local status=0
     .venv/bin/python -m pytest -m "not integration" -p no:cacheprovider || status=$?
     .venv/bin/python -m pytest -p no:cacheprovider "$compose" || status=$?
-    .venv/bin/python -m pytest -m integration -p no:cacheprovider "${SECOND_LANE[@]}" || status=$?
     return "$status"
 }
 second_lane >"$report" 2>&1 &
@@ -43,15 +29,11 @@ lane=$!
 # make the script's exit status 1 after both lanes passed: every command here must succeed.
 trap 'pkill -P "$lane" 2>/dev/null || true; kill "$lane" 2>/dev/null || true; rm -f "$report"' EXIT
 integration=0
-ignored=()
-for file in "$compose" "${SECOND_LANE[@]}"; do
-    ignored+=(--ignore "$file")
-done
-.venv/bin/python -m pytest -m integration "${ignored[@]}" || integration=$?
+.venv/bin/python -m pytest -m integration --ignore "$compose" || integration=$?
 second=0
 wait "$lane" || second=$?
 echo
-echo "==== the second lane (pytest -m 'not integration', then $compose, then ${SECOND_LANE[*]}) ===="
+echo "==== the second lane (pytest -m 'not integration', then $compose) ===="
 cat "$report"
 echo "test.sh: integration lane exit $integration, second lane exit $second"
 [ "$integration" = 0 ] && [ "$second" = 0 ]
