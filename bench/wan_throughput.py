@@ -75,7 +75,8 @@ def main() -> None:
     ap.add_argument("--keep", type=Path, default=None, help="keep each run's logs and events here")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    names = {*args.variants.split(","), *args.unshaped.split(",")}
+    variants, unshaped_variants = args.variants.split(","), args.unshaped.split(",")
+    names = {*variants, *unshaped_variants}
     unknown = names - set(VARIANTS)
     if unknown:
         ap.error(f"unknown variants {sorted(unknown)}; known: {list(VARIANTS)}")
@@ -99,41 +100,25 @@ def main() -> None:
     rounds = []
     for round_ in range(args.rounds):  # each round runs everything, so rounds see alike machine states
         print(f"round {round_ + 1} of {args.rounds}, unshaped (the compute-bound rate):")
-        unshaped = {name: run(name, None, 0.0, round_) for name in args.unshaped.split(",")}
+        unshaped = {name: run(name, None, 0.0, round_) for name in unshaped_variants}
         shaped = {}
         for rate, delay in profiles:
             print(f"round {round_ + 1}, {rate:g} Mbit/s, RTT {2 * delay:g} ms:")
-            shaped[f"{rate:g}:{delay:g}"] = {
-                name: run(name, rate, delay, round_) for name in args.variants.split(",")
-            }
+            shaped[f"{rate:g}:{delay:g}"] = {name: run(name, rate, delay, round_) for name in variants}
         rounds.append({"unshaped": unshaped, "shaped": shaped})
-
-    def ratios(round_: dict, key: str) -> dict[str, float]:
-        """This round's utilisation per variant and profile: against the best unshaped run of the
-        same round (tokens/s), or its fastest unshaped inner step (the inner steps alone)."""
-        if key == "tokens":
-            best = max(r["tokens_per_s"] for r in round_["unshaped"].values())
-            return {
-                f"{p}|{n}": r["tokens_per_s"] / best
-                for p, runs in round_["shaped"].items()
-                for n, r in runs.items()
-            }
-        best_step = min(r["step_s"] for r in round_["unshaped"].values())
-        return {
-            f"{p}|{n}": best_step / r["step_s"]
-            for p, runs in round_["shaped"].items()
-            for n, r in runs.items()
-        }
 
     cfg = cfgs["today: M=1 fp32"] if "today: M=1 fp32" in cfgs else next(iter(cfgs.values()))
     rows = (args.batch_size, args.seq_len, cfg.model.hidden_size)
     # Half the unshaped M=1 step: two stages run in series with one batch in flight.
     compute_s = (
         statistics.median(r["unshaped"]["today: M=1 fp32"]["step_s"] for r in rounds) / 2
-        if "today: M=1 fp32" in args.unshaped.split(",")
+        if "today: M=1 fp32" in unshaped_variants
         else None
     )
-    per_round = {key: [ratios(r, key) for r in rounds] for key in ("tokens", "inner")}
+    # Each round's shaped runs against the same round's unshaped ones: the best tokens/s (the
+    # utilisation) and the fastest inner step (the inner steps' utilisation alone).
+    best = [max(r["tokens_per_s"] for r in round_["unshaped"].values()) for round_ in rounds]
+    best_step = [min(r["step_s"] for r in round_["unshaped"].values()) for round_ in rounds]
     summary = []
     for rate, delay in profiles:
         tag = f"{rate:g}:{delay:g}"
@@ -148,14 +133,15 @@ def main() -> None:
             "inner_step_utilisation": {},
             "tokens_per_s": {},
         }
-        for name in args.variants.split(","):
-            key = f"{tag}|{name}"
-            entry["utilisation_per_round"][name] = [r[key] for r in per_round["tokens"]]
-            entry["utilisation"][name] = statistics.median(r[key] for r in per_round["tokens"])
-            entry["inner_step_utilisation"][name] = statistics.median(r[key] for r in per_round["inner"])
-            entry["tokens_per_s"][name] = statistics.median(
-                r["shaped"][tag][name]["tokens_per_s"] for r in rounds
+        for name in variants:
+            runs = [round_["shaped"][tag][name] for round_ in rounds]
+            utilisation = [r["tokens_per_s"] / b for r, b in zip(runs, best, strict=True)]
+            entry["utilisation_per_round"][name] = utilisation
+            entry["utilisation"][name] = statistics.median(utilisation)
+            entry["inner_step_utilisation"][name] = statistics.median(
+                b / r["step_s"] for r, b in zip(runs, best_step, strict=True)
             )
+            entry["tokens_per_s"][name] = statistics.median(r["tokens_per_s"] for r in runs)
         summary.append(entry)
         ratio = entry["hop_transfer_over_stage_compute"]
         print(
@@ -169,7 +155,6 @@ def main() -> None:
                 f"  {name:22s} utilisation {u:.3f} (rounds {shown}; {entry['tokens_per_s'][name]:.0f} tokens/s); "
                 f"inner steps alone {entry['inner_step_utilisation'][name]:.3f}"
             )
-    best = [max(r["tokens_per_s"] for r in round_["unshaped"].values()) for round_ in rounds]
     print(f"best unshaped per round: {', '.join(f'{b:.0f}' for b in best)} tokens/s")
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
