@@ -74,23 +74,31 @@ def kind(pid: int) -> str:
     return "other"
 
 
-def peer_trees(root: int, size=pss) -> list[dict[str, float]]:
-    """Per `noloco join` peer under `root`: MiB (`size`: pss or rss) by process kind (a forked
-    child of the peer that runs the same command line is its DHT process)."""
+SIZES = {"pss": pss, "rss": rss}
+
+
+def peer_trees(root: int) -> dict[str, list[dict[str, float]]]:
+    """Per size (pss, rss) and `noloco join` peer under `root`: MiB by process kind (a forked child
+    of the peer that runs the same command line is its DHT process). One walk of the process tree
+    reads both sizes, so they describe the same processes."""
     kids = children()
-    peers = []
+    peers: dict[str, list[dict[str, float]]] = {name: [] for name in SIZES}
 
     def walk(pid: int) -> None:
         if kind(pid) == "peer":
-            usage: dict[str, float] = defaultdict(float)
-            usage["peer"] += size(pid)
+            usage = {name: defaultdict(float) for name in SIZES}
+            members = [("peer", pid)]
             stack = list(kids[pid])
             while stack:
                 child = stack.pop()
                 k = kind(child)
-                usage["dht process" if k == "peer" else k] += size(child)
+                members.append(("dht process" if k == "peer" else k, child))
                 stack += kids[child]
-            peers.append(dict(usage))
+            for k, member in members:
+                for name, size in SIZES.items():
+                    usage[name][k] += size(member)
+            for name in SIZES:
+                peers[name].append(dict(usage[name]))
             return
         for child in kids[pid]:
             walk(child)
@@ -106,7 +114,7 @@ def measure(tree: Path, after: float) -> dict[str, list[dict[str, float]]]:
     proc = subprocess.Popen(argv, cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     try:
         time.sleep(after)
-        return {"pss": peer_trees(proc.pid, pss), "rss": peer_trees(proc.pid, rss)}
+        return peer_trees(proc.pid)
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -134,7 +142,7 @@ def main() -> None:
             ["git", "-C", tree, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
         ).stdout.strip()
         result[tree] = {"commit": commit}
-        for size in ("pss", "rss"):
+        for size in SIZES:
             peers = [p for rep in reps for p in rep[size]]
             totals = [sum(p.values()) for p in peers]
             kinds = sorted({k for p in peers for k in p})
