@@ -105,15 +105,35 @@ def caps_for(microbatches: int) -> TransportConfig:
 
 
 class Admission:
-    """Inbound streams open and tensor bytes held, per caller and in all, against the caps of a
-    TransportConfig. A stream's slot is taken before its first byte is read; its bytes once its
-    envelope is checked, until its handler returns."""
+    """Inbound streams being served, streams kept for reuse, and tensor bytes held, per caller
+    and in all, against the caps of a TransportConfig. A new stream's slot is taken before its
+    first byte is read, a kept stream's once its next envelope is in; bytes once the envelope is
+    checked, until the handler returns."""
 
     def __init__(self, config: TransportConfig) -> None:
         self.config = config
-        self.streams: dict[str, int] = {}  # caller -> streams open
+        self.streams: dict[str, int] = {}  # caller -> streams being served
+        self.kept: dict[str, int] = {}  # caller -> streams kept open between its requests
         self.held: dict[str, int] = {}  # caller -> tensor bytes being received or held
-        self.total_streams = self.total_bytes = 0
+        self.total_streams = self.total_kept = self.total_bytes = 0
+
+    @contextlib.contextmanager
+    def keep(self, peer: str) -> Iterator[bool]:
+        """Keep one stream of `peer`'s open for its next request, if within the caps (False: it
+        closes instead). Pure counting: a kept stream costs a task and the daemon's stream."""
+        if (
+            self.kept.get(peer, 0) >= self.config.max_peer_kept_streams
+            or self.total_kept >= self.config.max_streams
+        ):
+            yield False
+            return
+        self.kept[peer] = self.kept.get(peer, 0) + 1
+        self.total_kept += 1
+        try:
+            yield True
+        finally:
+            self.total_kept -= 1
+            self._drop(self.kept, peer, 1)
 
     @contextlib.contextmanager
     def stream(self, peer: str) -> Iterator[None]:

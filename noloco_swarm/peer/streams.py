@@ -94,6 +94,11 @@ class TransportConfig:
     microbatch in flight, plus probes); beyond it that caller gets 'busy'."""
     max_streams: int = 1024
     """Most inbound streams open at once, all callers together; beyond it we answer 'busy'."""
+    max_peer_kept_streams: int = 8
+    """Most streams one caller may keep open between its requests, for reuse (an honest caller
+    keeps up to 4 per peer it calls); beyond it, or beyond `max_streams` kept by all callers, a
+    stream closes after its reply. A kept stream waiting for its next request holds none of the
+    stream slots above."""
     serve_timeout: float = 300.0
     """Deadline for serving one inbound request, including an exchange's wait for our own tensor."""
     header_timeout: float = 30.0
@@ -107,6 +112,8 @@ class TransportConfig:
             raise ValueError("need 0 < max_frame_bytes <= max_peer_inflight_bytes <= max_inflight_bytes")
         if not 1 <= self.max_peer_streams <= self.max_streams:
             raise ValueError("need 1 <= max_peer_streams <= max_streams")
+        if self.max_peer_kept_streams < 0:
+            raise ValueError("need max_peer_kept_streams >= 0")
         if self.serve_timeout <= 0 or self.header_timeout <= 0:
             raise ValueError("serve_timeout and header_timeout must be > 0 seconds")
 
@@ -422,6 +429,10 @@ def _dtype(meta: TensorMeta) -> torch.dtype:
 async def _read_exactly(reader: asyncio.StreamReader, n: int, *, at_start: bool = False) -> bytes:
     try:
         return await reader.readexactly(n)
+    except (ConnectionResetError, BrokenPipeError) as e:  # p2pd closed its side with our bytes unread
+        if at_start:
+            raise StreamClosed(f"the stream was reset before a frame: {e}") from e
+        raise
     except asyncio.IncompleteReadError as e:
         if at_start and not e.partial:
             raise StreamClosed("the remote closed the stream without sending a frame") from e

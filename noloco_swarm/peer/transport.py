@@ -1,10 +1,19 @@
 """The libp2p tensor transport of a peer: generic (header, tensors) request/response by verb.
 
-One libp2p protocol (`PROTOCOL`) carries every verb; each call opens a stream on which each side
-sends one frame (peer/streams.py): the caller its request, the callee its reply. Both directions
-run concurrently. A verb is served either by a handler (`register`: tensors in, reply out) or by a
-stream handler that owns the rest of the stream (`register_stream`: the outer exchange, which
-starts its reply while the request's tensors still arrive; peer/exchange.py).
+One libp2p protocol (`PROTOCOL`) carries every verb. A call is one exchange of frames on a stream
+(peer/streams.py): the caller writes its request, the callee its reply, both directions at once. A
+verb is served either by a handler (`register`: tensors in, reply out) or by a stream handler that
+owns the rest of the stream (`register_stream`: the outer exchange, which starts its reply while
+the request's tensors still arrive; peer/exchange.py).
+
+Streams are kept and reused. After a handler's reply the callee reads the stream's next request,
+for up to `header_timeout` seconds, and the caller keeps the stream for its next call to that peer
+for a third of that (`_IdleStreams`). Opening a libp2p stream costs two unix connections through
+p2pd, a yamux stream and a protocol negotiation, in every peer's CPU, for every call; a pipeline
+calls each next-stage replica once per step. A stream whose request met a closed stream before
+any byte of an answer (the callee let it go idle, or its stream handler ended it) was not served:
+the call goes once more on a fresh stream, which is what it would have used without reuse. A
+stream handler's stream, a refusal's and a failed call's are closed, never reused.
 
 Errors a caller sees: `PeerUnavailable` (cannot connect, deadline passed, stream broke),
 `RemoteRefused` (the remote answered with an ErrorReply), `MessageError` (the remote sent garbage).
@@ -19,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -62,6 +72,7 @@ logger = logging.getLogger(__name__)
 
 PROTOCOL = "noloco_swarm.transport.v1"
 _BUSY_LINGER = 1.0  # seconds a 'busy' refusal waits for the caller to read it
+_IDLE_PER_PEER = 4  # streams a caller keeps for reuse per remote peer (more are closed)
 Handler = Callable[[str, Message, list[torch.Tensor]], Awaitable[tuple[Message, Sequence[torch.Tensor]]]]
 # Serves a verb from the envelope on: reads the request's tensors and writes the reply itself.
 StreamHandler = Callable[[InboundStream, Message, Envelope], Awaitable[None]]
@@ -83,6 +94,45 @@ class _LostReply:
             raise StreamClosed(f"failpoint: {peer}'s reply to {self.verb} was discarded")
 
 
+class _Unanswered(StreamClosed):
+    """The stream closed before the first byte of the callee's answer."""
+
+
+class _IdleStreams:
+    """The caller's streams kept for reuse, per remote peer, each until a deadline.
+
+    A stream is kept for a third of `header_timeout`, the time the callee waits for its next
+    request: the callee closes an idle stream only after the caller stopped offering it."""
+
+    def __init__(self, keep: float) -> None:
+        self._keep = keep
+        self._idle: dict[str, list[tuple[float, asyncio.StreamReader, asyncio.StreamWriter]]] = {}
+
+    def take(self, peer: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
+        """The most recently used idle stream to `peer` still within its deadline, if any."""
+        kept, now = self._idle.get(peer, []), time.monotonic()
+        while kept:
+            until, reader, writer = kept.pop()
+            if until > now and not reader.at_eof() and not writer.is_closing():
+                return reader, writer
+            writer.close()
+        self._idle.pop(peer, None)
+        return None
+
+    def give(self, peer: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        kept = self._idle.setdefault(peer, [])
+        if len(kept) >= _IDLE_PER_PEER or reader.at_eof() or writer.is_closing():
+            writer.close()
+            return
+        kept.append((time.monotonic() + self._keep, reader, writer))
+
+    def drop(self, peer: str | None = None) -> None:
+        """Close the idle streams to `peer` (to every peer without one)."""
+        for key in [peer] if peer is not None else list(self._idle):
+            for _, _, writer in self._idle.pop(key, []):
+                writer.close()
+
+
 class Transport:
     """Async request/response of (header, tensors) with other peers over one hivemind P2P."""
 
@@ -96,6 +146,8 @@ class Transport:
         self._counts: dict[str, ByteCounts] = {}
         self._serving: set[asyncio.Task[Any]] = set()
         self._closing: list[Callable[[], None]] = []
+        self._idle = _IdleStreams(self.config.header_timeout / 3)
+        self._opened: dict[str, int] = {}  # streams our calls opened, per remote peer
         self._started = self._closed = False
         # (caller, verb, header) -> raises Refused to turn a caller away (peer/tickets.py's gate)
         self.gatekeeper: Callable[[str, str, Message], Awaitable[None]] | None = None
@@ -187,6 +239,18 @@ class Transport:
         """Inbound streams of `peer`'s that hold a slot now (being served, or a refusal lingering)."""
         return self._admission.streams.get(peer, 0)
 
+    def streams_opened_to(self, peer: str) -> int:
+        """Streams our calls to `peer` have opened so far (a kept stream serves many calls)."""
+        return self._opened.get(peer, 0)
+
+    def close_idle(self, peer: str | None = None) -> None:
+        """Close the streams kept for reuse to `peer` (to every peer without one)."""
+        self._idle.drop(peer)
+
+    def kept_from(self, peer: str) -> int:
+        """Inbound streams of `peer`'s kept open between its requests, for reuse."""
+        return self._admission.kept.get(peer, 0)
+
     def byte_counts(self) -> dict[str, dict[str, int]]:
         """Snapshot of bytes moved per remote peer id (diff two snapshots for one outer step)."""
         return {peer: counts.as_dict() for peer, counts in sorted(self._counts.items())}
@@ -196,6 +260,7 @@ class Transport:
         if self._closed:
             return
         self._closed = True
+        self.close_idle()
         for task in self._serving:
             task.cancel()
         await asyncio.gather(*self._serving, return_exceptions=True)
@@ -237,6 +302,7 @@ class Transport:
         addresses to dial it only connects: dropping the connection could lose the peer.)"""
         if not addresses:
             return await self.connect(peer_id, addresses, timeout=timeout)
+        self.close_idle(peer_id)  # streams of the old connection
         with contextlib.suppress(ControlFailure, P2PDaemonError, OSError, ValueError):
             async with asyncio.timeout(timeout):
                 await self._p2p._client.disconnect(PeerID.from_base58(peer_id))
@@ -279,25 +345,22 @@ class Transport:
         if declared is not None and declared != envelope.tensors:
             raise ValueError(f"{header.TAG} header declares {declared}, tensors are {envelope.tensors}")
         counts = self._counts_for(peer)
+        reuse = not confirmed  # a confirmed call ends in the callee's stream handler, which closes
         try:
             async with asyncio.timeout(timeout):
+                kept = self._idle.take(peer) if reuse else None
+                if kept is not None:
+                    try:
+                        return await self._frames(peer, verb, kept, envelope, wire, counts, expect, confirmed)
+                    except _Unanswered:
+                        pass  # the callee had let this stream go: a fresh one, as without reuse
                 _, reader, writer = await self._p2p.call_binary_stream_handler(
                     PeerID.from_base58(peer), PROTOCOL
                 )
-                lose = _LostReply(verb)
-                try:
-                    answer = await streams.call_frames(
-                        peer, reader, writer, envelope, wire, counts, self.config, expect, confirmed, lose
-                    )
-                except TimeoutError:
-                    raise
-                except (OSError, EOFError) as e:  # the stream broke (reset) after it opened
-                    raise StreamClosed(f"the stream to {peer} for {verb} broke: {e}") from e
-                else:
-                    lose.raise_if_lost(peer)
-                    return answer
-                finally:
-                    writer.close()
+                self._opened[peer] = self._opened.get(peer, 0) + 1
+                return await self._frames(
+                    peer, verb, (reader, writer), envelope, wire, counts, expect, confirmed
+                )
         except PeerUnavailable:
             raise
         except TimeoutError as e:
@@ -305,24 +368,60 @@ class Transport:
         except (P2PDaemonError, OSError, EOFError) as e:  # dial failed, or the stream broke
             raise PeerUnavailable(f"peer {peer} is unreachable for {verb}: {e}") from e
 
+    async def _frames(
+        self,
+        peer: str,
+        verb: str,
+        stream: tuple[asyncio.StreamReader, asyncio.StreamWriter],
+        envelope: Envelope,
+        wire: list[torch.Tensor],
+        counts: ByteCounts,
+        expect: tuple[messages.TensorMeta, ...] | None,
+        confirmed: bool,
+    ) -> tuple[Message, list[torch.Tensor]]:
+        """One call's frames on `stream`; the stream is kept for reuse after a whole plain answer."""
+        reader, writer = stream
+        lose, kept = _LostReply(verb), False
+        try:
+            answer = await streams.call_frames(
+                peer, reader, writer, envelope, wire, counts, self.config, expect, confirmed, lose
+            )
+        except StreamClosed as e:  # closed before the first byte of an answer: not served
+            raise _Unanswered(str(e)) from e
+        except TimeoutError:
+            raise
+        except (OSError, EOFError) as e:  # the stream broke (reset) after it opened
+            raise StreamClosed(f"the stream to {peer} for {verb} broke: {e}") from e
+        else:
+            lose.raise_if_lost(peer)
+            kept = not confirmed and not self._closed
+            return answer
+        finally:
+            if kept:
+                self._idle.give(peer, reader, writer)
+            else:
+                writer.close()
+
     # -- serving ----------------------------------------------------------------------------
 
     async def _on_stream(
         self, info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
-        """Serve one inbound stream; nothing a remote sends escapes this function."""
+        """Serve one inbound stream, request after request; nothing a remote sends escapes this."""
         peer = info.peer_id.to_base58()  # authenticated by p2pd: the caller cannot choose it
-        stream = InboundStream(peer, self._counts_for(peer), reader, writer, self.config.part_bytes)
         task = asyncio.current_task()
         assert task is not None
         self._serving.add(task)
         try:
-            # The slot is held until a refusal has lingered too: a caller flooding us with garbage
-            # holds at most its cap of streams, lingering ones included.
+            # A new stream's slot is held from its first byte, a refusal's linger included: a
+            # caller flooding us with streams (garbage or silent) holds at most its cap of them.
             with self._admission.stream(peer):
-                await self._answer(stream)
+                more = await self._answer(self._inbound(peer, reader, writer), first=True)
+            with self._admission.keep(peer) as kept:  # idle between requests: no slot, its own cap
+                while more and kept:
+                    more = await self._answer(self._inbound(peer, reader, writer), first=False)
         except Refused as e:  # no slot for this caller: 'busy', answered briefly
-            await streams.refuse(stream, e.code, e.reason, _BUSY_LINGER)
+            await streams.refuse(self._inbound(peer, reader, writer), e.code, e.reason, _BUSY_LINGER)
         except asyncio.CancelledError:  # shut down while serving: end here (raised, asyncio logs it)
             return
         finally:
@@ -330,11 +429,12 @@ class Transport:
             with contextlib.suppress(RuntimeError):  # a loop closed under an unfinished stream
                 writer.close()
 
-    async def _answer(self, stream: InboundStream) -> None:
-        """Serve one stream within its deadline; answer ErrorReply for whatever goes wrong."""
+    async def _answer(self, stream: InboundStream, first: bool) -> bool:
+        """Serve one request within its deadline; answer ErrorReply for whatever goes wrong. True
+        if the stream may carry another request (a handler's whole reply went out)."""
         try:
             async with asyncio.timeout(self.config.serve_timeout):
-                await self._serve(stream)
+                return await self._serve(stream, first)
         except messages.MessageError as e:  # they sent garbage (or died mid-frame)
             stream.counts.bad_messages += 1
             logger.info("rejected a malformed request from %s: %s", stream.peer, e)
@@ -350,13 +450,28 @@ class Transport:
         except Exception as e:  # a bug in a handler: tell the caller, then let it surface
             await streams.refuse(stream, "internal", f"the remote failed: {type(e).__name__}")
             raise
+        return False
 
-    async def _serve(self, stream: InboundStream) -> None:
+    async def _serve(self, stream: InboundStream, first: bool) -> bool:
+        """One request; True if its stream may carry another. A kept stream (not `first`) takes
+        its slot once the next envelope is in; one that ends or stays idle for `header_timeout`
+        is closed without a word: its caller stopped offering it for new calls a while ago, and
+        sends a call that meets it closed again on a fresh stream."""
         try:
             async with asyncio.timeout(self.config.header_timeout):
                 envelope = await streams.read_envelope(stream.reader, stream.counts)
+        except StreamClosed:
+            if first:
+                raise
+            return False
         except TimeoutError:
+            if not first:
+                return False
             raise Refused("timeout", f"no request within {self.config.header_timeout:.0f} s") from None
+        with contextlib.nullcontext() if first else self._admission.stream(stream.peer):
+            return await self._handle(stream, envelope)
+
+    async def _handle(self, stream: InboundStream, envelope: Envelope) -> bool:
         header = streams.open_envelope(envelope, self.config.max_frame_bytes)
         verb = envelope.verb
         if verb not in self._handlers and verb not in self._stream_handlers:
@@ -371,14 +486,20 @@ class Transport:
         with self._admission.reserve(stream.peer, envelope.nbytes):
             if verb in self._stream_handlers:
                 await self._stream_handlers[verb](stream, header, envelope)
-                return
+                return False  # the stream handler owned the stream to its end
             tensors = await streams.read_tensors(
                 stream.reader, envelope.tensors, stream.counts, stream.part_bytes, stream.writer.transport
             )
             reply_header, reply_tensors = await self._handlers[verb](stream.peer, header, tensors)
         if failpoints.fire("close_unanswered", verb):
-            return  # closed without a reply, as p2pd now and then does under load
+            return False  # closed without a reply, as p2pd now and then does under load
         await streams.reply(stream, reply_header, reply_tensors)
+        return True
+
+    def _inbound(
+        self, peer: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> InboundStream:
+        return InboundStream(peer, self._counts_for(peer), reader, writer, self.config.part_bytes)
 
     def _counts_for(self, peer: str) -> ByteCounts:
         return self._counts.setdefault(peer, ByteCounts())

@@ -22,6 +22,7 @@ from noloco_swarm.peer.exchange import ExchangeBoard
 from noloco_swarm.peer.transport import (
     PROTOCOL,
     Accepts,
+    InboundStream,
     PeerUnavailable,
     Refused,
     RemoteRefused,
@@ -409,6 +410,73 @@ def test_a_flood_of_streams_or_bytes_from_one_caller_is_busy_and_silent_streams_
     assert run(loop, over_the_byte_cap()) == (None, "busy")
     assert run(loop, eventually(lambda: b.streams_from(a.peer_id) == 0)), "closed streams kept their slots"
     healthy(loop, a, b)
+
+
+def test_calls_to_a_peer_reuse_one_stream_which_the_callee_closes_when_idle(
+    loop: asyncio.AbstractEventLoop, pair: tuple[Transport, Transport]
+) -> None:
+    """Sequential calls share one kept stream, concurrent ones keep a few; a kept stream holds
+    none of its caller's stream slots; the callee closes a stream left idle for its header
+    deadline, and the caller's next call opens a fresh one."""
+    a, b = pair
+    a.close_idle()
+    assert run(loop, eventually(lambda: b.kept_from(a.peer_id) == 0)), "the callee kept closed streams"
+    opened = a.streams_opened_to(b.peer_id)
+    for _ in range(5):
+        healthy(loop, a, b)
+    assert a.streams_opened_to(b.peer_id) == opened + 1, "each sequential call opened its own stream"
+    assert b.kept_from(a.peer_id) == 1 and b.streams_from(a.peer_id) == 0  # kept, idle, no slot
+
+    async def together() -> None:
+        x = torch.randn(10)
+        calls = [a.call(b.peer_id, "rpc_echo", m.Ack(), [x], timeout=10) for _ in range(3)]
+        for _, (y,) in await asyncio.gather(*calls):
+            assert torch.equal(x, y)
+
+    run(loop, together())
+    assert opened + 1 < a.streams_opened_to(b.peer_id) <= opened + 3
+    assert run(loop, eventually(lambda: b.kept_from(a.peer_id) == 0, CONFIG.header_timeout + 5)), (
+        "the callee kept idle streams past its header deadline"
+    )
+    before = a.streams_opened_to(b.peer_id)
+    healthy(loop, a, b)  # the kept streams met closed: a fresh one, and the call goes through
+    assert a.streams_opened_to(b.peer_id) == before + 1
+
+
+def test_a_kept_stream_the_callee_ended_is_not_served_twice_and_the_call_goes_through(
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    """A stream handler ends its stream after replying; a caller that kept that stream (an
+    unconfirmed call) sends its next request on it and meets it closed: the request goes once more
+    on a fresh stream and is served exactly once."""
+    before = p2pd_descendants()
+    served: list[float] = []
+
+    async def once(stream: InboundStream, header: m.Message, envelope: m.Envelope) -> None:
+        (x,) = await streams.read_tensors(stream.reader, envelope.tensors, stream.counts, stream.part_bytes)
+        served.append(float(x[0]))
+        await streams.reply(stream, m.Ack(note="once"), [x])
+
+    async def scenario() -> None:
+        a = await Transport.create(config=CONFIG)
+        try:
+            b = await Transport.create(initial_peers=await a.visible_addresses(), config=CONFIG)
+            try:
+                b.register_stream("rpc_once", once, on_close=lambda: None, accepts=ANY)
+                for i in range(6):
+                    reply, (y,) = await a.call(
+                        b.peer_id, "rpc_once", m.Ack(), [torch.full((4,), float(i))], timeout=10
+                    )
+                    assert reply == m.Ack(note="once") and float(y[0]) == i
+                assert a.streams_opened_to(b.peer_id) == 6  # every kept stream had been ended
+            finally:
+                await b.shutdown()
+        finally:
+            await a.shutdown()
+
+    run(loop, scenario())
+    assert served == [float(i) for i in range(6)], served
+    assert wait_until(lambda: p2pd_descendants() <= before), "a transport left its p2pd running"
 
 
 def test_a_fresh_daemon_dials_a_peer_at_its_announced_addresses(

@@ -104,6 +104,26 @@ def test_stream_slots_are_capped_per_caller_and_in_all_and_given_back() -> None:
     assert admission.streams == {} and admission.total_streams == 0
 
 
+def test_kept_streams_are_capped_per_caller_and_in_all_apart_from_stream_slots() -> None:
+    admission = Admission(TransportConfig(max_peer_streams=1, max_streams=3, max_peer_kept_streams=2))
+    # A caller's slots and its kept streams are counted apart: a holds its one slot here.
+    with (
+        admission.stream("a"),
+        admission.keep("a") as a1,
+        admission.keep("a") as a2,
+        admission.keep("a") as a3,
+    ):
+        assert (a1, a2, a3) == (True, True, False)  # a's own cap: its third stream closes
+        with admission.keep("b") as b1, admission.keep("c") as c1:
+            assert b1 and not c1  # everyone's cap (max_streams): c's closes too
+        assert admission.kept == {"a": 2} and admission.total_kept == 2
+    assert admission.kept == {} and admission.total_kept == 0 and admission.streams == {}
+    with admission.keep("a") as again:
+        assert again
+    with pytest.raises(ValueError, match="max_peer_kept_streams"):
+        TransportConfig(max_peer_kept_streams=-1)
+
+
 def test_bytes_are_capped_per_caller_and_in_all_and_given_back_on_error() -> None:
     cfg = TransportConfig(max_frame_bytes=100, max_peer_inflight_bytes=100, max_inflight_bytes=150)
     admission = Admission(cfg)
