@@ -17,10 +17,7 @@ stream handler's stream, a refusal's and a failed call's are closed, never reuse
 
 Errors a caller sees: `PeerUnavailable` (cannot connect, deadline passed, stream broke),
 `RemoteRefused` (the remote answered with an ErrorReply), `MessageError` (the remote sent garbage).
-A server never lets a bad request escape its stream: it answers ErrorReply when it still can, counts
-the bad message against the sender, and keeps serving. Each verb is registered with the tensors its
-request may carry (`Accepts`), and each caller may hold only so many streams and bytes at once
-(peer/limits.py): both are checked before any tensor byte is read.
+The serving side, its limits and its answers to bad requests are peer/serving.py's.
 """
 
 from __future__ import annotations
@@ -29,18 +26,18 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from hivemind.p2p import P2P, PeerID
-from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure, P2PDaemonError
 from hivemind.utils.multiaddr import Multiaddr
 
 from noloco_swarm.peer import failpoints, streams
 from noloco_swarm.peer.lifetime import start_p2p
-from noloco_swarm.peer.limits import NONE, Accepts, Admission
+from noloco_swarm.peer.limits import NONE, Accepts
+from noloco_swarm.peer.serving import Gatekeeper, Handler, Server, StreamHandler
 from noloco_swarm.peer.streams import (
     ByteCounts,
     InboundStream,
@@ -52,7 +49,7 @@ from noloco_swarm.peer.streams import (
     TransportConfig,
 )
 from noloco_swarm.protocol import messages
-from noloco_swarm.protocol.messages import REPLY_VERB, Envelope, Message
+from noloco_swarm.protocol.messages import Envelope, Message
 
 __all__ = [
     "PROTOCOL",
@@ -71,11 +68,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 PROTOCOL = "noloco_swarm.transport.v1"
-_BUSY_LINGER = 1.0  # seconds a 'busy' refusal waits for the caller to read it
 _IDLE_PER_PEER = 4  # streams a caller keeps for reuse per remote peer (more are closed)
-Handler = Callable[[str, Message, list[torch.Tensor]], Awaitable[tuple[Message, Sequence[torch.Tensor]]]]
-# Serves a verb from the envelope on: reads the request's tensors and writes the reply itself.
-StreamHandler = Callable[[InboundStream, Message, Envelope], Awaitable[None]]
 
 
 class _LostReply:
@@ -139,18 +132,11 @@ class Transport:
     def __init__(self, p2p: P2P, config: TransportConfig | None = None, *, owns_p2p: bool = False) -> None:
         self.config = config or TransportConfig()
         self._p2p, self._owns_p2p = p2p, owns_p2p
-        self._handlers: dict[str, Handler] = {}
-        self._stream_handlers: dict[str, StreamHandler] = {}
-        self._accepts: dict[str, Accepts] = {}
-        self._admission = Admission(self.config)
         self._counts: dict[str, ByteCounts] = {}
-        self._serving: set[asyncio.Task[Any]] = set()
-        self._closing: list[Callable[[], None]] = []
+        self._server = Server(self.config, self._counts_for)
         self._idle = _IdleStreams(self.config.header_timeout / 3)
         self._opened: dict[str, int] = {}  # streams our calls opened, per remote peer
         self._started = self._closed = False
-        # (caller, verb, header) -> raises Refused to turn a caller away (peer/tickets.py's gate)
-        self.gatekeeper: Callable[[str, str, Message], Awaitable[None]] | None = None
 
     @classmethod
     async def create(
@@ -179,7 +165,7 @@ class Transport:
     async def start(self) -> None:
         """Register our stream handler with the daemon; `create` does this for you."""
         if not self._started:
-            await self._p2p.add_binary_stream_handler(PROTOCOL, self._on_stream)
+            await self._p2p.add_binary_stream_handler(PROTOCOL, self._server.on_stream)
             self._started = True
 
     async def __aenter__(self) -> Transport:
@@ -202,33 +188,23 @@ class Transport:
         return [str(addr) for addr in await self._p2p.get_visible_maddrs()]
 
     def register(self, verb: str, handler: Handler, accepts: Accepts = NONE) -> None:
-        """Serve `verb` with `handler(peer_id, header, tensors) -> (reply_header, reply_tensors)`.
-
-        A request may carry only the tensors `accepts` allows (by default none); others are refused
-        before a byte of them is read. The handler may raise MessageError (bad input: the caller
-        gets ErrorReply 'bad_request') or Refused (the caller gets ErrorReply with its code).
-        Received tensors are already checked against the header's metas and for finiteness.
-        """
-        self._check_new_verb(verb, accepts)
-        self._handlers[verb] = handler
+        """Serve `verb` with `handler`: see Server.register."""
+        self._server.register(verb, handler, accepts)
 
     def register_stream(
         self, verb: str, handler: StreamHandler, on_close: Callable[[], None], accepts: Accepts = NONE
     ) -> None:
-        """Serve `verb` with `handler(stream, header, envelope)`, which reads the request's tensors
-        (those `accepts` allows; their bytes are reserved for it) and writes the reply itself. It
-        may raise what a handler may. `on_close` runs at shutdown, after serving has stopped."""
-        self._check_new_verb(verb, accepts)
-        self._stream_handlers[verb] = handler
-        self._closing.append(on_close)
+        """Serve `verb` with a stream handler: see Server.register_stream."""
+        self._server.register_stream(verb, handler, on_close, accepts)
 
-    def _check_new_verb(self, verb: str, accepts: Accepts) -> None:
-        Envelope(verb, b"")  # validates the verb's form
-        if verb == REPLY_VERB:
-            raise ValueError(f"{REPLY_VERB!r} is not a verb")
-        if verb in self._handlers or verb in self._stream_handlers:
-            raise ValueError(f"{verb} is served already")
-        self._accepts[verb] = accepts
+    @property
+    def gatekeeper(self) -> Gatekeeper | None:
+        """(caller, verb, header) -> raises Refused to turn a caller away (peer/tickets.py's gate)."""
+        return self._server.gatekeeper
+
+    @gatekeeper.setter
+    def gatekeeper(self, gate: Gatekeeper | None) -> None:
+        self._server.gatekeeper = gate
 
     def received_from(self, peer: str) -> int:
         """Bytes received from `peer` so far (framing included, counted as they arrive)."""
@@ -237,7 +213,7 @@ class Transport:
 
     def streams_from(self, peer: str) -> int:
         """Inbound streams of `peer`'s that hold a slot now (being served, or a refusal lingering)."""
-        return self._admission.streams.get(peer, 0)
+        return self._server.admission.streams.get(peer, 0)
 
     def streams_opened_to(self, peer: str) -> int:
         """Streams our calls to `peer` have opened so far (a kept stream serves many calls)."""
@@ -249,7 +225,7 @@ class Transport:
 
     def kept_from(self, peer: str) -> int:
         """Inbound streams of `peer`'s kept open between its requests, for reuse."""
-        return self._admission.kept.get(peer, 0)
+        return self._server.admission.kept.get(peer, 0)
 
     def byte_counts(self) -> dict[str, dict[str, int]]:
         """Snapshot of bytes moved per remote peer id (diff two snapshots for one outer step)."""
@@ -261,11 +237,7 @@ class Transport:
             return
         self._closed = True
         self.close_idle()
-        for task in self._serving:
-            task.cancel()
-        await asyncio.gather(*self._serving, return_exceptions=True)
-        for close in self._closing:
-            close()
+        await self._server.stop()
         if self._owns_p2p:
             try:
                 await asyncio.wait_for(self._p2p.shutdown(), 10)
@@ -401,105 +373,6 @@ class Transport:
                 self._idle.give(peer, reader, writer)
             else:
                 writer.close()
-
-    # -- serving ----------------------------------------------------------------------------
-
-    async def _on_stream(
-        self, info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        """Serve one inbound stream, request after request; nothing a remote sends escapes this."""
-        peer = info.peer_id.to_base58()  # authenticated by p2pd: the caller cannot choose it
-        task = asyncio.current_task()
-        assert task is not None
-        self._serving.add(task)
-        try:
-            # A new stream's slot is held from its first byte, a refusal's linger included: a
-            # caller flooding us with streams (garbage or silent) holds at most its cap of them.
-            with self._admission.stream(peer):
-                more = await self._answer(self._inbound(peer, reader, writer), first=True)
-            with self._admission.keep(peer) as kept:  # idle between requests: no slot, its own cap
-                while more and kept:
-                    more = await self._answer(self._inbound(peer, reader, writer), first=False)
-        except Refused as e:  # no slot for this caller: 'busy', answered briefly
-            await streams.refuse(self._inbound(peer, reader, writer), e.code, e.reason, _BUSY_LINGER)
-        except asyncio.CancelledError:  # shut down while serving: end here (raised, asyncio logs it)
-            return
-        finally:
-            self._serving.discard(task)
-            with contextlib.suppress(RuntimeError):  # a loop closed under an unfinished stream
-                writer.close()
-
-    async def _answer(self, stream: InboundStream, first: bool) -> bool:
-        """Serve one request within its deadline; answer ErrorReply for whatever goes wrong. True
-        if the stream may carry another request (a handler's whole reply went out)."""
-        try:
-            async with asyncio.timeout(self.config.serve_timeout):
-                return await self._serve(stream, first)
-        except messages.MessageError as e:  # they sent garbage (or died mid-frame)
-            stream.counts.bad_messages += 1
-            logger.info("rejected a malformed request from %s: %s", stream.peer, e)
-            await streams.refuse(stream, "bad_request", str(e))
-        except Refused as e:
-            # A busy refusal lingers briefly: a flood of requests must not pile up lingering tasks.
-            linger = _BUSY_LINGER if e.code == "busy" else streams.REFUSAL_DEADLINE
-            await streams.refuse(stream, e.code, e.reason, linger)
-        except TimeoutError:
-            await streams.refuse(stream, "timeout", f"not served within {self.config.serve_timeout:.0f} s")
-        except (PeerUnavailable, OSError) as e:  # the caller went away; nothing to answer
-            logger.debug("stream from %s broke: %s", stream.peer, e)
-        except Exception as e:  # a bug in a handler: tell the caller, then let it surface
-            await streams.refuse(stream, "internal", f"the remote failed: {type(e).__name__}")
-            raise
-        return False
-
-    async def _serve(self, stream: InboundStream, first: bool) -> bool:
-        """One request; True if its stream may carry another. A kept stream (not `first`) takes
-        its slot once the next envelope is in; one that ends or stays idle for `header_timeout`
-        is closed without a word: its caller stopped offering it for new calls a while ago, and
-        sends a call that meets it closed again on a fresh stream."""
-        try:
-            async with asyncio.timeout(self.config.header_timeout):
-                envelope = await streams.read_envelope(stream.reader, stream.counts)
-        except StreamClosed:
-            if first:
-                raise
-            return False
-        except TimeoutError:
-            if not first:
-                return False
-            raise Refused("timeout", f"no request within {self.config.header_timeout:.0f} s") from None
-        with contextlib.nullcontext() if first else self._admission.stream(stream.peer):
-            return await self._handle(stream, envelope)
-
-    async def _handle(self, stream: InboundStream, envelope: Envelope) -> bool:
-        header = streams.open_envelope(envelope, self.config.max_frame_bytes)
-        verb = envelope.verb
-        if verb not in self._handlers and verb not in self._stream_handlers:
-            raise Refused("unknown_verb", f"this peer does not serve {verb}")
-        if self.gatekeeper is not None:  # who may call at all, before what they send
-            await self.gatekeeper(stream.peer, verb, header)
-        try:  # from the envelope alone: not a byte of the tensors is read or allocated yet
-            self._accepts[verb].check(envelope.tensors, verb)
-        except Refused:
-            stream.counts.bad_messages += 1
-            raise
-        with self._admission.reserve(stream.peer, envelope.nbytes):
-            if verb in self._stream_handlers:
-                await self._stream_handlers[verb](stream, header, envelope)
-                return False  # the stream handler owned the stream to its end
-            tensors = await streams.read_tensors(
-                stream.reader, envelope.tensors, stream.counts, stream.part_bytes, stream.writer.transport
-            )
-            reply_header, reply_tensors = await self._handlers[verb](stream.peer, header, tensors)
-        if failpoints.fire("close_unanswered", verb):
-            return False  # closed without a reply, as p2pd now and then does under load
-        await streams.reply(stream, reply_header, reply_tensors)
-        return True
-
-    def _inbound(
-        self, peer: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> InboundStream:
-        return InboundStream(peer, self._counts_for(peer), reader, writer, self.config.part_bytes)
 
     def _counts_for(self, peer: str) -> ByteCounts:
         return self._counts.setdefault(peer, ByteCounts())

@@ -1,5 +1,5 @@
 """Fuzz targets where bytes come in from the network: the frame reader (preamble, envelope,
-announced tensors) and every RPC handler behind `Transport._on_stream`, fed from an
+announced tensors) and every RPC handler behind `Server.on_stream` (peer/serving.py), fed from an
 asyncio.StreamReader in-process, with no daemon."""
 
 from __future__ import annotations
@@ -255,7 +255,7 @@ def _requests() -> list[m.Message]:
     cfg, digest = ctx.cfg, VIEW.digest()
     acts = m.TensorMeta((2, 4, cfg.model.hidden_size), "float32")
     tokens = m.TensorMeta((2, 4), "int64")
-    joining = transport._handlers["rpc_fetch_chunk"].__self__  # type: ignore[attr-defined]
+    joining = transport._server.handlers["rpc_fetch_chunk"].__self__  # type: ignore[attr-defined]
     served, other = joining.snapshots[0].digest, "cd" * 32
     return [
         m.ForwardHeader(cfg.peer.run_id, 0, 4, 0, 0, (8, 9), acts, tokens, digest),
@@ -300,14 +300,14 @@ def inbound(draw: st.DrawFn) -> tuple[str, bytes, list[int]]:
 
 
 def check_inbound(args: tuple[str, bytes, list[int]]) -> None:
-    """Transport._on_stream with every handler registered: nothing escapes it, it ends within its
+    """Server.on_stream with every handler registered: nothing escapes it, it ends within its
     deadline, and what it writes back is a reply (an exchange's is followed by its confirmation)
     or an ErrorReply that is not 'internal'; an empty stream gets no answer."""
     peer, data, cuts = args
     transport, _ = rig()
     writer = _Writer()
     with allocations() as sizes:
-        run_fed(data, cuts, lambda reader: transport._on_stream(_peer(peer), reader, writer))  # type: ignore[arg-type]
+        run_fed(data, cuts, lambda reader: transport._server.on_stream(_peer(peer), reader, writer))  # type: ignore[arg-type]
     assert sum(sizes) <= 2 * MAX_FRAME, f"allocated {sum(sizes)} bytes for one request"
     if not data:
         assert not writer.data, "answered an empty stream"

@@ -92,7 +92,7 @@ def _answers(peer: str, header: m.Message, payload: bytes = b"") -> list[m.Messa
     )
     writer = frames._Writer()
     frames.run_fed(
-        frame(envelope, payload), [], lambda r: transport._on_stream(frames._peer(peer), r, writer)
+        frame(envelope, payload), [], lambda r: transport._server.on_stream(frames._peer(peer), r, writer)
     )
     return [h for _, h in frames.run_fed(bytes(writer.data), [], frames._frames)]
 
@@ -117,7 +117,7 @@ def test_the_handler_check_fails_on_a_handler_that_crashes(monkeypatch: pytest.M
         raise KeyError("bug")
 
     transport, _ = frames.rig()
-    monkeypatch.setitem(transport._handlers, "rpc_status", broken)
+    monkeypatch.setitem(transport._server.handlers, "rpc_status", broken)
     status = frame(m.Envelope("rpc_status", m.encode(m.StatusRequest("run-1"))))
     with pytest.raises(KeyError):
         frames.check_inbound((frames.CALLER, status, []))
