@@ -2,7 +2,8 @@
 
 Same config, same 2 cores: the swarm runs P x D `noloco join` processes with one torch thread
 each (plus their p2pd daemons); the simulator runs the same replicas in one process with 2
-threads. Reports tokens/s of each and their ratio (alternating runs, medians), and the bytes each
+threads, before and after each round's swarms (their geometric mean is the round's simulator
+figure). Reports tokens/s of each and their ratio (alternating runs, medians), and the bytes each
 peer sends per outer step against the model-size floor (the stage's fp32 weights: 1.0x; the
 official code sends slow weights and their difference, 2x).
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import statistics
 import sys
 import time
@@ -73,11 +75,25 @@ def main() -> None:
     runs = [(m, loop) for m in ms for loop in loops]
     swarm_tps: dict[str, list[float]] = {name(m, loop, ms): [] for m, loop in runs}
     sim_tps: dict[int, list[float]] = {m: [] for m in ms}
+    sim_drift: dict[int, list[float]] = {m: [] for m in ms}  # after / before, per round
     sent_ratio, recv_ratio = [], []
     floor = {
         s: num_flat(build_stage(cfg.model, s, cfg.num_stages, cfg.seed)) * 4 for s in range(cfg.num_stages)
     }
+
+    def simulate(m: int) -> float:
+        torch.set_num_threads(2)
+        sim = Simulator(cfgs[m], data_batches(cfgs[m]))
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            sim.inner_step()
+        return args.steps * tokens_per_step / (time.perf_counter() - start)
+
     for _ in range(args.rounds):
+        # The simulator runs before and after the round's swarms, and a round's figure is their
+        # geometric mean: the machine's pace drifts within minutes (by a third within an hour),
+        # and one simulator run beside the swarms took that drift into the ratio.
+        before = {m: simulate(m) for m in ms}
         for m, loop in runs:
             peer_cfg = dataclasses.replace(cfgs[m], peer=dataclasses.replace(cfg.peer, event_loop=loop))
             with local_swarm(peer_cfg, args.steps, step_timeout=120) as swarm:
@@ -89,13 +105,10 @@ def main() -> None:
             sent_ratio += [e.sent_bytes / floor[s] for s, e in outers]
             recv_ratio += [e.received_bytes / floor[s] for s, e in outers]
 
-        torch.set_num_threads(2)
         for m in ms:
-            sim = Simulator(cfgs[m], data_batches(cfgs[m]))
-            start = time.perf_counter()
-            for _ in range(args.steps):
-                sim.inner_step()
-            sim_tps[m].append(args.steps * tokens_per_step / (time.perf_counter() - start))
+            after = simulate(m)
+            sim_tps[m].append(math.sqrt(before[m] * after))
+            sim_drift[m].append(after / before[m])
     # Each swarm against the simulator of the same round: with the same M (the cost of transport)
     # and with M = the first value given (the whole-batch oracle, when that is 1).
     ratio = {
@@ -122,7 +135,9 @@ def main() -> None:
                 f"  ratio swarm/simulator (M={ms[0]})   : {statistics.median(ratio_first[key]):.3f} (rounds: {first})"
             )
     for m in ms:
+        drift = ", ".join(f"{d:.3f}" for d in sim_drift[m])
         print(f"simulator M={m} (one process)     : {statistics.median(sim_tps[m]):8.0f} tokens/s")
+        print(f"  its pace after / before a round : {drift}")
     loop_ratio = None
     if {"uvloop", "asyncio"} <= set(loops):
         per_round = [
@@ -146,6 +161,7 @@ def main() -> None:
             "config": vars(args) | {"out": str(args.out)},
             "swarm_tokens_per_second": swarm_tps,
             "simulator_tokens_per_second": {f"M={m}": tps for m, tps in sim_tps.items()},
+            "simulator_after_over_before": {f"M={m}": d for m, d in sim_drift.items()},
             "ratio_per_round": ratio,
             "ratio_median": {key: statistics.median(r) for key, r in ratio.items()},
             "ratio_to_first_m_simulator_median": {
