@@ -255,11 +255,15 @@ def watch(bed: Testbed, ids: Mapping[str, str], args: argparse.Namespace, out: P
                 (out / f"{p}.diagnosis.txt").write_text(bed.exec(ids[p], DIAGNOSE))
             time.sleep(3)  # faulthandler writes the stacks to the container's log
             return seen
-        if not shown and stepped == set(PEERS):  # every peer trains: the view has something to show
+        # Every peer still running trains, so all have announced: the view has something to show.
+        # (Not "every peer stepped": on a loaded machine a fast peer can end before a poll sees
+        # its step, and the view then came only after the run, when announcements can expire.)
+        if not shown and stepped and set(running) <= stepped:
             shown = show_status(bed, ids)
         time.sleep(args.poll)
-    if not shown:  # every peer ended before a view showed them all (a loaded machine): once more
-        show_status(bed, ids)
+    for _ in range(0 if shown else 2):  # every peer ended before a view showed them all: again
+        if show_status(bed, ids):
+            break
     return seen
 
 
