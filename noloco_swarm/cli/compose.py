@@ -261,9 +261,10 @@ def watch(bed: Testbed, ids: Mapping[str, str], args: argparse.Namespace, out: P
         if not shown and stepped and set(running) <= stepped:
             shown = show_status(bed, ids)
         time.sleep(args.poll)
-    for _ in range(0 if shown else 2):  # every peer ended before a view showed them all: again
-        if show_status(bed, ids):
-            break
+    if not shown:  # every peer ended before a view showed them all (a loaded machine): twice more
+        for _ in range(2):
+            if show_status(bed, ids):
+                break
     return seen
 
 

@@ -106,7 +106,7 @@ class _IdleStreams:
         kept, now = self._idle.get(peer, []), time.monotonic()
         while kept:
             until, reader, writer = kept.pop()
-            if until > now and not reader.at_eof() and not writer.is_closing():
+            if until > now and _open(reader, writer):
                 return reader, writer
             writer.close()
         self._idle.pop(peer, None)
@@ -114,7 +114,7 @@ class _IdleStreams:
 
     def give(self, peer: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         kept = self._idle.setdefault(peer, [])
-        if len(kept) >= _IDLE_PER_PEER or reader.at_eof() or writer.is_closing():
+        if len(kept) >= _IDLE_PER_PEER or not _open(reader, writer):
             writer.close()
             return
         kept.append((time.monotonic() + self._keep, reader, writer))
@@ -124,6 +124,11 @@ class _IdleStreams:
         for key in [peer] if peer is not None else list(self._idle):
             for _, _, writer in self._idle.pop(key, []):
                 writer.close()
+
+
+def _open(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+    """Neither side of a kept stream has ended yet (the callee's close shows as end of file)."""
+    return not reader.at_eof() and not writer.is_closing()
 
 
 class Transport:
