@@ -2,8 +2,9 @@
 
 `scripts/compose_testbed.sh` gets an engine, Compose and the image ready, then runs this module.
 It brings up docker-compose.yml's bootstrap and 2x2 peers, samples each peer's TCP connections
-while they train (from /proc/net/tcp: the image has no `ss`), shows the swarm once with
-`noloco status` from the bootstrap container, waits for the peers to exit, copies their event
+while they train (from /proc/net/tcp: the image has no `ss`), looks at the swarm with `noloco
+status` from the bootstrap container from the moment it is up until a view shows every peer,
+waits for the peers to exit, copies their event
 files out and judges them: every peer ran its steps, each stage's replicas end with equal state
 hashes, the training loss fell, and the peers talked over their container addresses, not
 loopback. A peer that wrote its `Final` summary but does not exit is a hang: its threads and
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import signal
 import socket
@@ -31,14 +33,25 @@ from noloco_swarm.peer.events import Event, Final, Outer, Step, of_kind, read
 PEERS = ("stage0-a", "stage0-b", "stage1-a", "stage1-b")
 PORT = 31337  # every container listens here (docker-compose.yml)
 ESTABLISHED = "01"  # the state column of /proc/net/tcp
+VIEW_AFTER = 90  # seconds the status loop may go on after the peers exit (their announcements last 30)
 EXIT_GRACE = 60.0  # seconds a peer may take from its Final summary to its exit before it is a hang
-# one look at a running peer: has it stepped, has it finished, and its TCP connections
-LOOK = """grep -q '"event": "step"' /tmp/events.jsonl && echo STEP
-grep -q '"event": "final"' /tmp/events.jsonl && echo FINAL
+# one look at a running peer: has it finished, and its TCP connections
+LOOK = """grep -q '"event": "final"' /tmp/events.jsonl && echo FINAL
 cat /proc/net/tcp"""
 STATUS = (
     'COLUMNS=120 noloco status --once --run-id compose --initial-peers "$(cat /shared/bootstrap.addr)" 2>&1'
 )
+# `noloco status` over and over from the moment the testbed is up, every view printed after a
+# marker, until one shows every peer announced: a look after the run can miss them (their
+# announcements expire 30 s after their last heartbeat) and a run of a few seconds between two
+# polls can be missed by a look made only once every peer is seen stepping
+VIEW_MARK = "== noloco status view"
+STATUS_LOOP = f"""end=$(( $(date +%s) + {{seconds}} ))
+while [ "$(date +%s)" -lt "$end" ]; do
+  view=$({STATUS}); echo "{VIEW_MARK} at $(date +%T)"; echo "$view"
+  case "$view" in *"{len(PEERS)} announced"*) exit 0;; esac
+  sleep 2
+done; exit 1"""
 # every thread of the peer: name, state, kernel wait channel; then Python's own stacks
 DIAGNOSE = r"""for p in /proc/[0-9]*; do
   c=$(tr '\0' ' ' < $p/cmdline 2>/dev/null); [ -n "$c" ] && echo "pid ${p#/proc/}: $c"; done
@@ -207,6 +220,13 @@ class Testbed:
     def exec(self, cid: str, script: str, timeout: float = 30) -> str:
         return self.sh("docker", "exec", cid, "sh", "-c", script, check=False, timeout=timeout)
 
+    def start(self, cid: str, script: str) -> subprocess.Popen[str]:
+        """`script` run in the container in the background; its output (stderr too) on a pipe."""
+        argv = ["docker", "exec", cid, "sh", "-c", script]
+        return subprocess.Popen(
+            argv, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+
 
 class Interrupted(Exception):
     """SIGTERM, raised where the run is so that `finally` takes the testbed down."""
@@ -225,16 +245,14 @@ class Watch:
 
 
 def watch(bed: Testbed, ids: Mapping[str, str], args: argparse.Namespace, out: Path) -> Watch:
-    """Sample each peer's connections until every peer has exited; show `noloco status` once.
+    """Sample each peer's connections until every peer has exited.
 
     A peer whose events hold its `Final` summary but which still runs EXIT_GRACE later is a hang:
     its processes, threads and (faulthandler, SIGABRT) Python stacks are saved for the report.
     """
     seen = Watch({p: set() for p in PEERS})
     final_at: dict[str, float] = {}
-    stepped: set[str] = set()
     started = time.monotonic()
-    shown = False
     while running := [p for p in PEERS if bed.running(ids[p])]:
         now = time.monotonic()
         if now - started > args.timeout:
@@ -244,8 +262,6 @@ def watch(bed: Testbed, ids: Mapping[str, str], args: argparse.Namespace, out: P
             seen.connections[p].update(parse_proc_net_tcp(table))
             if "FINAL\n" in table:
                 final_at.setdefault(p, now)
-            if "STEP\n" in table:
-                stepped.add(p)
         stuck = [p for p in running if p in final_at and now - final_at[p] > EXIT_GRACE]
         if stuck:
             seen.hang = f"{stuck} wrote a final summary but did not exit within {EXIT_GRACE:.0f} s"
@@ -255,29 +271,24 @@ def watch(bed: Testbed, ids: Mapping[str, str], args: argparse.Namespace, out: P
                 (out / f"{p}.diagnosis.txt").write_text(bed.exec(ids[p], DIAGNOSE))
             time.sleep(3)  # faulthandler writes the stacks to the container's log
             return seen
-        # Every peer still running trains, so all have announced: the view has something to show.
-        # (Not "every peer stepped": on a loaded machine a fast peer can end before a poll sees
-        # its step, and the view then came only after the run, when announcements can expire.)
-        if not shown and stepped and set(running) <= stepped:
-            shown = show_status(bed, ids)
         time.sleep(args.poll)
-    if not shown:  # every peer ended before a view showed them all (a loaded machine): twice more
-        for _ in range(2):
-            if show_status(bed, ids):
-                break
     return seen
 
 
-def show_status(bed: Testbed, ids: Mapping[str, str]) -> bool:
-    """Print `noloco status` from the bootstrap's container; True if it showed every peer (its
-    announcements outlive the peers by their TTL, so a late look still finds them)."""
+def last_views(output: str) -> tuple[str, bool]:
+    """The status loop's output: its last view, and whether any view showed every peer announced."""
+    views = re.split(f"^{VIEW_MARK}.*\n", output, flags=re.MULTILINE)[1:]
+    shown = any(f"{len(PEERS)} announced" in v for v in views)
+    return (views[-1].rstrip() if views else output.strip()), shown
+
+
+def finish(process: subprocess.Popen[str], timeout: float) -> str:
+    """Everything `process` printed, waiting at most `timeout` seconds for it to end on its own."""
     try:
-        view = bed.exec(ids["bootstrap"], STATUS, timeout=90)
+        return process.communicate(timeout=timeout)[0]
     except subprocess.TimeoutExpired:
-        print("compose: noloco status did not finish within 90 s", flush=True)
-        return False
-    print(view, flush=True)
-    return f"{len(PEERS)} announced" in view
+        process.kill()
+        return process.communicate()[0]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -293,13 +304,20 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGTERM, _raise_interrupted)  # Ctrl-C raises KeyboardInterrupt already
     started = time.monotonic()
+    viewer: subprocess.Popen[str] | None = None
     try:
         ids = bed.up()
         ip = "{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}"
         addresses = {p: bed.sh("docker", "inspect", "-f", ip, ids[p]).strip() for p in PEERS}
         at = ", ".join(f"{p} {a}" for p, a in addresses.items())
         print(f"compose: up: bootstrap + {len(PEERS)} peers, {args.steps} steps, at {at}", flush=True)
+        viewer = bed.start(ids["bootstrap"], STATUS_LOOP.format(seconds=int(args.timeout) + VIEW_AFTER))
         seen = watch(bed, ids, args, out)
+        views = finish(viewer, VIEW_AFTER)
+        (out / "status_views.txt").write_text(views)
+        view, shown = last_views(views)
+        print(view, flush=True)
+        (out / "status.txt").write_text(view + "\n")
         for p in PEERS:
             (out / f"{p}.log").write_text(bed.logs(ids[p]))
             bed.sh("docker", "cp", f"{ids[p]}:/tmp/events.jsonl", str(out / f"{p}.events.jsonl"), check=False)
@@ -311,17 +329,25 @@ def run(args: argparse.Namespace) -> int:
         print(f"compose: {e}", file=sys.stderr)
         return 1
     finally:
+        if viewer is not None and viewer.poll() is None:
+            viewer.kill()
+            viewer.communicate()
         bed.down()
     events = {p: read(out / f"{p}.events.jsonl") for p in PEERS}
     verdict = judge(events, args.steps, addresses, seen.connections)
     problems = [f"the run hung: {seen.hang} (see *.diagnosis.txt and *.log)"] if seen.hang else []
     problems += verdict.problems + [f"{p} exited with code {c}" for p, c in codes.items() if c != "0"]
+    if not shown:
+        problems.append(
+            f"noloco status never showed the {len(PEERS)} peers announced (status.txt: its last view)"
+        )
     result = {
         "command": args.command or shlex.join(sys.argv),
         "steps": args.steps,
         "set": args.set,
         "slow": args.slow,
         "wall_seconds": round(time.monotonic() - started, 1),
+        "status_shown_every_peer": shown,
         **asdict(verdict),
         "passed": not problems,
         "problems": problems,

@@ -78,5 +78,6 @@ def test_compose_testbed_runs_to_the_end(tmp_path: Path) -> None:
     assert result["figures"]["train_loss_last"] < result["figures"]["train_loss_first"]
     for peer in PEERS:  # over container addresses: every peer had a connection to every other
         assert sorted(result["talked_to"][peer]) == sorted(p for p in PEERS if p != peer)
-    assert "4 announced" in done.stdout, "noloco status should have shown the four peers"
+    assert result["status_shown_every_peer"], (tmp_path / "status.txt").read_text()
+    assert "4 announced" in (tmp_path / "status.txt").read_text()
     assert project_leftovers() == [], "the testbed left containers, networks or volumes behind"
