@@ -62,7 +62,10 @@ class Arrival:
     positions: list[int]
     activations: torch.Tensor
     tokens: torch.Tensor
-    result: asyncio.Future[tuple[torch.Tensor, list[float]]] = field(default_factory=asyncio.Future)
+    # its rows' input gradients and losses, and which of its rows were lost further on
+    result: asyncio.Future[tuple[torch.Tensor, list[float], tuple[int, ...]]] = field(
+        default_factory=asyncio.Future
+    )
     rows: list[Row] = field(default_factory=list)  # which rows of the plan these are (set by add)
 
 
@@ -298,9 +301,9 @@ class InnerSteps:
                 out = await asyncio.to_thread(ctx.replica.module, xm)
                 sending.append((out, group.create_task(self.sender.send_on(t, m, out.detach(), ym, rm))))
             for out, task in sending:
-                grad, got = await task
-                await asyncio.to_thread(out.backward, grad)
-                losses += got
+                returned = await task
+                await asyncio.to_thread(out.backward, returned.grad)
+                losses += returned.kept_losses()
         return losses
 
     # ------------------------------------------------------------------ stages after the first
@@ -352,17 +355,17 @@ class InnerSteps:
                                 return sample_losses.detach()
 
                             got = [float(v) for v in await asyncio.to_thread(last)]
-                            _answer(x, placement, got)
+                            _answer(x, placement, got, frozenset())
                             losses += got
                         else:
                             out = await asyncio.to_thread(ctx.replica.module, x)
                             sending = group.create_task(self.sender.send_on(t, m, out.detach(), toks, rows))
                             running.append((placement, x, out, sending))
                     for placement, x, out, sending in running:
-                        grad, got = await sending
-                        await asyncio.to_thread(out.backward, grad)
-                        _answer(x, placement, got)
-                        losses += got
+                        returned = await sending
+                        await asyncio.to_thread(out.backward, returned.grad)
+                        _answer(x, placement, returned.losses, returned.lost)
+                        losses += returned.kept_losses()
             except* PeerExcluded as excluded:  # we fell behind (seen while collecting): rejoin
                 raise excluded.exceptions[0] from None
         except BaseException:
@@ -490,8 +493,9 @@ class InnerSteps:
         arrival = collector.add(rows, allowed)
         # Shielded: a sender's resend waits on the same arrival, and one waiter's deadline must
         # not cancel the other's answer. A resend after the answer gets it at once.
-        grad, losses = await asyncio.wait_for(asyncio.shield(arrival.result), ctx.deadlines.step * 2)
-        return backward_reply(ctx, header, view.rank_of(ctx.me)[1], grad, losses, _gone_senders(ctx, view))
+        grad, losses, lost = await asyncio.wait_for(asyncio.shield(arrival.result), ctx.deadlines.step * 2)
+        rank = view.rank_of(ctx.me)[1]
+        return backward_reply(ctx, header, rank, grad, losses, _gone_senders(ctx, view), lost)
 
 
 def _say_unsent(ctx: PeerContext, collector: StepCollector) -> None:
@@ -509,13 +513,15 @@ def _say_unsent(ctx: PeerContext, collector: StepCollector) -> None:
         )
 
 
-def _answer(x: torch.Tensor, placement: Placement, losses: list[float]) -> None:
-    """Answer every arrival of a batch that ran with its rows' input gradients and losses."""
+def _answer(x: torch.Tensor, placement: Placement, losses: list[float], lost: frozenset[int]) -> None:
+    """Answer every arrival of a batch that ran with its rows' input gradients and losses (one per
+    row of the batch), naming its rows that were lost further on (`lost`: rows of the batch)."""
     assert x.grad is not None
     x_grad = x.grad.cpu()  # replies leave from the CPU
     for arrival, rows in placement:
         if not arrival.result.done():  # the sender may have given up on us meanwhile
-            arrival.result.set_result((x_grad[rows].contiguous(), [losses[r] for r in rows]))
+            gone = tuple(i for i, r in enumerate(rows) if r in lost)
+            arrival.result.set_result((x_grad[rows].contiguous(), [losses[r] for r in rows], gone))
 
 
 def _gone_senders(ctx: PeerContext, view: MembershipView) -> tuple[int, ...]:
@@ -543,9 +549,11 @@ def backward_reply(
     grad: torch.Tensor,
     losses: list[float],
     gone: tuple[int, ...] = (),
+    lost: tuple[int, ...] = (),
 ) -> tuple[BackwardHeader, list[torch.Tensor]]:
-    """The answer to `header`'s rows: their gradients in the run's wire format, their losses, and
-    the ranks of the sender's stage that failed us (`gone`: stage 0 stands in for them)."""
+    """The answer to `header`'s rows: their gradients in the run's wire format, their losses, the
+    ranks of the sender's stage that failed us (`gone`: stage 0 stands in for them), and which of
+    the rows a later stage lost (`lost`)."""
     grads = wire.encode(grad, ctx.cfg.wire.activations)
     reply = BackwardHeader(
         run_id=header.run_id,
@@ -558,6 +566,7 @@ def backward_reply(
         losses=tuple(losses),
         scale=TensorMeta.of(grads[1]) if len(grads) > 1 else None,
         gone=gone,
+        lost=lost,
     )
     return reply, grads
 

@@ -8,7 +8,9 @@ and the stages after it know whose rows they run. A stand-in's headers name whom
 for (on stage 0: the gone replicas whose shards it reads). A call whose stream broke is made again while
 the receiver answers a probe (the receiver answers a resend with what it computed the first
 time); rows whose gradient never comes back are dropped from the step (their gradient stays
-zero), with the reason in a `dropped` event.
+zero), with the reason in a `dropped` event. A stage between the first and the last answers such
+rows of its own senders as lost (the reply's `lost`, with zero gradients), so that every stage
+before it leaves their losses out too.
 """
 
 from __future__ import annotations
@@ -31,7 +33,22 @@ from noloco_swarm.protocol.plan import Row
 from noloco_swarm.protocol.plausible import Implausible
 
 logger = logging.getLogger(__name__)
-GradRows = tuple[list[int], torch.Tensor, tuple[float, ...]]  # batch rows, their gradients, losses
+# batch rows, their gradients, losses, and which of them (indices into the rows) were lost further on
+GradRows = tuple[list[int], torch.Tensor, tuple[float, ...], tuple[int, ...]]
+
+
+@dataclass(frozen=True)
+class Returned:
+    """What came back for the rows of one microbatch sent on: a gradient per row (zero where the
+    row was lost), a loss per row (0.0 where lost), and the rows lost (here or further on)."""
+
+    grad: torch.Tensor
+    losses: list[float]
+    lost: frozenset[int]
+
+    def kept_losses(self) -> list[float]:
+        """The losses of the rows that were not lost, in row order."""
+        return [v for j, v in enumerate(self.losses) if j not in self.lost]
 
 
 @dataclass(frozen=True)
@@ -55,9 +72,9 @@ class RowSender:
 
     async def send_on(
         self, t: int, m: int, out: torch.Tensor, tokens: torch.Tensor, rows: Sequence[Row] | None = None
-    ) -> tuple[torch.Tensor, list[float]]:
+    ) -> Returned:
         """Send each row of microbatch m on to the replica the plan names, routing around the
-        next-stage replicas we know are gone; return the gradient rows and losses. `rows`: the
+        next-stage replicas we know are gone; return what came back for each row. `rows`: the
         rows `out` holds, in its order (stage 0: its own rows, the default)."""
         ctx = self.ctx
         view = ctx.view_at(t)
@@ -80,24 +97,32 @@ class RowSender:
                 call = self._call_or_drop(view, receiver, sent, samples, out, tokens, t, around)
                 results[receiver] = group.create_task(call)
         # Rows whose gradient never came back are dropped from this step: their gradient stays 0.
+        # (Rows a later stage lost came back with a zero gradient; that stage said so in an event.)
         grad = torch.zeros_like(out)
-        losses: list[float] = []
-        lost: list[str] = []
-        for task in results.values():
+        losses = [0.0] * out.shape[0]
+        lost = set(range(out.shape[0]))
+        reasons: list[str] = []
+        dropped = 0  # rows whose call failed here
+        for receiver, task in results.items():
             result = task.result()
             if isinstance(result, str):
-                lost.append(result)
+                reasons.append(result)
+                dropped += len(routes[receiver])
                 continue
-            sent, grad_rows, sample_losses = result
+            sent, grad_rows, sample_losses, further = result
             grad[sent] = grad_rows.to(grad.device)
-            losses.extend(sample_losses)
-        dropped = out.shape[0] - len(losses)
+            for j, v in zip(sent, sample_losses, strict=True):
+                losses[j] = v
+            lost -= set(sent)
+            for i in further:  # lost further on: no gradient, whatever the reply held
+                grad[sent[i]] = 0.0
+                lost.add(sent[i])
         if dropped:
             self.dropped_samples += dropped
             ctx.events.emit(
-                events.Dropped(step=t, hop=ctx.stage, samples=dropped, side="sender", reasons=lost)
+                events.Dropped(step=t, hop=ctx.stage, samples=dropped, side="sender", reasons=reasons)
             )
-        return grad, losses
+        return Returned(grad, losses, frozenset(lost))
 
     def _note_rerouted(
         self, t: int, planned: dict[int, list[int]], routes: dict[int, list[int]], around: tuple[int, ...]
@@ -166,7 +191,7 @@ class RowSender:
                 if not all(math.isfinite(v) for v in reply.losses):
                     raise Implausible("nonfinite", f"{receiver} answered step {t} with non-finite losses")
                 ctx.rounds.detours.told_gone(view, reply.gone, receiver, ctx.rounds.suspect)
-                return sent, grad, reply.losses
+                return sent, grad, reply.losses, reply.lost
             except RemoteRefused as e:  # alive but disagrees (e.g. another view): drop these rows
                 logger.warning("stage %d peer %s refused step %d: %s", hop + 1, receiver, t, e)
                 ctx.events.emit(events.Refused(step=t, peer=receiver, reason=str(e)))

@@ -26,8 +26,9 @@ import torch
 
 # 2: forward and backward rows in a wire format (fp32, bf16, int8 + scale); 3: forward headers say
 # which gone replicas their rows are routed around; 4: stage 0 stands in for its gone replicas
-# (a version-3 stage 1 would refuse their rows), told of them in backward headers (`gone`)
-PROTOCOL_VERSION = 4
+# (a version-3 stage 1 would refuse their rows), told of them in backward headers (`gone`);
+# 5: backward headers name the rows a later stage lost (`lost`)
+PROTOCOL_VERSION = 5
 MAX_MESSAGE_BYTES = 1 << 20  # headers only; tensor payloads are streamed separately
 MAX_SEQUENCE = 1 << 16
 MAX_STRING = 4096
@@ -428,6 +429,9 @@ class BackwardHeader(Message):
     # Ranks of stage `hop` that failed the answering replica (it stops waiting for their rows):
     # a stage-0 replica that hears of a gone one probes it and stands in for it (peer/detours.py).
     gone: tuple[int, ...] = ()
+    # Which of `samples` (indices into it) a later stage lost: their gradient rows are zero and
+    # their losses 0.0 stand-ins, to be left out of the sender's losses too.
+    lost: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         _check_run_id(self.run_id)
@@ -438,6 +442,10 @@ class BackwardHeader(Message):
             raise ValueError("losses must have one entry per sample")
         if any(r < 0 for r in self.gone) or list(self.gone) != sorted(set(self.gone)):
             raise ValueError(f"gone must be ascending, distinct ranks >= 0, got {list(self.gone)}")
+        if list(self.lost) != sorted(set(self.lost)) or any(
+            not 0 <= i < len(self.samples) for i in self.lost
+        ):
+            raise ValueError(f"lost must be ascending, distinct indices into samples, got {list(self.lost)}")
 
     @property
     def tensors(self) -> tuple[TensorMeta, ...]:

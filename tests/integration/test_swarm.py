@@ -549,24 +549,28 @@ def finish_without(swarm, victim) -> tuple[list, dict, str, int]:
     return survivors, summaries, victim_id, max(e.step for e in of_kind(victim.events(), Step))
 
 
-@pytest.mark.parametrize(("when", "stages"), [("mid-round", 3), ("at-outer-step", 2)])
+@pytest.mark.parametrize(
+    ("when", "stages", "stage"), [("mid-round", 3, 1), ("mid-round", 3, 2), ("at-outer-step", 2, 1)]
+)
 def test_a_killed_peer_takes_its_processes_and_a_replacement_takes_its_stage(
-    cache: Path, when: str, stages: int
+    cache: Path, when: str, stages: int, stage: int
 ) -> None:
-    """Failure is normal control flow: the rows routed to a dead stage-1 replica go to its stand-in
-    (the other one) until the views drop it, its partner steps alone, every survivor drops it from
-    the same later round's view, and the run finishes. Killed as its outer exchange begins, its
-    partner sees the death in that round and the stage-0 peers only on the next round's forwards:
-    all must still agree on every view. With 3 stages the stand-in carries the dead replica's rows
-    on to stage 2, which takes them. Every process of the dead peer (its p2pd) ends with
-    it, and a `--stage auto` replacement started 3 s after the death takes the dead peer's stage,
-    whose announcement is still in the DHT."""
+    """Failure is normal control flow: the rows routed to a dead replica of stage `stage` go to its
+    stand-in (the other one) until the views drop it, its partner steps alone, every survivor drops
+    it from the same later round's view, and the run finishes. Killed as its outer exchange begins,
+    its partner sees the death in that round and the stage-0 peers only on the next round's
+    forwards: all must still agree on every view. With 3 stages and a dead stage-1 replica the
+    stand-in carries its rows on to stage 2, which takes them; with a dead stage-2 replica the
+    stage-1 replicas that lost rows sent to it answer stage 0 with those rows marked lost (before,
+    the mismatch crashed both of them and the swarm with them). Every process of the dead peer
+    (its p2pd) ends with it, and a `--stage auto` replacement started 3 s after the death takes the
+    dead peer's stage, whose announcement is still in the DHT."""
     steps = 60
     # a step of this size takes long enough (~0.5 s here) for the kill to land mid-run
     cfg = small("noloco", **{"inner.total_steps": str(steps), "num_stages": str(stages), **SLOWER})
     before = p2pd_descendants()
     with local_swarm(cfg, steps, step_timeout=10) as swarm:
-        victim = next(p for p in swarm.peers if p.stage == 1 and p.replica == 1)
+        victim = next(p for p in swarm.peers if p.stage == stage and p.replica == 1)
         deadline = time.monotonic() + 120
         boundary = when == "at-outer-step"
         while not any(
@@ -587,8 +591,8 @@ def test_a_killed_peer_takes_its_processes_and_a_replacement_takes_its_stage(
     assert not sockets.exists(), "the killed peer's sockets outlived the swarm"
     assert all(s.steps == steps for s in summaries.values())
     new = summaries[joined.peer_id]
-    assert new.stage == 1 and new.joined_round == joined.round, "the replacement chose another stage"
-    partner = next(s for s in summaries.values() if s.stage == 1 and s is not new)
+    assert new.stage == stage and new.joined_round == joined.round, "the replacement chose another stage"
+    partner = next(s for s in summaries.values() if s.stage == stage and s is not new)
     assert victim_id in partner.gone and partner.outer_steps == steps // 3
     # The survivors agree on every round's view, and the last one is without the victim.
     views = views_by_round(survivor_events)
@@ -603,7 +607,7 @@ def test_a_killed_peer_takes_its_processes_and_a_replacement_takes_its_stage(
     # (it waited for them): at a step where a sender lost rows, never at another.
     rerouted = [e for events in survivor_events for e in of_kind(events, Rerouted)]
     assert all(len(e.around) == 1 and e.around[0] not in e.to for e in rerouted), rerouted
-    assert {e.hop for e in rerouted} <= {0}, rerouted  # only stage 0 sends to stage 1
+    assert {e.hop for e in rerouted} <= {stage - 1}, rerouted  # only the stage before sends to it
     # Each stage took every row its senders sent along the plan their headers describe (with 3
     # stages: stage 2 took the stand-in's rows of the dead replica).
     refused = [e for events in survivor_events for e in of_kind(events, Refused)]
@@ -614,6 +618,9 @@ def test_a_killed_peer_takes_its_processes_and_a_replacement_takes_its_stage(
         first = min((e.step for e in of_kind(events, Rerouted)), default=steps)
         assert len(sent) <= 1 and all(step < first for step in sent), (sent, first)
         lost.update(sent)
+    # Rows are lost only on their way to the dead replica, or (waited for) on their way from it.
+    hops = {(e.side, e.hop) for events in survivor_events for e in of_kind(events, Dropped)}
+    assert hops <= {("sender", stage - 1), ("receiver", stage - 1), ("receiver", stage)}, hops
     waited = {e.step for events in survivor_events for e in of_kind(events, Dropped) if e.side == "receiver"}
     assert waited <= lost, (waited, lost)
     drops = [e.step for events in survivor_events for e in of_kind(events, Dropped)]

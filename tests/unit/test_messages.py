@@ -37,6 +37,7 @@ EXAMPLES: list[m.Message] = [
     # a stage-0 replica feeding the rows of gone replica 0 from its shard
     m.ForwardHeader("run-1", 2, 117, 0, 1, (936, 937), ACT, TOK, stands_in_for=(0,)),
     m.ErrorReply("busy", "try again next round"),
+    m.BackwardHeader("run-1", 2, 117, 1, 0, (936, 937), ACT, (3.5, 0.0), lost=(1,)),
 ]
 
 
@@ -94,6 +95,9 @@ def forward_body(**changes: object) -> dict[str, object]:
             raw("backward", {**msgpack.unpackb(m.encode(EXAMPLES[3]))["b"], "losses": [float("nan"), 1.0]}),
             "finite",
         ),
+        (raw("backward", {**msgpack.unpackb(m.encode(EXAMPLES[3]))["b"], "lost": [2]}), "indices into"),
+        (raw("backward", {**msgpack.unpackb(m.encode(EXAMPLES[3]))["b"], "lost": [1, 0]}), "ascending"),
+        (raw("backward", {**msgpack.unpackb(m.encode(EXAMPLES[3]))["b"], "lost": [-1]}), "indices into"),
         (b"\x00" * (m.MAX_MESSAGE_BYTES + 1), "exceeds"),
     ],
 )
