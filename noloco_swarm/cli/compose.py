@@ -38,18 +38,22 @@ EXIT_GRACE = 60.0  # seconds a peer may take from its Final summary to its exit 
 # one look at a running peer: has it finished, and its TCP connections
 LOOK = """grep -q '"event": "final"' /tmp/events.jsonl && echo FINAL
 cat /proc/net/tcp"""
+# `noloco status` from the moment the testbed is up, looking every second (one DHT node for all
+# looks) until the view shows every peer announced, then printing it: a look after the run can
+# miss them (their announcements expire 30 s after their last heartbeat), and so can a look
+# made only once every peer is seen stepping, or looks a fresh process each (about 20 s apiece
+# on a loaded machine) against a run of 20 s. Started again after 60 s without them (and if it
+# fails), each run's view printed after a marker: the last one is there for the report even when
+# the loop is stopped (VIEW_AFTER seconds after the peers exit).
 STATUS = (
-    'COLUMNS=120 noloco status --once --run-id compose --initial-peers "$(cat /shared/bootstrap.addr)" 2>&1'
+    f"COLUMNS=120 noloco status --run-id compose --until-announced {len(PEERS)} --interval 1 "
+    '--wait 60 --initial-peers "$(cat /shared/bootstrap.addr)" 2>&1'
 )
-# `noloco status` over and over from the moment the testbed is up, every view printed after a
-# marker, until one shows every peer announced: a look after the run can miss them (their
-# announcements expire 30 s after their last heartbeat) and a run of a few seconds between two
-# polls can be missed by a look made only once every peer is seen stepping
 VIEW_MARK = "== noloco status view"
 STATUS_LOOP = f"""end=$(( $(date +%s) + {{seconds}} ))
 while [ "$(date +%s)" -lt "$end" ]; do
-  view=$({STATUS}); echo "{VIEW_MARK} at $(date +%T)"; echo "$view"
-  case "$view" in *"{len(PEERS)} announced"*) exit 0;; esac
+  view=$({STATUS}); code=$?; echo "{VIEW_MARK} at $(date +%T)"; echo "$view"
+  [ "$code" = 0 ] && exit 0
   sleep 2
 done; exit 1"""
 # every thread of the peer: name, state, kernel wait channel; then Python's own stacks

@@ -139,6 +139,17 @@ def parser() -> argparse.ArgumentParser:
     status.add_argument("--run-id", default=None, help="the run to show (required; key peer.run_id)")
     status.add_argument("--once", action="store_true", help="print one snapshot and exit")
     status.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
+    status.add_argument(
+        "--until-announced",
+        type=int,
+        default=0,
+        metavar="N",
+        help="look every --interval seconds until N peers are announced, then print that snapshot "
+        "and exit 0 (exit 1 with the last one after --wait seconds): wait for a swarm to form",
+    )
+    status.add_argument(
+        "--wait", type=float, default=60.0, help="seconds --until-announced waits at most (default 60)"
+    )
 
     doctor = sub.add_parser(
         "doctor",
@@ -442,7 +453,16 @@ def _status(args: argparse.Namespace) -> int:
         return _print_config(resolved, "status")
     from noloco_swarm.cli.status import run_status
 
-    return run_status(cfg.network, cfg.peer.run_id, once=args.once, interval=args.interval)
+    if args.until_announced < 0 or args.wait < 0:
+        raise ConfigError("noloco status: --until-announced and --wait must be >= 0")
+    return run_status(
+        cfg.network,
+        cfg.peer.run_id,
+        once=args.once,
+        interval=args.interval,
+        until_announced=args.until_announced,
+        wait=args.wait,
+    )
 
 
 def _presets() -> int:

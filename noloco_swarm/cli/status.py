@@ -144,9 +144,20 @@ async def look(transport: Transport, directory: RunDirectory) -> SwarmStatus:
 
 
 def run_status(
-    net: NetworkConfig, run_id: str, *, once: bool, interval: float, console: Console | None = None
+    net: NetworkConfig,
+    run_id: str,
+    *,
+    once: bool,
+    interval: float,
+    until_announced: int = 0,
+    wait: float = 60.0,
+    console: Console | None = None,
 ) -> int:
-    """Show the run's status once, or live until Ctrl-C. Exit 1 if the run is not found."""
+    """Show the run's status once, or live until Ctrl-C. Exit 1 if the run is not found.
+
+    With `until_announced` = N, look again every `interval` seconds until the run is found with
+    at least N peers announced, then show that snapshot once (exit 0); if `wait` seconds pass
+    first, show the last one (exit 1). For scripts that wait for a swarm to form."""
     console = console or Console()
 
     async def main() -> int:
@@ -164,6 +175,13 @@ def run_status(
             )
             directory = RunDirectory(dht, run_id)
             status = await look(transport, directory)
+            if until_announced:
+                deadline = time.monotonic() + wait
+                while len(status.peers) < until_announced and time.monotonic() < deadline:
+                    await asyncio.sleep(interval)
+                    status = await look(transport, directory)
+                console.print(render_swarm(status))
+                return 0 if len(status.peers) >= until_announced else 1
             if once or not status.found:
                 console.print(render_swarm(status))
                 return 0 if status.found else 1

@@ -902,8 +902,9 @@ def test_hivemind_dht_cli_is_a_working_entry_point(cache: Path) -> None:
 
 
 def test_noloco_status_shows_every_peer_of_a_running_swarm(cache: Path) -> None:
-    """`noloco status --once` from a separate process finds the run through the DHT and gets an
-    answer from every peer; a run id nobody uses is a clear error. Then a stranger sends the
+    """`noloco status` from a separate process finds the run through the DHT and gets an answer
+    from every peer (waiting until both are announced); a run id nobody uses is a clear error, at
+    once or after `--wait` seconds of `--until-announced`. Then a stranger sends the
     running peers requests they must refuse (state they do not owe, rows from a non-member, a
     status for another run): each is refused with a reason and the peers keep training. And it
     tries to exhaust a peer (issue 10's resource limits): a status request announcing 512 MiB of
@@ -920,7 +921,7 @@ def test_noloco_status_shows_every_peer_of_a_running_swarm(cache: Path) -> None:
         net = ["--initial-peers", swarm.bootstrap, "--host-maddrs", "/ip4/127.0.0.1/tcp/0"]
         wide = {**os.environ, "COLUMNS": "160"}  # rich's width when stdout is not a terminal
         shown = subprocess.run(
-            [*base, *net, "--run-id", swarm.run_id],
+            [*base, *net, "--run-id", swarm.run_id, "--until-announced", "2", "--interval", "0.5"],
             capture_output=True,
             text=True,
             timeout=120,
@@ -929,6 +930,13 @@ def test_noloco_status_shows_every_peer_of_a_running_swarm(cache: Path) -> None:
         )
         missing = subprocess.run(
             [*base, *net, "--run-id", "nobody-runs-this"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        never = subprocess.run(  # waits for peers nobody announces: the last view after --wait
+            [*base, *net, "--run-id", "nobody-runs-this", "--until-announced", "1", "--wait", "2"],
             capture_output=True,
             text=True,
             timeout=120,
@@ -960,3 +968,4 @@ def test_noloco_status_shows_every_peer_of_a_running_swarm(cache: Path) -> None:
     assert "2 announced (stage 0: 1, stage 1: 1), 2 answering" in out
     assert all(f"…{peer[-8:]}" in out for peer in ids)
     assert missing.returncode == 1 and "no manifest" in missing.stdout
+    assert never.returncode == 1 and "no manifest" in never.stdout, never.stderr
