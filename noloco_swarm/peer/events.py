@@ -206,6 +206,16 @@ class StoodIn(Event):
 
 
 @dataclass(frozen=True)
+class Carried(Event):
+    """Stage 0 fed `samples` rows of step `step` - 1 again at step `step`, with its own: their
+    gradient had not come back (a replica on their route died, or refused them)."""
+
+    KIND: ClassVar[str] = "carried"
+    step: int
+    samples: int
+
+
+@dataclass(frozen=True)
 class Dropped(Event):
     """Samples of step `step` lost on hop `hop` (their gradient is zero this step).
 

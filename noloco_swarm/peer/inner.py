@@ -18,8 +18,9 @@ as soon as it ran it; every replica backpropagates its microbatches in ascending
 order their gradients come back in, so the accumulated gradient is the simulator's bit for bit.
 The optimizer steps once per inner step, after the last microbatch.
 
-A row whose gradient never comes back is dropped from the step (its gradient stays zero); a sender
-that stays silent is probed, and dropped from the step (and reported) if it does not answer.
+A row whose gradient never comes back is dropped from the step (its gradient stays zero), and stage
+0 feeds it again at the next step (peer/carry.py); a sender that stays silent is probed, and
+dropped from the step (and reported) if it does not answer.
 """
 
 from __future__ import annotations
@@ -33,12 +34,13 @@ import torch
 
 from noloco_swarm.data.stream import train_batches
 from noloco_swarm.peer import events
+from noloco_swarm.peer.carry import Carry
 from noloco_swarm.peer.context import PeerContext
 from noloco_swarm.peer.limits import ROW_MARGIN, Accepts
 from noloco_swarm.peer.rounds import PROBE_PERIOD, PeerExcluded, raise_if_left_behind
 from noloco_swarm.peer.sending import RowSender
 from noloco_swarm.peer.streams import Refused
-from noloco_swarm.protocol import messages, plausible, wire
+from noloco_swarm.protocol import messages, plausible, routing, wire
 from noloco_swarm.protocol.membership import MembershipView
 from noloco_swarm.protocol.messages import BackwardHeader, ForwardHeader, MessageError, PeerStatus, TensorMeta
 from noloco_swarm.protocol.plan import Incoming, Row, StepPlan
@@ -67,6 +69,8 @@ class Arrival:
         default_factory=asyncio.Future
     )
     rows: list[Row] = field(default_factory=list)  # which rows of the plan these are (set by add)
+    # sample indices of the rows of the step before that come first (peer/carry.py)
+    carried: list[int] = field(default_factory=list)
 
 
 Placement = list[tuple[Arrival, list[int]]]  # each arrival, and the rows of the batch its rows took
@@ -122,6 +126,7 @@ class StepCollector:
         if first is not None:
             if not (
                 first.positions == arrival.positions
+                and first.carried == arrival.carried
                 and torch.equal(first.activations, arrival.activations)
                 and torch.equal(first.tokens, arrival.tokens)
             ):
@@ -155,22 +160,34 @@ class StepCollector:
         """Senders we expect rows from and have not heard from."""
         return sorted({x.sender for x in self.expected} - set(self.arrivals))
 
-    def batch(self) -> tuple[torch.Tensor, torch.Tensor, Placement, list[Row]]:
-        """Inputs and targets of every row that came, in (position, origin) order; where each
-        arrival's rows landed; and the rows, in that order."""
+    def batch(self) -> tuple[torch.Tensor, torch.Tensor, Placement, list[Row], list[int]]:
+        """Inputs and targets of every row that came: the carried rows in (sample, sender) order,
+        then this step's in (position, origin) order; where each arrival's rows landed; this
+        step's rows and the carried rows' sample indices, in that order."""
+        carried = sorted(
+            (k, arrival.sender, j)
+            for arrival in self.arrivals.values()
+            for j, k in enumerate(arrival.carried)
+        )
         order = sorted(
-            (row, arrival.sender, j)
+            (row, arrival.sender, len(arrival.carried) + j)
             for arrival in self.arrivals.values()
             for j, row in enumerate(arrival.rows)
         )
         acts, toks, rows = [], [], {}
-        for k, (_, sender, j) in enumerate(order):
+        for k, (_, sender, j) in enumerate([*carried, *order]):
             arrival = self.arrivals[sender]
-            rows.setdefault(sender, []).append(k)
+            rows.setdefault(sender, []).append(k)  # an arrival's carried rows land before its others
             acts.append(arrival.activations[j])
             toks.append(arrival.tokens[j])
         placement = [(self.arrivals[s], r) for s, r in sorted(rows.items())]
-        return torch.stack(acts), torch.stack(toks), placement, [row for row, _, _ in order]
+        return (
+            torch.stack(acts),
+            torch.stack(toks),
+            placement,
+            [row for row, _, _ in order],
+            [k for k, _, _ in carried],
+        )
 
     def abandon(self, reason: str) -> None:
         """This step will not run here: refuse every sender still waiting for its gradients, now
@@ -211,6 +228,7 @@ class InnerSteps:
         self.collected: dict[Slot, StepCollector] = {}
         self.consumed: Slot = (-1, -1)  # the last (step, microbatch) taken out of its collector
         self.sender = RowSender(ctx)
+        self.carry = Carry()  # stage 0: rows of the last step to feed again (peer/carry.py)
         # Stage 0's batches: shard -> its stream, and (stage-0 replica count, next step) of it.
         self._data: dict[int, tuple[Iterator[torch.Tensor], tuple[int, int]]] = {}
         self.rows_fed = 0  # rows stage 0 fed into the pipeline at the last step (B, or more as a stand-in)
@@ -282,7 +300,15 @@ class InnerSteps:
         # Microbatch m: rows of batch positions in m (contiguous in (position, origin) order).
         where = [plan.microbatch_of(row.position) for row in rows]
         spans = [[j for j, m in enumerate(where) if m == k] for k in range(ctx.cfg.inner.microbatches)]
-        parts = [(x[js[0] : js[-1] + 1], y[js[0] : js[-1] + 1], rows[js[0] : js[-1] + 1]) for js in spans]
+        parts = [
+            (
+                x[js[0] : js[-1] + 1],
+                y[js[0] : js[-1] + 1],
+                rows[js[0] : js[-1] + 1],
+                window[js[0] : js[-1] + 1],
+            )
+            for js in spans
+        ]
         losses: list[float] = []
         if ctx.is_last:  # one stage: the whole model here
 
@@ -291,20 +317,10 @@ class InnerSteps:
                 ctx.replica.backward_losses(sample_losses)
                 return [float(v) for v in sample_losses.detach()]
 
-            for xm, ym, _ in parts:
+            for xm, ym, _, _ in parts:
                 losses += await asyncio.to_thread(whole, xm, ym)
             return losses
-        # Microbatch m is sent on while m+1 is computed; backward in ascending m.
-        async with asyncio.TaskGroup() as group:
-            sending = []
-            for m, (xm, ym, rm) in enumerate(parts):
-                out = await asyncio.to_thread(ctx.replica.module, xm)
-                sending.append((out, group.create_task(self.sender.send_on(t, m, out.detach(), ym, rm))))
-            for out, task in sending:
-                returned = await task
-                await asyncio.to_thread(out.backward, returned.grad)
-                losses += returned.kept_losses()
-        return losses
+        return await _through_the_pipeline(ctx, self.sender, self.carry, t, parts)
 
     # ------------------------------------------------------------------ stages after the first
 
@@ -345,7 +361,7 @@ class InnerSteps:
                         touched.append(collector)
                         if not collector.arrivals:  # no rows of m came to us: nothing to compute
                             continue
-                        acts, toks, placement, rows = collector.batch()
+                        acts, toks, placement, rows, carried = collector.batch()
                         x = acts.to(ctx.device).requires_grad_(True)
                         if ctx.is_last:
 
@@ -359,7 +375,8 @@ class InnerSteps:
                             losses += got
                         else:
                             out = await asyncio.to_thread(ctx.replica.module, x)
-                            sending = group.create_task(self.sender.send_on(t, m, out.detach(), toks, rows))
+                            send = self.sender.send_on(t, m, out.detach(), toks, rows, carried)
+                            sending = group.create_task(send)
                             running.append((placement, x, out, sending))
                     for placement, x, out, sending in running:
                         returned = await sending
@@ -463,11 +480,9 @@ class InnerSteps:
             self._expect_again()
         # Decoded before the step checks, so that no await falls between them and the collector.
         decoded = await asyncio.to_thread(decode_rows, ctx, tensors[:-1], header.activations)
-        positions = [k - header.step * ctx.B for k in header.samples]
-        if not positions or not all(0 <= i < ctx.B for i in positions):
-            raise MessageError(f"samples {list(header.samples)} are not rows of step {header.step}")
+        carried, positions = _rows_of(ctx, view, header)
         acts, toks = checked_rows(ctx, [decoded, tensors[-1]])
-        rows = Arrival(header.sender_rank, positions, acts, toks)
+        rows = Arrival(header.sender_rank, positions, acts, toks, carried=carried)
         # A microbatch already collected takes only a resend of rows it holds (a broken stream).
         slot = (header.step, plan.microbatch_of(positions[0]))
         allowed = plan.expects_from(
@@ -496,6 +511,58 @@ class InnerSteps:
         grad, losses, lost = await asyncio.wait_for(asyncio.shield(arrival.result), ctx.deadlines.step * 2)
         rank = view.rank_of(ctx.me)[1]
         return backward_reply(ctx, header, rank, grad, losses, _gone_senders(ctx, view), lost)
+
+
+Part = tuple[torch.Tensor, torch.Tensor, list[Row], torch.Tensor]  # inputs, targets, rows, windows
+
+
+async def _through_the_pipeline(
+    ctx: PeerContext, sender: RowSender, carry: Carry, t: int, parts: list[Part]
+) -> list[float]:
+    """Stage 0's microbatches of step t sent on (the rows of step t - 1 to feed again first), and
+    backpropagated in ascending m as their gradients return; the losses of the rows that came
+    back. Rows of step t whose gradient did not are kept to be fed again at t + 1."""
+    losses: list[float] = []
+    # The rows of step t - 1 whose gradient did not come back go first in microbatch 0.
+    carried, again = carry.take(t)
+    if again is not None:
+        xm, ym, rm, wm = parts[0]
+        parts[0] = (torch.cat([again[:, :-1].to(ctx.device), xm]), torch.cat([again[:, 1:], ym]), rm, wm)
+        ctx.events.emit(events.Carried(step=t, samples=len(carried)))
+    # Microbatch m is sent on while m+1 is computed; backward in ascending m.
+    lost_samples: list[int] = []
+    lost_windows: list[torch.Tensor] = []
+    async with asyncio.TaskGroup() as group:
+        sending = []
+        for m, (xm, ym, rm, wm) in enumerate(parts):
+            older = carried if m == 0 else []
+            out = await asyncio.to_thread(ctx.replica.module, xm)
+            send = sender.send_on(t, m, out.detach(), ym, rm, older)
+            sending.append((out, len(older), rm, wm, group.create_task(send)))
+        for out, n, rm, wm, task in sending:
+            returned = await task
+            await asyncio.to_thread(out.backward, returned.grad)
+            losses += returned.kept_losses()
+            for j in sorted(returned.again):
+                if j >= n:  # a row of this step (a carried row lost again is dropped)
+                    lost_samples.append(routing.sample_index(t, rm[j - n].position, ctx.B))
+                    lost_windows.append(wm[j - n])
+    carry.keep(t, lost_samples, lost_windows)
+    return losses
+
+
+def _rows_of(ctx: PeerContext, view: MembershipView, header: ForwardHeader) -> tuple[list[int], list[int]]:
+    """The sample indices of a request's carried rows (rows of the step before: peer/carry.py),
+    and the batch positions of its rows of this step."""
+    carried, planned = list(header.samples[: header.carried]), header.samples[header.carried :]
+    positions = [k - header.step * ctx.B for k in planned]
+    if not positions or not all(0 <= i < ctx.B for i in positions):
+        raise MessageError(f"samples {list(planned)} are not rows of step {header.step}")
+    if not all(0 <= k - (header.step - 1) * ctx.B < ctx.B for k in carried):
+        raise MessageError(f"carried samples {carried} are not rows of step {header.step - 1}")
+    if len(carried) > ctx.B * view.replica_counts()[0]:  # more than the step before had
+        raise MessageError(f"{len(carried)} carried rows: step {header.step - 1} had fewer")
+    return carried, positions
 
 
 def _say_unsent(ctx: PeerContext, collector: StepCollector) -> None:

@@ -141,6 +141,11 @@ class Prometheus:
             "Samples stage 0 fed from the shards of gone stage-0 replicas it stands in for",
             registry=registry,
         )
+        self.carried = Counter(
+            "noloco_carried_samples",
+            "Samples stage 0 fed again at the step after the one where their gradient did not come back",
+            registry=registry,
+        )
         self.retried = Counter(
             "noloco_retried_calls", "Calls made again after a broken stream", ["call"], registry=registry
         )
@@ -251,6 +256,9 @@ class Prometheus:
 
     def _on_stood_in(self, e: events.StoodIn) -> None:
         self.stood_in.inc(e.samples)
+
+    def _on_carried(self, e: events.Carried) -> None:
+        self.carried.inc(e.samples)
 
     def _on_retried(self, e: events.Retried) -> None:
         self.retried.labels(e.call).inc()

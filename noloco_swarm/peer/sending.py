@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from noloco_swarm.peer import events
+from noloco_swarm.peer import carry, events
 from noloco_swarm.peer.context import PeerContext
 from noloco_swarm.peer.streams import PeerUnavailable, RemoteRefused, StreamClosed, StreamTruncated
 from noloco_swarm.protocol import plausible, routing, wire
@@ -38,13 +38,24 @@ GradRows = tuple[list[int], torch.Tensor, tuple[float, ...], tuple[int, ...]]
 
 
 @dataclass(frozen=True)
+class Lost:
+    """Why the rows of one call got no gradient, and whether they are worth feeding again (the
+    receiver failed and is routed around from now on, not a live peer that would refuse them)."""
+
+    reason: str
+    again: bool
+
+
+@dataclass(frozen=True)
 class Returned:
     """What came back for the rows of one microbatch sent on: a gradient per row (zero where the
-    row was lost), a loss per row (0.0 where lost), and the rows lost (here or further on)."""
+    row was lost), a loss per row (0.0 where lost), the rows lost (here or further on), and of
+    those the ones worth feeding again (peer/carry.py)."""
 
     grad: torch.Tensor
     losses: list[float]
     lost: frozenset[int]
+    again: frozenset[int] = frozenset()
 
     def kept_losses(self) -> list[float]:
         """The losses of the rows that were not lost, in row order."""
@@ -71,11 +82,19 @@ class RowSender:
         self.dropped_samples = 0  # over the run
 
     async def send_on(
-        self, t: int, m: int, out: torch.Tensor, tokens: torch.Tensor, rows: Sequence[Row] | None = None
+        self,
+        t: int,
+        m: int,
+        out: torch.Tensor,
+        tokens: torch.Tensor,
+        rows: Sequence[Row] | None = None,
+        carried: Sequence[int] = (),
     ) -> Returned:
         """Send each row of microbatch m on to the replica the plan names, routing around the
         next-stage replicas we know are gone; return what came back for each row. `rows`: the
-        rows `out` holds, in its order (stage 0: its own rows, the default)."""
+        rows of this step `out` holds, in its order (stage 0: its own rows, the default), after
+        the rows of the step before it holds first (`carried`: their sample indices), which go
+        along with this step's rows to the receivers those go to (peer/carry.py)."""
         ctx = self.ctx
         view = ctx.view_at(t)
         rank = view.rank_of(ctx.me)[1]
@@ -83,18 +102,24 @@ class RowSender:
         plan = base.routing_around(ctx.rounds.detours.around(view))
         if rows is None:
             rows = [x.row for x in plan.rows(t, ctx.stage, rank, m)]
-        routes = plan.route(t, ctx.stage, rows)
+        planned = plan.route(t, ctx.stage, rows)
+        routes = carry.along(planned, len(carried))
         around = Around(
             stands_in_for=plan.stands_in_for(t, ctx.stage, rank, rows),
             routes_around=tuple(sorted(r for s, r in plan.around if s == ctx.stage + 1)),
         )
         if around.routes_around:
-            self._note_rerouted(t, base.route(t, ctx.stage, rows), routes, around.routes_around)
-        results: dict[int, asyncio.Task[GradRows | str]] = {}
+            self._note_rerouted(t, base.route(t, ctx.stage, rows), planned, around.routes_around)
+        n = len(carried)
+        results: dict[int, asyncio.Task[GradRows | Lost]] = {}
         async with asyncio.TaskGroup() as group:
             for receiver, sent in routes.items():
-                samples = tuple(routing.sample_index(t, rows[j].position, ctx.B) for j in sent)
-                call = self._call_or_drop(view, receiver, sent, samples, out, tokens, t, around)
+                samples = tuple(
+                    carried[j] if j < n else routing.sample_index(t, rows[j - n].position, ctx.B)
+                    for j in sent
+                )
+                older = sum(j < n for j in sent)
+                call = self._call_or_drop(view, receiver, sent, samples, out, tokens, t, around, older)
                 results[receiver] = group.create_task(call)
         # Rows whose gradient never came back are dropped from this step: their gradient stays 0.
         # (Rows a later stage lost came back with a zero gradient; that stage said so in an event.)
@@ -103,11 +128,13 @@ class RowSender:
         lost = set(range(out.shape[0]))
         reasons: list[str] = []
         dropped = 0  # rows whose call failed here
+        again: set[int] = set()
         for receiver, task in results.items():
             result = task.result()
-            if isinstance(result, str):
-                reasons.append(result)
+            if isinstance(result, Lost):
+                reasons.append(result.reason)
                 dropped += len(routes[receiver])
+                again.update(routes[receiver] if result.again else ())
                 continue
             sent, grad_rows, sample_losses, further = result
             grad[sent] = grad_rows.to(grad.device)
@@ -117,12 +144,13 @@ class RowSender:
             for i in further:  # lost further on: no gradient, whatever the reply held
                 grad[sent[i]] = 0.0
                 lost.add(sent[i])
+                again.add(sent[i])
         if dropped:
             self.dropped_samples += dropped
             ctx.events.emit(
                 events.Dropped(step=t, hop=ctx.stage, samples=dropped, side="sender", reasons=reasons)
             )
-        return Returned(grad, losses, frozenset(lost))
+        return Returned(grad, losses, frozenset(lost), frozenset(again))
 
     def _note_rerouted(
         self, t: int, planned: dict[int, list[int]], routes: dict[int, list[int]], around: tuple[int, ...]
@@ -152,7 +180,8 @@ class RowSender:
         tokens: torch.Tensor,
         t: int,
         around: Around,
-    ) -> GradRows | str:
+        carried: int = 0,
+    ) -> GradRows | Lost:
         """Forward `sent` rows to one receiver; if they are lost, why (for the Dropped event)."""
         ctx, hop = self.ctx, self.ctx.stage
         receiver = view.peer_at(hop + 1, receiver_rank)
@@ -171,10 +200,11 @@ class RowSender:
             scale=TensorMeta.of(acts[1]) if len(acts) > 1 else None,
             stands_in_for=around.stands_in_for,
             routes_around=around.routes_around,
+            carried=carried,
         )
         for attempt in range(SEND_ATTEMPTS):  # a live receiver whose stream broke gets them again
             if receiver in ctx.rounds.dead:
-                return f"{receiver} is gone"
+                return Lost(f"{receiver} is gone", again=True)
             try:
                 reply, tensors = await ctx.rounds.watched(
                     receiver,
@@ -195,22 +225,22 @@ class RowSender:
             except RemoteRefused as e:  # alive but disagrees (e.g. another view): drop these rows
                 logger.warning("stage %d peer %s refused step %d: %s", hop + 1, receiver, t, e)
                 ctx.events.emit(events.Refused(step=t, peer=receiver, reason=str(e)))
-                return str(e)
+                return Lost(str(e), again=False)  # it would refuse them again
             except (StreamTruncated, StreamClosed) as e:  # the stream broke, maybe not the receiver
                 last = attempt == SEND_ATTEMPTS - 1
                 if last or await ctx.rounds.suspect(receiver, f"forward of step {t} broke: {e}"):
-                    return f"{receiver}: {e}"
+                    return Lost(f"{receiver}: {e}", again=True)
                 logger.warning(
                     "the forward of step %d to %s broke (%s); sending it once more", t, receiver, e
                 )
                 ctx.events.emit(events.Retried(step=t, peer=receiver, reason=str(e)))
             except PeerUnavailable as e:
                 await ctx.rounds.suspect(receiver, f"forward of step {t} failed: {e}")
-                return f"{receiver}: {e}"
+                return Lost(f"{receiver}: {e}", again=True)
             except Implausible as e:  # absurd gradients (or losses): drop these rows, keep the peer
                 logger.warning("dropped the rows of step %d sent to %s: %s", t, receiver, e)
-                return f"{receiver}: {e}"
+                return Lost(f"{receiver}: {e}", again=False)  # it stays a receiver
             except MessageError as e:  # it answered with garbage: do not trust it again
                 ctx.rounds.mark_dead(receiver, f"malformed answer to the forward of step {t}: {e}")
-                return f"{receiver}: {e}"
+                return Lost(f"{receiver}: {e}", again=True)  # routed around from now on
         raise AssertionError("the last attempt always returns")

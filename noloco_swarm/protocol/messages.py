@@ -27,7 +27,8 @@ import torch
 # 2: forward and backward rows in a wire format (fp32, bf16, int8 + scale); 3: forward headers say
 # which gone replicas their rows are routed around; 4: stage 0 stands in for its gone replicas
 # (a version-3 stage 1 would refuse their rows), told of them in backward headers (`gone`);
-# 5: backward headers name the rows a later stage lost (`lost`)
+# 5: backward headers name the rows a later stage lost (`lost`), and forward headers the rows of
+# the step before that stage 0 feeds again (`carried`)
 PROTOCOL_VERSION = 5
 MAX_MESSAGE_BYTES = 1 << 20  # headers only; tensor payloads are streamed separately
 MAX_SEQUENCE = 1 << 16
@@ -393,12 +394,17 @@ class ForwardHeader(Message):
     # a healthy swarm.
     stands_in_for: tuple[int, ...] = ()
     routes_around: tuple[int, ...] = ()
+    # The first `carried` samples are rows of the step before, lost there and fed again with
+    # this step's (peer/carry.py); they ride with at least one row of this step. 0 when healthy.
+    carried: int = 0
 
     def __post_init__(self) -> None:
         _check_run_id(self.run_id)
         _check_counters(self.round, self.step, self.hop, self.sender_rank)
         _check_samples(self.samples, self.activations, self.tokens)
         wire_format(self.activations, self.scale)
+        if not 0 <= self.carried < len(self.samples):
+            raise ValueError(f"carried must be >= 0 and leave a row of this step, got {self.carried}")
         for name in ("stands_in_for", "routes_around"):
             ranks = getattr(self, name)
             if any(r < 0 for r in ranks) or list(ranks) != sorted(set(ranks)):

@@ -41,7 +41,7 @@ def test_rows_run_in_the_plans_order_whatever_order_they_arrive_in() -> None:
         first, second = arrival(1, [2], seed=2), arrival(0, [0, 1], seed=1)
         assert collector.add(first, allowed(first.sender)) is first and not collector.complete.is_set()
         assert collector.add(second, allowed(second.sender)) is second and collector.complete.is_set()
-        acts, toks, placement, rows = collector.batch()
+        acts, toks, placement, rows, _ = collector.batch()
         assert torch.equal(acts, torch.cat([second.activations, first.activations]))
         assert torch.equal(toks, torch.cat([second.tokens, first.tokens]))
         assert placement == [(second, [0, 1]), (first, [2])]
@@ -139,7 +139,7 @@ def test_a_stand_ins_rows_join_the_batch_in_row_order_and_fewer_rows_are_taken()
         other = arrival(1, [2], seed=5)
         collector.add(other, allowed(1))
         assert collector.complete.is_set()
-        acts, _, placement, rows = collector.batch()
+        acts, _, placement, rows, _ = collector.batch()
         assert rows == [Row(0, 0), Row(1, 0), Row(2, 1), Row(3, 1)]
         assert torch.equal(acts, torch.cat([mine.activations[:2], other.activations, mine.activations[2:]]))
         assert placement == [(mine, [0, 1, 3]), (other, [2])]

@@ -17,6 +17,7 @@ from noloco_swarm.cli.swarm import LocalSwarm, PeerProcess
 from noloco_swarm.cli.view import ReplicaStatus
 from noloco_swarm.peer.events import (
     KINDS,
+    Carried,
     Checkpointed,
     ChunkFetched,
     DonorLost,
@@ -113,6 +114,7 @@ def one_of_each() -> list[Event]:
         Dropped(step=5, hop=0, samples=2, side="receiver", senders=[1], time=10.5),
         Rerouted(step=6, hop=0, samples=3, around=[1], to=[0], time=10.7),
         StoodIn(step=7, samples=4, replicas=[1], time=10.8),
+        Carried(step=8, samples=2, time=10.9),
         Refused(step=5, peer="12D3KooWb1", reason="views of round 1 differ", time=11.0),
         Retried(step=5, peer="12D3KooWb1", reason="stream reset", time=12.0),
         Rejected(step=6, peer="12D3KooWb1", reason="distance", ratio=3.2e4, avoid_until=12, time=12.5),
