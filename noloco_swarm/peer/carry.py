@@ -52,11 +52,9 @@ class Carry:
     def take(self, step: int) -> tuple[list[int], torch.Tensor | None]:
         """The rows to feed at `step`: those kept at `step` - 1, in ascending sample order (none
         after a gap: a rejoin or a skipped step). Taken once."""
-        if self._step != step - 1 or not self._samples:
-            self.keep(-1, [], [])
-            return [], None
-        order = sorted(range(len(self._samples)), key=lambda j: self._samples[j])
-        samples = [self._samples[j] for j in order]
-        windows = torch.stack([self._windows[j] for j in order])
+        kept, samples, windows = self._step, self._samples, self._windows
         self.keep(-1, [], [])
-        return samples, windows
+        if kept != step - 1 or not samples:
+            return [], None
+        order = sorted(range(len(samples)), key=lambda j: samples[j])
+        return [samples[j] for j in order], torch.stack([windows[j] for j in order])
