@@ -216,6 +216,21 @@ class Carried(Event):
 
 
 @dataclass(frozen=True)
+class Unsent(Event):
+    """What this peer did not send `peer` for step `step`, which it had passed (it was at step
+    `at`) and would have refused as late: `samples` rows of a forward, or (`call` "exchange")
+    our weights for the outer step after inner step `step`. Such a peer fell behind: a stall,
+    a cut link."""
+
+    KIND: ClassVar[str] = "unsent"
+    step: int
+    peer: str
+    at: int
+    samples: int = 0
+    call: str = "forward"
+
+
+@dataclass(frozen=True)
 class Dropped(Event):
     """Samples of step `step` lost on hop `hop` (their gradient is zero this step).
 

@@ -77,6 +77,10 @@ class Avoided(Exception):
     """We do not exchange with this member now: its outer weights were rejected recently."""
 
 
+class Passed(Exception):
+    """We do not call this member: it trains on past this exchange (it gave up on us)."""
+
+
 class ExchangeBoard:
     """Exchange sessions by key: our tensors on offer, and what each partner sent us.
 
@@ -492,6 +496,11 @@ class OuterExchange:
                 return await self._await_caller(key, peer)
             except (PeerUnavailable, RemoteRefused, MessageError) as e:
                 return e
+        # A partner seen past the step where it waits for this exchange gave up on it and would
+        # refuse our weights as stale (we fell behind: a stall, a cut link): send nothing.
+        if (at := ctx.rounds.passed(peer, self.plan.step + ctx.cfg.outer.overlap_steps)) is not None:
+            ctx.events.emit(events.Unsent(step=self.plan.step, peer=peer, at=at, call="exchange"))
+            return Passed(f"{peer} is at step {at}, past the outer step after step {self.plan.step}")
         for attempt in range(CALL_ATTEMPTS):  # a live partner whose stream broke is called again
             try:
                 return await self.board.swap(peer, header, ours, timeout=ctx.deadlines.exchange)

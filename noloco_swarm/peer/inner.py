@@ -244,6 +244,7 @@ class InnerSteps:
 
     async def run(self, t: int) -> float | None:
         """Forward and backward of inner step t; the mean loss of the rows whose loss came back."""
+        self.sender.began = time.monotonic()
         if self.ctx.is_first:
             losses = await self._first_stage(t)
         else:

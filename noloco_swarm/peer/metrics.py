@@ -146,6 +146,11 @@ class Prometheus:
             "Samples stage 0 fed again at the step after the one where their gradient did not come back",
             registry=registry,
         )
+        self.unsent = Counter(
+            "noloco_unsent_samples",
+            "Samples not sent to a next-stage replica that had passed their step (this peer fell behind)",
+            registry=registry,
+        )
         self.retried = Counter(
             "noloco_retried_calls", "Calls made again after a broken stream", ["call"], registry=registry
         )
@@ -259,6 +264,9 @@ class Prometheus:
 
     def _on_carried(self, e: events.Carried) -> None:
         self.carried.inc(e.samples)
+
+    def _on_unsent(self, e: events.Unsent) -> None:
+        self.unsent.inc(e.samples)
 
     def _on_retried(self, e: events.Retried) -> None:
         self.retried.labels(e.call).inc()

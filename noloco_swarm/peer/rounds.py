@@ -111,6 +111,7 @@ class Rounds:
         self.detours = Detours(me, stage, self.dead)  # whom rows are routed around
         self.addresses: dict[str, tuple[str, ...]] = {}  # peer id -> announced addresses
         self.answered: dict[str, float] = {}  # peer id -> when it last answered a probe (monotonic)
+        self.seen: dict[str, messages.PeerStatus] = {}  # peer id -> its answer to our last probe
         self.evidence = Evidence(me, sink)  # which gone reports we believe
         self._reports: set[asyncio.Task[None]] = set()
         self.gate: Gate | None = None  # a closed run's: members are peers with a valid ticket
@@ -280,7 +281,7 @@ class Rounds:
         for attempt in range(2):
             try:
                 status = await ask_status(self.transport, peer, self.directory.run_id, PROBE_TIMEOUT)
-                self.answered[peer] = time.monotonic()
+                self.answered[peer], self.seen[peer] = time.monotonic(), status
                 return status
             except PeerUnavailable:
                 if attempt or self.transport.received_from(peer) > before:
@@ -302,6 +303,17 @@ class Rounds:
         if self.transport.received_from(peer) > before:
             return Refusal("it did not answer in time, but its data is still arriving")
         return None
+
+    def passed(self, peer: str, t: int, microbatch: int | None = None) -> int | None:
+        """The step `peer` was at when we last probed it, if it had passed step t then (with
+        `microbatch`: or had collected that microbatch of step t, and takes no new rows of it):
+        it refuses anything of that as stale now (a peer's steps only advance), so we send it
+        nothing of it. Only its own next answer updates this (a restarted peer's lower step too)."""
+        status = self.seen.get(peer)
+        if status is None:
+            return None
+        closed = microbatch is not None and tuple(status.collected) >= (t, microbatch)
+        return status.step if status.step > t or closed else None
 
     async def watched(self, peer: str, call: Awaitable[T], what: str) -> T:
         """Await `call` (a request to `peer`), probing `peer` every PROBE_PERIOD while it lasts:

@@ -206,6 +206,8 @@ class Peer:
             )
             await self.outer.finish(due_only=True)  # k steps after its boundary: wait if in flight
             if ctx.clock.outer_step_due(ctx.step):
+                if time.monotonic() - previous > ctx.deadlines.step:  # stalled before its exchange?
+                    await check_not_left_behind(ctx, t)
                 await failpoints.straggle(
                     phase, ctx.cfg.seed, ctx.stage, ctx.rank_at(t), ctx.view_at(t).round
                 )
@@ -344,6 +346,7 @@ class Peer:
             loss,
             resuming=self.resume.resuming,
             resumed_from=self.resume.resumed_from,
+            collected=self.inner.consumed if self.inner.consumed[0] >= 0 else (),
         )
         return status, []
 
@@ -352,7 +355,8 @@ async def check_not_left_behind(ctx: PeerContext, t: int) -> None:
     """After a step that outlasted the step deadline (this process was stopped, its link cut,
     or it waited on someone who was): if the others are already two rounds past ours, they
     have trained on without us and we are out of their views, or soon will be. Rejoin now,
-    instead of sending them rows for steps they left long ago."""
+    instead of sending them rows for steps they left long ago. Otherwise the steps they said
+    they are at (`Rounds.passed`) spare them our rows and weights of steps they passed."""
     view = ctx.view_at(t)
     others = sorted(view.members() - {ctx.me} - set(ctx.rounds.dead))
     async with asyncio.TaskGroup() as group:

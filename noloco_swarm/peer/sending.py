@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -80,6 +81,7 @@ class RowSender:
     def __init__(self, ctx: PeerContext) -> None:
         self.ctx = ctx
         self.dropped_samples = 0  # over the run
+        self.began = math.inf  # when this replica's current step began (monotonic; InnerSteps.run)
 
     async def send_on(
         self,
@@ -119,7 +121,7 @@ class RowSender:
                     for j in sent
                 )
                 older = sum(j < n for j in sent)
-                call = self._call_or_drop(view, receiver, sent, samples, out, tokens, t, around, older)
+                call = self._call_or_drop(view, receiver, sent, samples, out, tokens, (t, m), around, older)
                 results[receiver] = group.create_task(call)
         # Rows whose gradient never came back are dropped from this step: their gradient stays 0.
         # (Rows a later stage lost came back with a zero gradient; that stage said so in an event.)
@@ -170,6 +172,17 @@ class RowSender:
                 )
             )
 
+    async def _passed(self, receiver: str, t: int, m: int) -> int | None:
+        """The step `receiver` is at if it passed step t or collected its microbatch m: it would
+        refuse our rows as late, so they are not sent (no stale traffic from a peer that fell
+        behind). Known from our last probe of it; a step that outlasted the step deadline before
+        sending (this process was stopped, or waited on someone who was) asks it first."""
+        ctx = self.ctx
+        stalled = time.monotonic() - self.began > ctx.deadlines.step
+        if stalled and receiver not in ctx.rounds.dead and ctx.rounds.passed(receiver, t, m) is None:
+            await ctx.rounds.probe(receiver)
+        return ctx.rounds.passed(receiver, t, m)
+
     async def _call_or_drop(
         self,
         view: MembershipView,
@@ -178,13 +191,19 @@ class RowSender:
         samples: tuple[int, ...],
         out: torch.Tensor,
         tokens: torch.Tensor,
-        t: int,
+        slot: tuple[int, int],
         around: Around,
         carried: int = 0,
     ) -> GradRows | Lost:
-        """Forward `sent` rows to one receiver; if they are lost, why (for the Dropped event)."""
-        ctx, hop = self.ctx, self.ctx.stage
+        """Forward `sent` rows of `slot` (step, microbatch) to one receiver; if they are lost,
+        why (for the Dropped event)."""
+        ctx, hop, (t, m) = self.ctx, self.ctx.stage, slot
         receiver = view.peer_at(hop + 1, receiver_rank)
+        # (Only before the first call: a receiver past step t still answers a resend after a
+        # broken stream with what it computed for these rows.)
+        if (at := await self._passed(receiver, t, m)) is not None:
+            ctx.events.emit(events.Unsent(step=t, peer=receiver, at=at, samples=len(sent)))
+            return Lost(f"{receiver} is at step {at}, past step {t}: not sent", again=False)
         fmt, toks = ctx.cfg.wire.activations, tokens[sent].contiguous()
         acts = await asyncio.to_thread(wire.encode, out[sent].cpu(), fmt)  # encoded on the CPU
         header = ForwardHeader(

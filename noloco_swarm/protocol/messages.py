@@ -29,7 +29,7 @@ import torch
 # (a version-3 stage 1 would refuse their rows), told of them in backward headers (`gone`);
 # 5: backward headers name the rows a later stage lost (`lost`), and forward headers the rows of
 # the step before that stage 0 feeds again (`carried`)
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 MAX_MESSAGE_BYTES = 1 << 20  # headers only; tensor payloads are streamed separately
 MAX_SEQUENCE = 1 << 16
 MAX_STRING = 4096
@@ -631,10 +631,15 @@ class PeerStatus(Message):
     loss: float | None = None
     resuming: bool = False  # restarted from a checkpoint and waiting for its round's other members
     resumed_from: int | None = None  # the checkpoint's step this peer's swarm restarted from
+    # (step, microbatch) of the last rows it took out of collection: it takes no new rows of that
+    # microbatch or an earlier one (empty: none yet, or not a stage that receives rows).
+    collected: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         _check_run_id(self.run_id)
-        _check_counters(self.stage, self.step, self.round, self.outer_steps, self.tokens)
+        _check_counters(self.stage, self.step, self.round, self.outer_steps, self.tokens, *self.collected)
+        if len(self.collected) not in (0, 2):
+            raise ValueError(f"collected is a (step, microbatch) pair, got {self.collected}")
 
 
 @dataclass(frozen=True)

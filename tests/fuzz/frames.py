@@ -241,6 +241,7 @@ def rig() -> tuple[Transport, PeerContext]:
         outer=SimpleNamespace(taken=0),
         tokens=0,
         resume=SimpleNamespace(resuming=False, resumed_from=None),
+        inner=inner,
     )
     transport.register("rpc_status", functools.partial(Peer.rpc_status, status))  # type: ignore[arg-type]
     board = ExchangeBoard(transport, 8)

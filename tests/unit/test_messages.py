@@ -32,6 +32,7 @@ EXAMPLES: list[m.Message] = [
     m.StatusRequest("run-1"),
     m.PeerStatus("run-1", "12D3KooWabc", 0, 71, 7, 1, 7, 9088, 4.5),
     m.PeerStatus("run-1", "12D3KooWabc", 0, 0, 0, 0, 0, 0, None),
+    m.PeerStatus("run-1", "12D3KooWabc", 1, 71, 7, 1, 7, 9088, 4.5, collected=(71, 1)),
     # a stand-in of stage 1 for replicas 0 and 2, routing around replica 1 of stage 2
     m.ForwardHeader("run-1", 2, 117, 1, 3, (936, 937), ACT, TOK, stands_in_for=(0, 2), routes_around=(1,)),
     # a stage-0 replica feeding the rows of gone replica 0 from its shard
@@ -61,6 +62,10 @@ def forward_body(**changes: object) -> dict[str, object]:
     body = msgpack.unpackb(m.encode(EXAMPLES[2]))["b"]
     body.update(changes)
     return body
+
+
+def status_body() -> dict[str, object]:
+    return msgpack.unpackb(m.encode(m.PeerStatus("run-1", "12D3KooWabc", 1, 71, 7, 1, 7, 9088, 4.5)))["b"]
 
 
 @pytest.mark.parametrize(
@@ -98,6 +103,8 @@ def forward_body(**changes: object) -> dict[str, object]:
         (raw("backward", {**msgpack.unpackb(m.encode(EXAMPLES[3]))["b"], "lost": [2]}), "indices into"),
         (raw("backward", {**msgpack.unpackb(m.encode(EXAMPLES[3]))["b"], "lost": [1, 0]}), "ascending"),
         (raw("backward", {**msgpack.unpackb(m.encode(EXAMPLES[3]))["b"], "lost": [-1]}), "indices into"),
+        (raw("peer_status", {**status_body(), "collected": [71]}), "pair"),
+        (raw("peer_status", {**status_body(), "collected": [71, -1]}), "counters"),
         (b"\x00" * (m.MAX_MESSAGE_BYTES + 1), "exceeds"),
     ],
 )
