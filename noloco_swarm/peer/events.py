@@ -217,10 +217,10 @@ class Carried(Event):
 
 @dataclass(frozen=True)
 class Unsent(Event):
-    """What this peer did not send `peer` for step `step`, which it had passed (it was at step
-    `at`) and would have refused as late: `samples` rows of a forward, or (`call` "exchange")
-    our weights for the outer step after inner step `step`. Such a peer fell behind: a stall,
-    a cut link."""
+    """What this peer did not send `peer` for step `step`, which it had passed or was done
+    collecting rows of (it was at step `at`) and would have refused as late: `samples` rows of a
+    forward, or (`call` "exchange") our weights for the outer step after inner step `step`. Such
+    a peer fell behind: a stall, a cut link."""
 
     KIND: ClassVar[str] = "unsent"
     step: int

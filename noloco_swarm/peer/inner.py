@@ -132,10 +132,17 @@ class StepCollector:
             ):
                 raise MessageError(f"sender {arrival.sender} sent other rows for step {self.step}")
             return first
-        if self.closed:
+        if self.closed:  # without this sender: gave up on it, thought it gone, or had a stand-in
+            how = (
+                "having marked their sender gone"
+                if arrival.sender in self._gone_before
+                else "without them"
+                if arrival.sender in self.gone
+                else "from a stand-in of their sender"
+            )
             raise MessageError(
                 f"rows for step {self.step} (microbatch {self.microbatch}) came after this replica "
-                "had collected them"
+                f"had collected them ({how})"
             )
         # Two senders with one row: a stage-0 replica believed gone (and stood in for) that runs.
         taken = {row for other in self.arrivals.values() for row in other.rows} & set(rows)

@@ -203,7 +203,8 @@ class RowSender:
         # broken stream with what it computed for these rows.)
         if (at := await self._passed(receiver, t, m)) is not None:
             ctx.events.emit(events.Unsent(step=t, peer=receiver, at=at, samples=len(sent)))
-            return Lost(f"{receiver} is at step {at}, past step {t}: not sent", again=False)
+            where = f"past step {t}" if at > t else f"done collecting microbatch {m} of step {t}"
+            return Lost(f"{receiver} is at step {at}, {where}: not sent", again=False)
         fmt, toks = ctx.cfg.wire.activations, tokens[sent].contiguous()
         acts = await asyncio.to_thread(wire.encode, out[sent].cpu(), fmt)  # encoded on the CPU
         header = ForwardHeader(

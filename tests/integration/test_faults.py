@@ -94,19 +94,22 @@ def test_a_peer_frozen_past_the_deadline_is_dropped_and_rejoins_by_itself(
     assert late_drops == [], late_drops
     # No stale traffic from the thawed peer: it asks the others where they are before it sends
     # rows or weights of a step they may have passed, and skips what they passed or collected.
-    # What no look can foresee remains: a receiver still waiting for its rows whose deadline ends
-    # between our look and their arrival refuses them; that race can cost each receiver at most
-    # the rows of the step it happens in. (Before the look, a thawed stage-0 peer sent the steps
-    # it had missed: in one run 3 sends were refused as stale, 2 of them by the same receiver.)
+    # What no look can foresee remains: a receiver still waiting for its rows that gives up on
+    # them between our look and their arrival refuses them; that race can cost each receiver at
+    # most the rows of the step it happens in. (Before the look, a thawed stage-0 peer sent the
+    # steps it had missed: in one run 3 sends were refused as stale, 2 by the same receiver.)
     unsent = of_kind(mine, Unsent)
-    assert all(e.at > e.step for e in unsent), unsent
+    assert all(e.at > e.step or (e.at == e.step and e.call == "forward") for e in unsent), unsent
     stale = [e for e in of_kind(mine, Refused) if e.time > stopped and _stale(e.reason)]
     assert len({e.peer for e in stale}) == len(stale), stale
 
 
 def _stale(reason: str) -> bool:
-    """Did a receiver refuse rows as too late (past their step, or done collecting them)?"""
-    return "came late" in reason or "had collected them" in reason
+    """Did a receiver refuse rows as too late: past their step, or done collecting them without
+    them? (Not: it had marked their sender gone before the step began, or took the same rows
+    from the sender's stand-in: until the boundary where the swarm decides about a peer that
+    answers again, both happen to a thawed peer it keeps; docs/membership.md, "Known limits".)"""
+    return "came late" in reason or "had collected them (without them)" in reason
 
 
 def test_a_peer_killed_while_writing_a_checkpoint_comes_back_from_its_last_whole_one(
