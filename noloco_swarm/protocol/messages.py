@@ -28,7 +28,8 @@ import torch
 # which gone replicas their rows are routed around; 4: stage 0 stands in for its gone replicas
 # (a version-3 stage 1 would refuse their rows), told of them in backward headers (`gone`);
 # 5: backward headers name the rows a later stage lost (`lost`), and forward headers the rows of
-# the step before that stage 0 feeds again (`carried`)
+# the step before that stage 0 feeds again (`carried`); 6: status answers say which microbatch
+# a receiver collected last (`collected`), so a peer that fell behind sends it nothing stale
 PROTOCOL_VERSION = 6
 MAX_MESSAGE_BYTES = 1 << 20  # headers only; tensor payloads are streamed separately
 MAX_SEQUENCE = 1 << 16
