@@ -312,7 +312,7 @@ class Rounds:
         status = self.seen.get(peer)
         if status is None:
             return None
-        closed = microbatch is not None and tuple(status.collected) >= (t, microbatch)
+        closed = microbatch is not None and status.collected >= (t, microbatch)
         return status.step if status.step > t or closed else None
 
     async def watched(self, peer: str, call: Awaitable[T], what: str) -> T:

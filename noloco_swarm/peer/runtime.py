@@ -179,8 +179,7 @@ class Peer:
         while ctx.step < self.steps:
             t = ctx.step
             phase = time.monotonic() if ctx.clock.outer_step_due(t) else phase  # a round begins
-            if time.monotonic() - previous > ctx.deadlines.step:  # frozen, or cut off?
-                await check_not_left_behind(ctx, t)
+            await look_if_stalled(ctx, t, previous)  # frozen, or cut off?
             previous = time.monotonic()
             start = time.perf_counter()
             lr = ctx.replica.lr_at(t)
@@ -206,8 +205,7 @@ class Peer:
             )
             await self.outer.finish(due_only=True)  # k steps after its boundary: wait if in flight
             if ctx.clock.outer_step_due(ctx.step):
-                if time.monotonic() - previous > ctx.deadlines.step:  # stalled before its exchange?
-                    await check_not_left_behind(ctx, t)
+                previous = await look_if_stalled(ctx, t, previous)  # stalled before its exchange?
                 await failpoints.straggle(
                     phase, ctx.cfg.seed, ctx.stage, ctx.rank_at(t), ctx.view_at(t).round
                 )
@@ -349,6 +347,15 @@ class Peer:
             collected=self.inner.consumed if self.inner.consumed[0] >= 0 else (),
         )
         return status, []
+
+
+async def look_if_stalled(ctx: PeerContext, t: int, since: float) -> float:
+    """`check_not_left_behind` if more than the step deadline passed since `since` (monotonic)
+    at step t; when this look was made, or `since` if none was needed."""
+    if time.monotonic() - since <= ctx.deadlines.step:
+        return since
+    await check_not_left_behind(ctx, t)
+    return time.monotonic()
 
 
 async def check_not_left_behind(ctx: PeerContext, t: int) -> None:

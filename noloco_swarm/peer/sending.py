@@ -176,10 +176,12 @@ class RowSender:
         """The step `receiver` is at if it passed step t or collected its microbatch m: it would
         refuse our rows as late, so they are not sent (no stale traffic from a peer that fell
         behind). Known from our last probe of it; a step that outlasted the step deadline before
-        sending (this process was stopped, or waited on someone who was) asks it first."""
+        sending (this process was stopped, or waited on someone who was) asks it first, once: a
+        receiver that answered since the step's deadline passed was asked after the stall."""
         ctx = self.ctx
-        stalled = time.monotonic() - self.began > ctx.deadlines.step
-        if stalled and receiver not in ctx.rounds.dead and ctx.rounds.passed(receiver, t, m) is None:
+        stall = self.began + ctx.deadlines.step
+        unasked = ctx.rounds.answered.get(receiver, -math.inf) < stall < time.monotonic()
+        if unasked and receiver not in ctx.rounds.dead and ctx.rounds.passed(receiver, t, m) is None:
             await ctx.rounds.probe(receiver)
         return ctx.rounds.passed(receiver, t, m)
 
