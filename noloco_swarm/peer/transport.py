@@ -26,8 +26,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 import torch
 from hivemind.p2p import P2P, PeerID
@@ -66,9 +66,11 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 PROTOCOL = "noloco_swarm.transport.v1"
 _IDLE_PER_PEER = 4  # streams a caller keeps for reuse per remote peer (more are closed)
+_BACKOFF_POLL = 0.5  # seconds between dials while our daemon backs off from a peer
 
 
 class _LostReply:
@@ -141,6 +143,7 @@ class Transport:
         self._server = Server(self.config, self._counts_for)
         self._idle = _IdleStreams(self.config.header_timeout / 3)
         self._opened: dict[str, int] = {}  # streams our calls opened, per remote peer
+        self._unreached: dict[str, str] = {}  # peer -> why our last dial of it failed (none since)
         self._started = self._closed = False
 
     @classmethod
@@ -266,7 +269,9 @@ class Transport:
                 maddrs.append(dialable(Multiaddr(address), peer_id))
         try:
             async with asyncio.timeout(timeout):
-                await self._p2p._client.connect(PeerID.from_base58(peer_id), maddrs)
+                await self._dial(
+                    peer_id, lambda: self._p2p._client.connect(PeerID.from_base58(peer_id), maddrs)
+                )
         except (ControlFailure, P2PDaemonError, OSError, TimeoutError, ValueError) as e:
             logger.debug("could not connect to %s: %s", peer_id, e)
             return False
@@ -331,8 +336,8 @@ class Transport:
                         return await self._frames(peer, verb, kept, envelope, wire, counts, expect, confirmed)
                     except _Unanswered:
                         pass  # the callee had let this stream go: a fresh one, as without reuse
-                _, reader, writer = await self._p2p.call_binary_stream_handler(
-                    PeerID.from_base58(peer), PROTOCOL
+                _, reader, writer = await self._dial(
+                    peer, lambda: self._p2p.call_binary_stream_handler(PeerID.from_base58(peer), PROTOCOL)
                 )
                 self._opened[peer] = self._opened.get(peer, 0) + 1
                 return await self._frames(
@@ -344,6 +349,30 @@ class Transport:
             raise PeerUnavailable(f"peer {peer} did not complete {verb} within {timeout:.1f} s") from e
         except (P2PDaemonError, OSError, EOFError) as e:  # dial failed, or the stream broke
             raise PeerUnavailable(f"peer {peer} is unreachable for {verb}: {e}") from e
+
+    async def _dial(self, peer: str, dial: Callable[[], Awaitable[T]]) -> T:
+        """`dial()` (a connect, or a stream open that may dial), waiting out our daemon's dial
+        backoff (within the caller's deadline) unless a dial of ours explains it.
+
+        After a failed dial our daemon refuses for about 5 s (longer after repeated failures) to
+        dial the same address again, answering "dial backoff" at once. A dial we made ourselves
+        that failed is evidence about the peer, and so is the backoff after it. One we did not
+        see (our DHT node's, on the same daemon: it gives up on a slow handshake within its own
+        short timeout) is not: failing our call on its backoff once marked a live peer gone at
+        the first step of a swarm started on a loaded machine."""
+        while True:
+            try:
+                result = await dial()
+            except P2PDaemonError as e:
+                if not backed_off(e):
+                    self._unreached[peer] = str(e)
+                    raise
+                if peer in self._unreached:
+                    raise P2PDaemonError(f"{e} (after: {self._unreached[peer]})") from e
+                await asyncio.sleep(_BACKOFF_POLL)
+            else:
+                self._unreached.pop(peer, None)
+                return result
 
     async def _frames(
         self,
@@ -381,6 +410,14 @@ class Transport:
 
     def _counts_for(self, peer: str) -> ByteCounts:
         return self._counts.setdefault(peer, ByteCounts())
+
+
+def backed_off(error: BaseException) -> bool:
+    """Did our daemon refuse a dial only because earlier dials of the same addresses failed? (Its
+    message lists each address it tried, with why it failed.)"""
+    text = str(error)
+    tried = [line.strip() for line in text.splitlines() if line.strip().startswith("* [")]
+    return "dial backoff" in text and all(line.endswith("dial backoff") for line in tried)
 
 
 def dialable(address: Multiaddr, peer_id: str) -> Multiaddr:

@@ -7,15 +7,19 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Coroutine, Iterator
+from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
 import torch
 from hivemind.p2p import PeerID
+from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
+from hivemind.utils.multiaddr import Multiaddr
 
 from noloco_swarm.peer import failpoints, lifetime, streams
 from noloco_swarm.peer.exchange import ExchangeBoard
@@ -28,6 +32,7 @@ from noloco_swarm.peer.transport import (
     RemoteRefused,
     Transport,
     TransportConfig,
+    backed_off,
 )
 from noloco_swarm.protocol import messages as m
 from tests.integration.helpers import p2pd_descendants
@@ -497,6 +502,50 @@ def test_a_fresh_daemon_dials_a_peer_at_its_announced_addresses(
         assert reply == m.Ack("fetch_state")  # the echo handler names what it got
     finally:
         run(loop, c.shutdown())
+
+
+def test_a_call_waits_out_a_dial_backoff_that_no_dial_of_its_own_explains(
+    loop: asyncio.AbstractEventLoop, pair: tuple[Transport, Transport], tmp_path: Path
+) -> None:
+    """A dial of `a`'s daemon that `a`'s transport did not make (its DHT node's, in a peer) fails
+    while `c` is down; `c` comes back at the same address, while the daemon still backs off from
+    it. A call waits the backoff out instead of failing at once (which marked a live peer gone at
+    step 0 in CI). After a dial of the transport's own failed, the backoff is evidence: at once."""
+    a, _ = pair
+    key, port = str(tmp_path / "c.key"), free_port()
+    address = f"/ip4/127.0.0.1/tcp/{port}"
+    c = run(loop, Transport.create(host_maddrs=(address,), identity_path=key, config=CONFIG))
+    c_id = c.peer_id
+    run(loop, c.shutdown())
+
+    def backed_off_now() -> str:
+        with pytest.raises(P2PDaemonError) as failed:  # the daemon's own dial, as a DHT node's
+            run(loop, a.p2p._client.connect(PeerID.from_base58(c_id), [Multiaddr(address)]))
+        return str(failed.value)
+
+    assert "connection refused" in backed_off_now()
+    c = run(loop, Transport.create(host_maddrs=(address,), identity_path=key, config=CONFIG))
+    try:
+        c.register("rpc_echo", echo)
+        assert backed_off(P2PDaemonError(backed_off_now()))  # what a call's first dial meets
+        reply, _ = run(loop, a.call(c_id, "rpc_echo", m.StateRequest("run", 0), timeout=20))
+        assert reply == m.Ack("fetch_state")
+    finally:
+        run(loop, c.shutdown())
+    assert not run(loop, a.connect(c_id, [address], timeout=10))  # the transport's own dial
+    c = run(loop, Transport.create(host_maddrs=(address,), identity_path=key, config=CONFIG))
+    try:
+        c.register("rpc_echo", echo)
+        with pytest.raises(PeerUnavailable, match=r"(?s)dial backoff.*after: .*connection refused"):
+            run(loop, a.call(c_id, "rpc_echo", m.StateRequest("run", 0), timeout=20))
+    finally:
+        run(loop, c.shutdown())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def test_shut_down_peer_is_unavailable_within_the_deadline(
