@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Set up (if needed), lint, and run the whole test suite. The README's test command.
 #
-# With no arguments the suite runs in two lanes side by side: the integration tests (real peer
-# processes and daemons, which spend most of their time waiting on each other), and the in-process
-# tests (unit, simulator, fuzz: CPU-bound) followed by the compose testbed's test (mostly building
-# images). The integration tests must pass on a loaded machine anyway (stress-ng); the second lane
-# saves about seven minutes. Its report is printed after the integration lane's. With arguments:
-# one pytest run of exactly those.
+# With no arguments the suite runs in two lanes side by side, each about half of it: most of the
+# integration tests (real peer processes and daemons, which spend most of their time waiting on
+# each other), and the in-process tests (unit, simulator, fuzz: CPU-bound), the compose testbed's
+# test (mostly building images) and the rest of the integration tests (SECOND_LANE: the namespace
+# testbed's stay in one lane with the compose test, one after the other). The integration tests
+# must pass on a loaded machine anyway (stress-ng). One lane took 29-31 minutes; two take about 20.
+# The second lane's report is printed after the first's. With arguments: one pytest run of exactly
+# those.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -17,10 +19,17 @@ if [ "$#" -gt 0 ]; then
 fi
 report=$(mktemp)
 compose=tests/integration/test_compose.py
+SECOND_LANE=(
+    tests/integration/test_testbed.py
+    tests/integration/test_faults.py
+    tests/integration/test_terminal.py
+    tests/integration/test_trust.py
+)
 second_lane() {
     local status=0
     .venv/bin/python -m pytest -m "not integration" -p no:cacheprovider || status=$?
     .venv/bin/python -m pytest -p no:cacheprovider "$compose" || status=$?
+    .venv/bin/python -m pytest -m integration -p no:cacheprovider "${SECOND_LANE[@]}" || status=$?
     return "$status"
 }
 second_lane >"$report" 2>&1 &
@@ -29,11 +38,13 @@ lane=$!
 # make the script's exit status 1 after both lanes passed: every command here must succeed.
 trap 'pkill -P "$lane" 2>/dev/null || true; kill "$lane" 2>/dev/null || true; rm -f "$report"' EXIT
 integration=0
-.venv/bin/python -m pytest -m integration --ignore "$compose" || integration=$?
+ignored=()
+for file in "$compose" "${SECOND_LANE[@]}"; do ignored+=(--ignore "$file"); done
+.venv/bin/python -m pytest -m integration "${ignored[@]}" || integration=$?
 second=0
 wait "$lane" || second=$?
 echo
-echo "==== the second lane (pytest -m 'not integration', then $compose) ===="
+echo "==== the second lane (pytest -m 'not integration', then $compose, then ${SECOND_LANE[*]}) ===="
 cat "$report"
-echo "test.sh: integration lane exit $integration, second lane exit $second"
+echo "test.sh: first lane exit $integration, second lane exit $second"
 [ "$integration" = 0 ] && [ "$second" = 0 ]
