@@ -46,6 +46,9 @@ PROBE_TIMEOUT = 5.0
 # A peer that failed a probe but answered one this recently keeps its connection, and gets a second
 # probe before it is reported gone.
 RECENTLY = 15.0
+# How often a founding peer reads the directory until round 0 is complete: the peers start
+# training within about this much of each other, and the first step waits for the last.
+FREEZE_POLL = 0.1
 KEEP_ROUNDS = 3  # views kept: a request may name the round before ours or the next one
 # What a read of the run's directory returns: the peers listed, and (peer, reporter, round) reports.
 Directory = tuple[list[Listing], list[tuple[str, str, int]]]
@@ -209,7 +212,7 @@ class Rounds:
                 return view
             if time.monotonic() > deadline:
                 raise TimeoutError(f"only {there} peers per stage after {timeout:.0f} s; need {list(counts)}")
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(FREEZE_POLL)
 
     async def read_directory(self) -> Directory:
         """The run's listings and gone reports, for `next`; empty if the DHT cannot be read twice
