@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -15,6 +16,13 @@ from noloco_swarm.cli.swarm import end_group
 from noloco_swarm.peer.lifetime import parent_death_signal
 
 MADDR = re.compile(r"(/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+)")
+
+
+def unused_port() -> int:
+    """A port nothing listens on (bound once to find it, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def descendants(pid: int) -> set[int]:

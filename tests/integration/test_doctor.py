@@ -20,7 +20,7 @@ from noloco_swarm.peer.directory import MANIFEST_TTL, RunDirectory, manifest_key
 from noloco_swarm.peer.node import start_dht
 from noloco_swarm.protocol.messages import RunManifest
 from noloco_swarm.train.config import NetworkConfig
-from tests.integration.helpers import p2pd_descendants, process_group
+from tests.integration.helpers import p2pd_descendants, process_group, unused_port
 
 pytestmark = pytest.mark.integration
 # A well-formed peer id whose node is nowhere near this machine.
@@ -39,13 +39,6 @@ def listening() -> Iterator[int]:
         s.bind(("127.0.0.1", 0))
         s.listen(1)
         yield s.getsockname()[1]
-
-
-def unused_port() -> int:
-    """A port nothing listens on (bound once to find it, then released)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def lines_of(out: str, prefix: str) -> list[str]:

@@ -7,7 +7,6 @@ import contextlib
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -35,7 +34,7 @@ from noloco_swarm.peer.transport import (
     backed_off,
 )
 from noloco_swarm.protocol import messages as m
-from tests.integration.helpers import p2pd_descendants
+from tests.integration.helpers import p2pd_descendants, unused_port
 
 pytestmark = pytest.mark.integration
 LIMIT = 64 << 20  # tensor bytes one frame may announce, in these tests
@@ -512,22 +511,22 @@ def test_a_call_waits_out_a_dial_backoff_that_no_dial_of_its_own_explains(
     it. A call waits the backoff out instead of failing at once (which marked a live peer gone at
     step 0 in CI). After a dial of the transport's own failed, the backoff is evidence: at once."""
     a, _ = pair
-    key, port = str(tmp_path / "c.key"), free_port()
+    key, port = str(tmp_path / "c.key"), unused_port()
     address = f"/ip4/127.0.0.1/tcp/{port}"
     c = run(loop, Transport.create(host_maddrs=(address,), identity_path=key, config=CONFIG))
     c_id = c.peer_id
     run(loop, c.shutdown())
 
-    def backed_off_now() -> str:
+    def dial_from_the_daemon() -> str:
         with pytest.raises(P2PDaemonError) as failed:  # the daemon's own dial, as a DHT node's
             run(loop, a.p2p._client.connect(PeerID.from_base58(c_id), [Multiaddr(address)]))
         return str(failed.value)
 
-    assert "connection refused" in backed_off_now()
+    assert "connection refused" in dial_from_the_daemon()
     c = run(loop, Transport.create(host_maddrs=(address,), identity_path=key, config=CONFIG))
     try:
         c.register("rpc_echo", echo)
-        assert backed_off(P2PDaemonError(backed_off_now()))  # what a call's first dial meets
+        assert backed_off(P2PDaemonError(dial_from_the_daemon()))  # what a call's first dial meets
         reply, _ = run(loop, a.call(c_id, "rpc_echo", m.StateRequest("run", 0), timeout=20))
         assert reply == m.Ack("fetch_state")
     finally:
@@ -540,12 +539,6 @@ def test_a_call_waits_out_a_dial_backoff_that_no_dial_of_its_own_explains(
             run(loop, a.call(c_id, "rpc_echo", m.StateRequest("run", 0), timeout=20))
     finally:
         run(loop, c.shutdown())
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_shut_down_peer_is_unavailable_within_the_deadline(
