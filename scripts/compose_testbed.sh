@@ -3,7 +3,6 @@
 # peers in containers, show them with `noloco status`, check the result, and always tear down.
 #
 #   scripts/compose_testbed.sh [--steps N] [--slow stage1-b=4mbit] [--out DIR] ...
-#   scripts/compose_testbed.sh --prepare    # only get the engine and images ready, run nothing
 #
 # Options go to noloco_swarm/cli/compose.py (--help lists them). It exits 0 when the run passed,
 # 1 when a check failed, 2 on a hang, 3 when something it needs is missing (it says what to do).
@@ -20,17 +19,12 @@ TORCH_VERSION="${NOLOCO_TORCH_VERSION:-2.13.0}"
 STARTED_DOCKERD=""
 COMPOSE=()
 
-PREPARE=""
 for arg in "$@"; do  # help needs no engine
-    case "$arg" in
-        -h | --help) exec "${PYTHON:-python3}" -m noloco_swarm.cli.compose --help ;;
-        --prepare) PREPARE=1 ;;
-    esac
+    case "$arg" in -h | --help) exec "${PYTHON:-python3}" -m noloco_swarm.cli.compose --help ;; esac
 done
 
 say() { echo "compose_testbed: $*" >&2; }
 missing() { say "$*"; exit 3; }
-[ -z "$PREPARE" ] || [ $# = 1 ] || missing "--prepare takes no other option (it runs nothing)"
 
 cleanup() {
     local rc=$?
@@ -139,11 +133,6 @@ if [ -n "$CACHE_TAR" ] && [ ! -s "$CACHE_TAR" ]; then
     images=("$IMAGE")
     [ "$BASE" = "$LOCAL_BASE" ] && images+=("$LOCAL_BASE")  # a pulled base comes back by pull
     docker save -o "$CACHE_TAR.tmp" "${images[@]}" && mv "$CACHE_TAR.tmp" "$CACHE_TAR" && say "images cached in $CACHE_TAR"
-fi
-
-if [ -n "$PREPARE" ]; then
-    say "engine and images ready (--prepare: nothing run)"
-    exit 0
 fi
 
 # --- run, check, tear down (the helper takes the project down itself; the trap is the backstop)

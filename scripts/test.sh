@@ -3,12 +3,11 @@
 #
 # With no arguments the suite runs in two lanes side by side, each about half of it: most of the
 # integration tests (real peer processes and daemons, which spend most of their time waiting on
-# each other), and the in-process tests (unit, simulator, fuzz: CPU-bound), the rest of the
-# integration tests (SECOND_LANE), the compose testbed's test and the namespace testbed's
-# (AFTER_COMPOSE: dockerd's forwarding rules and namespace bridges, one after the other). The
-# compose images are built in the background from the lane's start: on a fresh machine that takes
-# 4-5 minutes, which CI paid on the lane's path before (34 minutes; 30 with the images cached).
-# The integration tests must pass on a loaded machine anyway (stress-ng).
+# each other), and the in-process tests (unit, simulator, fuzz: CPU-bound), the compose testbed's
+# test (mostly building images) and the rest of the integration tests (SECOND_LANE: the namespace
+# testbed's stay in one lane with the compose test, one after the other). The integration tests
+# must pass on a loaded machine anyway (stress-ng). One lane took 31-35 minutes of CI; two lanes,
+# each slowed by the other, about 27.
 # The second lane's report is printed after the first's. With arguments: one pytest run of exactly
 # those.
 set -euo pipefail
@@ -22,6 +21,7 @@ fi
 report=$(mktemp)
 compose=tests/integration/test_compose.py
 SECOND_LANE=(
+    tests/integration/test_testbed.py
     tests/integration/test_faults.py
     tests/integration/test_terminal.py
     tests/integration/test_trust.py
@@ -29,36 +29,26 @@ SECOND_LANE=(
     tests/integration/test_metrics.py
     tests/integration/test_join_logs.py
 )
-AFTER_COMPOSE=(tests/integration/test_testbed.py)  # namespaces: not while the compose test's dockerd runs
 second_lane() {
-    local status=0 prepare
-    # The compose testbed's images (on a fresh machine: debootstrap, then a pip install in a
-    # docker build and a docker save, 4-5 minutes of mostly downloads and disk) are made ready
-    # while the tests before the compose test run. What fails here, the compose test meets again
-    # and reports.
-    (bash scripts/compose_testbed.sh --prepare && echo "test.sh: compose images ready $SECONDS s into the run") >"$report.prepare" 2>&1 &
-    prepare=$!
+    local status=0
     .venv/bin/python -m pytest -m "not integration" -p no:cacheprovider || status=$?
-    .venv/bin/python -m pytest -m integration -p no:cacheprovider "${SECOND_LANE[@]}" || status=$?
-    wait "$prepare" || echo "test.sh: preparing the compose images failed (the compose test reports why):"
-    cat "$report.prepare"
     .venv/bin/python -m pytest -p no:cacheprovider "$compose" || status=$?
-    .venv/bin/python -m pytest -m integration -p no:cacheprovider "${AFTER_COMPOSE[@]}" || status=$?
+    .venv/bin/python -m pytest -m integration -p no:cacheprovider "${SECOND_LANE[@]}" || status=$?
     return "$status"
 }
 second_lane >"$report" 2>&1 &
 lane=$!
 # Under set -e a failing command in the trap (pkill finds nothing once the lane has ended) would
 # make the script's exit status 1 after both lanes passed: every command here must succeed.
-trap 'pkill -P "$lane" 2>/dev/null || true; kill "$lane" 2>/dev/null || true; rm -f "$report" "$report.prepare"' EXIT
+trap 'pkill -P "$lane" 2>/dev/null || true; kill "$lane" 2>/dev/null || true; rm -f "$report"' EXIT
 integration=0
 ignored=()
-for file in "$compose" "${SECOND_LANE[@]}" "${AFTER_COMPOSE[@]}"; do ignored+=(--ignore "$file"); done
+for file in "$compose" "${SECOND_LANE[@]}"; do ignored+=(--ignore "$file"); done
 .venv/bin/python -m pytest -m integration "${ignored[@]}" || integration=$?
 second=0
 wait "$lane" || second=$?
 echo
-echo "==== the second lane (pytest -m 'not integration', then ${SECOND_LANE[*]}, then $compose, then ${AFTER_COMPOSE[*]}) ===="
+echo "==== the second lane (pytest -m 'not integration', then $compose, then ${SECOND_LANE[*]}) ===="
 cat "$report"
 echo "test.sh: first lane exit $integration, second lane exit $second"
 [ "$integration" = 0 ] && [ "$second" = 0 ]
