@@ -178,9 +178,16 @@ class RunDirectory:
 
     def read_peers(self) -> DirectoryReadout:
         """Every live, well-formed announcement of this run (subkey must equal the peer id)."""
-        good, bad = self._read(peers_key(self.run_id), messages.PeerAnnouncement)
-        good.sort(key=lambda a: a.peer_id)
-        return DirectoryReadout(good, bad)
+        return _readout(*self._records(self._get(peers_key(self.run_id)), messages.PeerAnnouncement))
+
+    def read_both(self) -> tuple[DirectoryReadout, list[tuple[str, str, int]]]:
+        """`read_peers()` and `read_reports()` in one DHT lookup, as every boundary reads them:
+        one traversal of the DHT for both keys instead of one each."""
+        keys = (peers_key(self.run_id), gone_key(self.run_id))
+        found = self._wait(self.dht.run_coroutine(functools.partial(_get_latest, keys), return_future=True))
+        peers = _readout(*self._records(found.get(keys[0]), messages.PeerAnnouncement))
+        reports, _ = self._records(found.get(keys[1]), messages.GoneReport)
+        return peers, [(r.peer_id, r.reporter, r.round) for r in reports]
 
     def rebootstrap(self, peer_ids: Sequence[str]) -> int:
         """Ping `peer_ids` (the run's entry points) from our DHT node and look up our neighbours
@@ -209,11 +216,11 @@ class RunDirectory:
             future.cancel()
             raise TimeoutError(f"the DHT did not answer within {DHT_CALL_TIMEOUT:.0f} s") from None
 
-    def _read(self, key: str, cls: type[R]) -> tuple[list[R], int]:
-        """Well-formed records of `cls` under `key` that name this run, sit under their own subkey
-        and speak for the peer who signed them, and how many others there were (garbage, another
-        run, unsigned, a subkey that lies about its record, a writer speaking for someone else)."""
-        found = self._get(key)
+    def _records(self, found: ValueWithExpiration | None, cls: type[R]) -> tuple[list[R], int]:
+        """Well-formed records of `cls` in `found` (what the DHT holds under one key) that name
+        this run, sit under their own subkey and speak for the peer who signed them, and how many
+        others there were (garbage, another run, unsigned, a subkey that lies about its record, a
+        writer speaking for someone else)."""
         if found is None or not isinstance(found.value, dict):
             return [], 0
         good, bad = [], 0
@@ -253,8 +260,17 @@ class RunDirectory:
 
     def read_reports(self) -> list[tuple[str, str, int]]:
         """(peer, reporter, round) of every signed gone report on record (each by its reporter)."""
-        reports, _ = self._read(gone_key(self.run_id), messages.GoneReport)
+        reports, _ = self._records(self._get(gone_key(self.run_id)), messages.GoneReport)
         return [(r.peer_id, r.reporter, r.round) for r in reports]
+
+
+def _readout(announcements: list[messages.PeerAnnouncement], malformed: int) -> DirectoryReadout:
+    return DirectoryReadout(sorted(announcements, key=lambda a: a.peer_id), malformed)
+
+
+async def _get_latest(keys: tuple[str, ...], _: DHT, node: DHTNode) -> dict[str, ValueWithExpiration | None]:
+    # as DHT.get(key, latest=True) for each key, in one traversal (runs where the DHT node runs)
+    return dict(await node.get_many(keys, sufficient_expiration_time=float("inf")))
 
 
 async def _ping_entry_points(peer_ids: tuple[str, ...], _: DHT, node: DHTNode) -> int:

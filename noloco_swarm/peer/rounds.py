@@ -172,7 +172,10 @@ class Rounds:
     def read_peers(self) -> list[messages.PeerAnnouncement]:
         """Live announcements (blocking: call in a thread); remembers everyone's addresses. In a
         closed run, only those with a valid ticket (whose peers the gate then admits)."""
-        announcements = self.directory.read_peers().announcements
+        return self._admitted(self.directory.read_peers().announcements)
+
+    def _admitted(self, announcements: list[messages.PeerAnnouncement]) -> list[messages.PeerAnnouncement]:
+        """In a closed run, only announcements with a valid ticket; remembers their addresses."""
         if self.gate is not None:
             announcements = [a for a in announcements if self.gate.admit_announced(a)]
         for a in announcements:
@@ -268,8 +271,9 @@ class Rounds:
         return view
 
     def _read_directory(self) -> Directory:
-        listings = [Listing(a.peer_id, a.stage, a.joined_round) for a in self.read_peers()]
-        return listings, self.directory.read_reports()
+        peers, reports = self.directory.read_both()
+        listings = [Listing(a.peer_id, a.stage, a.joined_round) for a in self._admitted(peers.announcements)]
+        return listings, reports
 
     # ------------------------------------------------------------------ reaching and losing peers
 
