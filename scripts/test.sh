@@ -6,8 +6,10 @@
 # each other), and the in-process tests (unit, simulator, fuzz: CPU-bound), the compose testbed's
 # test (mostly building images) and the rest of the integration tests (SECOND_LANE: the namespace
 # testbed's stay in one lane with the compose test, one after the other). The integration tests
-# must pass on a loaded machine anyway (stress-ng). One lane took 31-35 minutes of CI; two lanes,
-# each slowed by the other, about 27.
+# must pass on a loaded machine anyway (stress-ng). One lane took 31-35 minutes of CI; two lanes
+# 30 here with the compose images cached, and 34 on CI, which builds them (3 minutes more on the
+# second lane's path). Building them in the background instead was slower (36 minutes): the build
+# competes for the same cores and disk.
 # The second lane's report is printed after the first's. With arguments: one pytest run of exactly
 # those.
 set -euo pipefail
