@@ -554,7 +554,7 @@ def finish_without(swarm, victim) -> tuple[list, dict, str, int]:
     ("when", "stages", "stage"), [("mid-round", 3, 1), ("mid-round", 3, 2), ("at-outer-step", 2, 1)]
 )
 def test_a_killed_peer_takes_its_processes_and_a_replacement_takes_its_stage(
-    cache: Path, when: str, stages: int, stage: int
+    cache: Path, tmp_path: Path, when: str, stages: int, stage: int
 ) -> None:
     """Failure is normal control flow: the rows routed to a dead replica of stage `stage` go to its
     stand-in (the other one) until the views drop it, its partner steps alone, every survivor drops
@@ -570,7 +570,7 @@ def test_a_killed_peer_takes_its_processes_and_a_replacement_takes_its_stage(
     # a step of this size takes long enough (~0.5 s here) for the kill to land mid-run
     cfg = small("noloco", **{"inner.total_steps": str(steps), "num_stages": str(stages), **SLOWER})
     before = p2pd_descendants()
-    with local_swarm(cfg, steps, step_timeout=10) as swarm:
+    with local_swarm(cfg, steps, step_timeout=10, workdir=tmp_path) as swarm:  # logs kept by pytest
         victim = next(p for p in swarm.peers if p.stage == stage and p.replica == 1)
         deadline = time.monotonic() + 120
         boundary = when == "at-outer-step"
@@ -623,7 +623,16 @@ def test_a_killed_peer_takes_its_processes_and_a_replacement_takes_its_stage(
     hops = {(e.side, e.hop) for events in survivor_events for e in of_kind(events, Dropped)}
     assert hops <= {("sender", stage - 1), ("receiver", stage - 1), ("receiver", stage)}, hops
     waited = {e.step for events in survivor_events for e in of_kind(events, Dropped) if e.side == "receiver"}
-    assert waited <= lost, (waited, lost)
+    # (Under stress-ng this failed in 1 of 2 runs on 2026-12-04, a receiver at step 3 against a
+    # sender's loss at step 2; the message now says who dropped and re-routed what, and the
+    # peers' logs stay in the test's tmp_path.)
+    losses = {
+        f"stage {p.stage} replica {p.replica}": [
+            e for e in events if isinstance(e, Dropped | Rerouted) and e.step < (killed_in + 3) * 3
+        ]
+        for p, events in zip(survivors, survivor_events, strict=True)
+    }
+    assert waited <= lost, (waited, lost, losses)
     drops = [e.step for events in survivor_events for e in of_kind(events, Dropped)]
     assert all(step < (killed_in + 3) * 3 for step in drops), (drops, killed_in)
     # Lost is not gone: stage 0 fed every row whose gradient did not come back (lost on any hop)
