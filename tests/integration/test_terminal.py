@@ -31,6 +31,13 @@ STEPS, H = 100_000, 10
 # The swarm's run: the local swarm and the late joiner must hold the same config (the manifest).
 RUN = ["--replicas", "2", "--steps", str(STEPS), "--set", f"outer.inner_steps={H}", *SMALL_RUN]
 HINT = re.compile(r"noloco status --run-id (\S+) --initial-peers (\S+)")
+WORKDIR = re.compile(r"logs and metrics in\s+(\S+)\s+\(removed at exit")
+ROW = re.compile(r"^│ ([01])\s+│ ([01])\s+│", re.MULTILINE)  # a replica's row: stage, replica
+PANEL = (  # a joiner's panel: where it trains, the swarm it sees, how others reach it
+    re.compile(r"place\s+stage 1, replica \d, round \d+"),
+    re.compile(r"swarm\s+5 peers \(2 \+ 3 per stage\)"),
+    re.compile(r"reachable\s+(direct|loopback only)"),
+)
 
 
 class Terminal:
@@ -116,17 +123,28 @@ def test_local_status_and_a_joiner_s_panel_in_a_real_terminal(cache: Path, tmp_p
         # noloco local's live view: its stages and replicas, and steps that advance
         first = term.wait_for("local", lambda s: any(n > 0 for n in steps_shown(s)), "training step")
         n = max(steps_shown(first))
-        later = term.wait_for("local", lambda s: max(steps_shown(s), default=0) > n, "later step")
+        # rich redraws the view in place, and a capture can fall in the middle of a frame: wait
+        # for a later step in a whole one (its last line, the folder, drawn; a CI run here caught a
+        # frame whose replica table was half drawn)
+        later = term.wait_for(
+            "local",
+            lambda s: (
+                max(steps_shown(s), default=0) > n and WORKDIR.search(s) and len(set(ROW.findall(s))) == 4
+            ),
+            "later step in a whole frame",
+        )
         assert "local swarm 2 stages x 2 replicas" in later
-        workdir = re.search(r"logs and metrics in\s+(\S+)\s+\(removed at exit", later)
+        workdir = WORKDIR.search(later)
         assert workdir is not None and Path(workdir[1]).is_dir(), later
-        rows = re.findall(r"^│ ([01])\s+│ ([01])\s+│", later, re.MULTILINE)
+        rows = ROW.findall(later)
         assert sorted(set(rows)) == [("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")], later
 
         # noloco status from "another terminal", as the hint says: all four peers answer
         term.open("status", noloco("status", "--run-id", run_id, "--initial-peers", bootstrap))
         status = term.wait_for(
-            "status", lambda s: "4 announced (stage 0: 2, stage 1: 2), 4 answering" in s, "peers"
+            "status",
+            lambda s: "4 announced (stage 0: 2, stage 1: 2), 4 answering" in s and f"{run_id}  [noloco]" in s,
+            "peers",
         )
         assert f"{run_id}  [noloco]" in status and "tiny, 2 stages" in status
 
@@ -134,10 +152,11 @@ def test_local_status_and_a_joiner_s_panel_in_a_real_terminal(cache: Path, tmp_p
         join = ["join", "--run-id", run_id, "--initial-peers", bootstrap, "--stage", "1", *RUN]
         join += ["--set", "wire.activations=fp32"]  # noloco local runs fp32 (exact); a join defaults to bf16
         term.open("join", noloco(*join))
-        panel = term.wait_for("join", lambda s: steps_shown(s) and max(steps_shown(s)) > 0, "joiner's step")
-        assert re.search(r"place\s+stage 1, replica \d, round \d+", panel), panel
-        assert re.search(r"swarm\s+5 peers \(2 \+ 3 per stage\)", panel), panel
-        assert re.search(r"reachable\s+(direct|loopback only)", panel), panel
+        panel = term.wait_for(
+            "join",
+            lambda s: steps_shown(s) and max(steps_shown(s)) > 0 and all(p.search(s) for p in PANEL),
+            "joiner's step in a whole frame",
+        )
         (tmp_path / "join-panel.txt").write_text(panel)
         (tmp_path / "local-view.txt").write_text(later)
         (tmp_path / "status-view.txt").write_text(status)
