@@ -8,8 +8,9 @@
 # testbed's stay in one lane with the compose test, one after the other). The integration tests
 # must pass on a loaded machine anyway (stress-ng). One lane took 31-35 minutes of CI; two lanes
 # 30 here with the compose images cached, and 34 on CI, which builds them (3 minutes more on the
-# second lane's path). Building them in the background instead was slower (36 minutes): the build
-# competes for the same cores and disk.
+# second lane's path). Building them in the background instead was no faster (36 minutes, on a
+# day when the tree before took 32 with its images cached): the build competes for the same cores
+# and disk.
 # The second lane's report is printed after the first's. With arguments: one pytest run of exactly
 # those.
 set -euo pipefail
