@@ -186,8 +186,7 @@ class RunDirectory:
         keys = (peers_key(self.run_id), gone_key(self.run_id))
         found = self._wait(self.dht.run_coroutine(functools.partial(_get_latest, keys), return_future=True))
         peers = _readout(*self._records(found.get(keys[0]), messages.PeerAnnouncement))
-        reports, _ = self._records(found.get(keys[1]), messages.GoneReport)
-        return peers, [(r.peer_id, r.reporter, r.round) for r in reports]
+        return peers, self._reports(found.get(keys[1]))
 
     def rebootstrap(self, peer_ids: Sequence[str]) -> int:
         """Ping `peer_ids` (the run's entry points) from our DHT node and look up our neighbours
@@ -260,7 +259,10 @@ class RunDirectory:
 
     def read_reports(self) -> list[tuple[str, str, int]]:
         """(peer, reporter, round) of every signed gone report on record (each by its reporter)."""
-        reports, _ = self._records(self._get(gone_key(self.run_id)), messages.GoneReport)
+        return self._reports(self._get(gone_key(self.run_id)))
+
+    def _reports(self, found: ValueWithExpiration | None) -> list[tuple[str, str, int]]:
+        reports, _ = self._records(found, messages.GoneReport)
         return [(r.peer_id, r.reporter, r.round) for r in reports]
 
 

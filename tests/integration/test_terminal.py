@@ -143,7 +143,14 @@ def test_local_status_and_a_joiner_s_panel_in_a_real_terminal(cache: Path, tmp_p
         term.open("status", noloco("status", "--run-id", run_id, "--initial-peers", bootstrap))
         status = term.wait_for(
             "status",
-            lambda s: "4 announced (stage 0: 2, stage 1: 2), 4 answering" in s and f"{run_id}  [noloco]" in s,
+            lambda s: all(
+                x in s
+                for x in (
+                    "4 announced (stage 0: 2, stage 1: 2), 4 answering",
+                    f"{run_id}  [noloco]",
+                    "tiny, 2 stages",
+                )
+            ),
             "peers",
         )
         assert f"{run_id}  [noloco]" in status and "tiny, 2 stages" in status
