@@ -24,6 +24,8 @@ ready, side by side for the same N, rate and stragglers.
     sudo python bench/outer_sync.py --replicas 4 --rates 100 --rounds 3     # a quick look
     sudo python bench/outer_sync.py --replicas 2 --rates 100 --bursts 64,auto --queues 20,100 \
         --methods noloco --stragglers off     # the shaper's token bucket and queue, side by side
+    sudo python bench/outer_sync.py --replicas 2 --rates 25,100 --transports tcp,quic \
+        --methods noloco --stragglers off     # the peers over TCP (yamux) and over QUIC
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from noloco_swarm.cli.testbed import namespace_swarm, peer_host
 from noloco_swarm.model import build_stage, num_flat
 from noloco_swarm.peer.events import Outer, of_kind
 from noloco_swarm.peer.failpoints import STRAGGLE_ENV, Straggle
-from noloco_swarm.testbed.bed import default_burst_kbit, namespaces_permitted
+from noloco_swarm.testbed.bed import Transport, default_burst_kbit, namespaces_permitted
 from noloco_swarm.testbed.schedule import Shape
 from noloco_swarm.train.config import RunConfig
 
@@ -74,9 +76,11 @@ def measure(
     keep: Path | None,
     burst: float | None = None,
     queue_ms: float = 100.0,
+    transport: Transport = "tcp",
 ) -> dict:
     """One run on the testbed: the sync and ready times of outer steps 2..rounds (links shaped
-    with a token bucket of `burst` kbit, None: the testbed's default, and a queue of `queue_ms`)."""
+    with a token bucket of `burst` kbit, None: the testbed's default, and a queue of `queue_ms`;
+    the peers listening on `transport`)."""
     H = cfg.outer.inner_steps
     hosts = [peer_host(0, d) for d in range(cfg.num_replicas)]
     workdir = None
@@ -84,7 +88,7 @@ def measure(
         tag = "stragglers" if straggle else "even"
         workdir = (
             keep
-            / f"{cfg.outer.method}-n{cfg.num_replicas}-{rate_mbit:g}mbit-{tag}-burst{burst or 'auto'}-queue{queue_ms:g}ms"
+            / f"{cfg.outer.method}-n{cfg.num_replicas}-{rate_mbit:g}mbit-{tag}-burst{burst or 'auto'}-queue{queue_ms:g}ms-{transport}"
         )
         workdir.mkdir(parents=True, exist_ok=True)
     os.environ[STRAGGLE_ENV] = straggle  # the peers inherit it ("" : no stragglers)
@@ -96,6 +100,7 @@ def measure(
             step_timeout=300,
             shapes=[Shape(h, rate_mbit, burst, queue_ms) for h in hosts],
             workdir=workdir,
+            transport=transport,
         ) as ns:
             wait(ns.swarm, timeout=1800)
             outers = [e for p in ns.swarm.peers for e in of_kind(p.events(), Outer) if e.step > H]
@@ -137,6 +142,9 @@ def main() -> None:
         help="token buckets (kbit) to shape with, comma-separated; auto: the testbed's default (10 ms of the rate)",
     )
     ap.add_argument("--queues", default="100", help="the shapers' queues (tbf latency, ms), comma-separated")
+    ap.add_argument(
+        "--transports", default="tcp", help="what the peers listen on: tcp, quic or both (comma-separated)"
+    )
     ap.add_argument("--keep", type=Path, default=None, help="keep each run's logs and events here")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -144,6 +152,8 @@ def main() -> None:
     if not ok:
         sys.exit(f"outer_sync needs the namespace testbed: {why}")
     Straggle.parse(args.straggle)  # refuse a malformed value before any run
+    if unknown := set(args.transports.split(",")) - {"tcp", "quic"}:
+        sys.exit(f"unknown transports {sorted(unknown)}: choose tcp and/or quic")
     rows = []
     for n in (int(x) for x in args.replicas.split(",")):
         stage_bytes = 4 * num_flat(build_stage(config("noloco", n, args.hidden, 2).model, 0, 1, 0))
@@ -151,17 +161,20 @@ def main() -> None:
         bursts = [None if x == "auto" else float(x) for x in args.bursts.split(",")]
         queues = [float(x) for x in args.queues.split(",")]
         stragglers = {"both": ("", args.straggle), "off": ("",), "on": (args.straggle,)}[args.stragglers]
-        for rate, burst, queue, straggle in itertools.product(rates, bursts, queues, stragglers):
+        transports = args.transports.split(",")
+        for rate, burst, queue, straggle, transport in itertools.product(
+            rates, bursts, queues, stragglers, transports
+        ):
             runs = {}
             for method in args.methods.split(","):  # side by side: the same N, rate and draws
                 cfg = config(method, n, args.hidden, args.inner_steps)
-                run = measure(cfg, args.rounds, rate, straggle, args.keep, burst, queue)
+                run = measure(cfg, args.rounds, rate, straggle, args.keep, burst, queue, transport)
                 share = 1.0 if method == "noloco" else 2 * (n - 1) / n
                 run["floor_s"] = share * stage_bytes * 8 / (rate * 1e6)
                 run["ready_over_floor"] = run["ready_s"] / run["floor_s"]
                 runs[method] = run
                 print(
-                    f"N={n} {rate:g} Mbit/s burst {burst or 'auto'} queue {queue:g} ms "
+                    f"N={n} {rate:g} Mbit/s {transport} burst {burst or 'auto'} queue {queue:g} ms "
                     f"{'stragglers' if straggle else 'even      '} "
                     f"{method:6s}: "
                     f"sync {run['sync_s']:.2f} s, ready {run['ready_s']:.2f} s "
@@ -174,6 +187,7 @@ def main() -> None:
                 "rate_mbit": rate,
                 "burst_kbit": burst or default_burst_kbit(rate),
                 "queue_ms": queue,
+                "transport": transport,
                 "stragglers": straggle or None,
                 "stage_bytes": stage_bytes,
                 "runs": runs,

@@ -201,6 +201,13 @@ def add_testbed(p: argparse.ArgumentParser) -> None:
         help="longest deadline of one pipeline step and of an outer exchange in s (peer.step_timeout; "
         "deadlines adapt below it to the steps seen, peer.deadline_factor; default: 120)",
     )
+    p.add_argument(
+        "--transport",
+        choices=["tcp", "quic"],
+        default="tcp",
+        help="what the peers listen on: tcp (noise and yamux over TCP) or quic (QUIC over UDP; "
+        "takes no --delay: the delay relay carries TCP only)",
+    )
     p.add_argument("--keep", type=Path, default=None, help="keep peer logs and metrics in this folder")
 
 

@@ -312,6 +312,8 @@ def _testbed(args: argparse.Namespace) -> int:
         Timeline.of_cuts(args.cut)  # refuse a bad --cut before anything starts
     except ValueError as e:
         raise ConfigError(str(e)) from e
+    if args.transport == "quic" and (args.delay_ms or any(delays.values())):
+        raise ConfigError("--transport quic takes no --delay: the delay relay carries TCP only")
     ok, why = namespaces_permitted()
     if not ok:
         print(f"noloco testbed: {why}", file=sys.stderr)
@@ -332,6 +334,7 @@ def _testbed(args: argparse.Namespace) -> int:
         step_timeout=args.step_timeout,
         keep=args.keep,
         threads=args.threads or 1,
+        transport=args.transport,
     )
 
 

@@ -26,7 +26,7 @@ from rich.table import Table
 from noloco_swarm.cli.swarm import LocalSwarm, Placement, local_swarm, wait
 from noloco_swarm.peer.events import Final, of_kind
 from noloco_swarm.testbed import DelayRelay, Route, Testbed
-from noloco_swarm.testbed.bed import CutMode
+from noloco_swarm.testbed.bed import CutMode, Transport
 from noloco_swarm.testbed.schedule import Shape, Timeline
 from noloco_swarm.train.config import RunConfig
 
@@ -85,13 +85,17 @@ def namespace_swarm(
     shapes: Sequence[Shape] = (),
     workdir: Path | None = None,
     threads: int = 1,
+    transport: Transport = "tcp",
 ) -> Iterator[NamespaceSwarm]:
     """Build the testbed, start the bootstrap and the peers in it; yields while they run; always
     ends every process and removes every namespace, link and relay it made.
 
     A link profile is `shapes` (a rate per host) and the one-way delays: `delay_ms` for every
     peer's host, or per host in `delays` (a host it does not name gets `delay_ms`), so one peer
-    can sit behind a slower, longer link than the others."""
+    can sit behind a slower, longer link than the others. `transport`: what the peers listen on
+    (TCP, or QUIC; the delay relay carries TCP only, so QUIC takes no delay)."""
+    if transport == "quic" and (delay_ms or any((delays or {}).values())):
+        raise ValueError("the delay relay carries TCP only: a QUIC testbed takes no --delay")
     with ExitStack() as stack:
         if workdir is None:
             workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="noloco-testbed-")))
@@ -124,7 +128,7 @@ def namespace_swarm(
             host = bed.hosts[name]
             announce = (f"/ip4/{bed.gateway}/tcp/{ports[name]}",) if name in ports else ()
             port = PEER_PORT if name in ports else 0
-            return Placement(tuple(bed.argv(name, [])), (host.maddr(port),), announce)
+            return Placement(tuple(bed.argv(name, [])), (host.maddr(port, transport),), announce)
 
         bootstrap = _start_bootstrap(bed, workdir)
         swarm = stack.enter_context(
@@ -188,6 +192,7 @@ def run_testbed(
     step_timeout: float | None = None,
     keep: Path | None = None,
     threads: int = 1,
+    transport: Transport = "tcp",
 ) -> int:
     """Run the swarm on a testbed, apply the fault schedule, print per-peer results."""
     console = Console()
@@ -211,6 +216,7 @@ def run_testbed(
             shapes=shapes,
             workdir=keep,
             threads=threads,
+            transport=transport,
         ) as ns:
             start = time.monotonic()
 

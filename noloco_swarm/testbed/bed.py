@@ -36,6 +36,7 @@ LINK_PREFIX = "nt"  # links: nt<pid hex>x<n>b (bridge), nt<pid hex>x<n>v<i> (hos
 NAME = re.compile(rf"^{PREFIX}-([0-9a-f]+)-([0-9a-f]+)(?:-|$)")
 LINK = re.compile(rf"^{LINK_PREFIX}([0-9a-f]+)x[0-9a-f]+[bv]")
 CutMode = Literal["drop", "down"]
+Transport = Literal["tcp", "quic"]  # what a peer on the testbed listens on
 _SEQUENCE = itertools.count()
 _CUT_TABLE = "nltb_cut"
 
@@ -138,8 +139,11 @@ class Host:
     veth: str
     address: str
 
-    def maddr(self, port: int = 0) -> str:
-        """A libp2p listen multiaddr on this host's address."""
+    def maddr(self, port: int = 0, transport: Transport = "tcp") -> str:
+        """A libp2p listen multiaddr on this host's address: TCP (noise and yamux over it), or
+        QUIC over UDP."""
+        if transport == "quic":
+            return f"/ip4/{self.address}/udp/{port}/quic-v1"
         return f"/ip4/{self.address}/tcp/{port}"
 
 

@@ -19,7 +19,7 @@ from noloco_swarm.cli.swarm import LocalSwarm, wait
 from noloco_swarm.cli.testbed import BOOT, namespace_swarm, peer_host
 from noloco_swarm.peer.events import Joined, Step, of_kind
 from noloco_swarm.testbed import Testbed, namespaces_permitted
-from noloco_swarm.testbed.bed import LINK, NAME, forward_rules, owned_names
+from noloco_swarm.testbed.bed import LINK, NAME, Transport, forward_rules, owned_names
 from noloco_swarm.testbed.schedule import Shape
 from tests.integration.helpers import troubles
 from tests.integration.test_swarm import SLOWER, STEPS, simulate, small
@@ -169,11 +169,13 @@ def test_a_sigkilled_testbed_is_swept_by_the_next_one(nothing_left: None) -> Non
         assert not [rule for rule in forward_rules() if bridge in rule], forward_rules()
 
 
+@pytest.mark.parametrize("transport", ["tcp", "quic"])
 def test_swarm_in_namespaces_ends_with_the_simulators_weights(
-    cache: Path, one_thread: None, nothing_left: None, tmp_path: Path
+    transport: Transport, cache: Path, one_thread: None, nothing_left: None, tmp_path: Path
 ) -> None:
+    """Over TCP (the peers' default) and over QUIC (`noloco testbed --transport quic`)."""
     cfg = small("noloco")
-    with namespace_swarm(cfg, STEPS, step_timeout=60, workdir=tmp_path) as ns:
+    with namespace_swarm(cfg, STEPS, step_timeout=60, workdir=tmp_path, transport=transport) as ns:
         peers = {peer_host(p.stage, p.replica): p for p in ns.swarm.peers}
         time.sleep(2)  # `ip netns exec` has entered the namespace and exec'd the peer by now
         where = {
@@ -195,7 +197,8 @@ def test_swarm_in_namespaces_ends_with_the_simulators_weights(
     assert where == {name: hosts[name].netns for name in peers}
     for name, (rx, tx) in traffic.items():
         assert rx > 4_000_000 and tx > 4_000_000, f"{name}: {rx} bytes in, {tx} out"
-        assert f"/ip4/{hosts[name].address}/tcp/" in peers[name].log.read_text()
+        listens = {"tcp": "/tcp/", "quic": "/udp/"}[transport]  # then the port, then /quic-v1
+        assert f"/ip4/{hosts[name].address}{listens}" in peers[name].log.read_text()
 
 
 def test_a_link_profile_with_one_slow_far_peer_keeps_the_simulators_weights(

@@ -30,6 +30,7 @@ def test_names_are_per_process_short_and_parseable() -> None:
     assert a.gateway == "10.77.5.1"
     assert [h.address for h in a.hosts.values()] == ["10.77.5.2", "10.77.5.3", "10.77.5.4"]
     assert a.hosts["s0r0"].maddr(31337) == "/ip4/10.77.5.3/tcp/31337"
+    assert a.hosts["s0r0"].maddr(31337, "quic") == "/ip4/10.77.5.3/udp/31337/quic-v1"
     assert a.argv("s1r1", ["true"]) == ["ip", "netns", "exec", a.hosts["s1r1"].netns, "true"]
 
 
@@ -175,8 +176,12 @@ def test_cli_takes_the_testbed_flags_and_refuses_bad_ones_before_starting(
         50,
         10,
     )
-    assert args.cut_mode == "drop"
+    assert args.cut_mode == "drop" and args.transport == "tcp"
+    assert parser().parse_args(["testbed", "--transport", "quic"]).transport == "quic"
     assert main(["testbed", "--shape", "fast"]) == 2
     assert main(["testbed", "--cut", "s1r0@soon"]) == 2
     err = capsys.readouterr().err
     assert "HOST=RATE" in err and "HOST@T+DURATION" in err
+    # The delay relay carries TCP only: a QUIC testbed with a delay is refused before it starts.
+    assert main(["testbed", "--transport", "quic", "--delay", "s1r0=40"]) == 2
+    assert "carries TCP only" in capsys.readouterr().err
