@@ -380,7 +380,8 @@ class OuterExchange:
         self.members = {m: view.peer_at(ctx.stage, m) for m in plan.partners}
         self.failed: set[int] = set()
         self._keys: list[Key] = []
-        self._own = (0.0, 0.0)  # ||theta - phi||, ||phi|| of ours, set when the exchange starts
+        # ||theta - phi||, ||phi|| of ours: computed beside the swap, awaited before judging.
+        self._own: asyncio.Future[tuple[float, float]] | None = None
 
     async def mean_inputs(
         self, theta: torch.Tensor
@@ -388,8 +389,10 @@ class OuterExchange:
         """The group's thetas (and phis when gamma != beta) by rank, ours included; for DiLoCo
         with more than two replicas, {rank: the stage's mean theta} by sharded all-reduce."""
         me, phi = self.plan.rank, self.ctx.replica.phi
-        # The scale a partner's weights are judged by: our own progress this round (plausible.py).
-        self._own = await asyncio.to_thread(plausible.own_progress, theta, phi)
+        # The scale a partner's weights are judged by: our own progress this round (plausible.py),
+        # computed while the swap starts rather than before it: both only read theta and phi, and
+        # a partner's call then finds our weights offered tens of milliseconds sooner.
+        self._own = asyncio.ensure_future(asyncio.to_thread(plausible.own_progress, theta, phi))
         try:
             if self.plan.sharded:
                 return {me: await self._allreduce_mean(theta)}, None
@@ -403,6 +406,9 @@ class OuterExchange:
         finally:
             for key in self._keys:
                 self.board.forget(key)
+            if not self._own.done():  # the swap failed first: the thread's result is not needed
+                self._own.cancel()
+            await asyncio.gather(self._own, return_exceptions=True)
 
     async def _allreduce_mean(self, theta: torch.Tensor) -> torch.Tensor:
         """The stage's mean theta by reduce-scatter then all-gather over equal padded shards.
@@ -448,11 +454,13 @@ class OuterExchange:
             for m in self.members:
                 results[m] = group.create_task(self._swap_one(key, phase, names, m, payload(m)))
         self.board.forget(key)
+        assert self._own is not None, "set when the exchange starts"
+        own = await self._own
         got = {}
         for m, task in results.items():
             result = task.result()
             if not isinstance(result, BaseException):
-                result = await asyncio.to_thread(self._judge, result, reference(m))
+                result = await asyncio.to_thread(self._judge, result, reference(m), own)
             if isinstance(result, BaseException):
                 self.failed.add(m)
                 await self._blame(self.members[m], result)
@@ -460,9 +468,12 @@ class OuterExchange:
                 got[m] = result
         return got
 
-    def _judge(self, theirs: Tensors, reference: Tensors) -> Tensors | Implausible:
-        """`theirs`, or why it may not be averaged in (reads the tensors, never changes them)."""
-        o, (own, phi_norm) = self.ctx.cfg.outer, self._own
+    def _judge(
+        self, theirs: Tensors, reference: Tensors, progress: tuple[float, float]
+    ) -> Tensors | Implausible:
+        """`theirs`, or why it may not be averaged in (reads the tensors, never changes them);
+        `progress`: our own ||theta - phi|| and ||phi|| this round."""
+        o, (own, phi_norm) = self.ctx.cfg.outer, progress
         for got, ref in zip(theirs, reference, strict=True):
             verdict = plausible.check_outer(
                 got, ref, own, phi_norm, factor=o.plausible_factor, floor=o.plausible_floor, drift=self.drift
