@@ -90,7 +90,11 @@ def measure(
             keep
             / f"{cfg.outer.method}-n{cfg.num_replicas}-{rate_mbit:g}mbit-{tag}-burst{burst or 'auto'}-queue{queue_ms:g}ms-{transport}"
         )
-        workdir.mkdir(parents=True, exist_ok=True)
+        for again in itertools.count(2):  # a setting run again gets a folder of its own
+            if not workdir.exists():
+                break
+            workdir = workdir.with_name(f"{workdir.name.rsplit('~', 1)[0]}~{again}")
+        workdir.mkdir(parents=True)
     os.environ[STRAGGLE_ENV] = straggle  # the peers inherit it ("" : no stragglers)
     started = time.monotonic()
     try:
