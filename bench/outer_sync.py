@@ -46,7 +46,7 @@ from noloco_swarm.cli.testbed import namespace_swarm, peer_host
 from noloco_swarm.model import build_stage, num_flat
 from noloco_swarm.peer.events import Outer, of_kind
 from noloco_swarm.peer.failpoints import STRAGGLE_ENV, Straggle
-from noloco_swarm.testbed.bed import Transport, default_burst_kbit, namespaces_permitted
+from noloco_swarm.testbed.bed import TransportKind, default_burst_kbit, namespaces_permitted
 from noloco_swarm.testbed.schedule import Shape
 from noloco_swarm.train.config import RunConfig
 
@@ -76,7 +76,7 @@ def measure(
     keep: Path | None,
     burst: float | None = None,
     queue_ms: float = 100.0,
-    transport: Transport = "tcp",
+    transport: TransportKind = "tcp",
 ) -> dict:
     """One run on the testbed: the sync and ready times of outer steps 2..rounds (links shaped
     with a token bucket of `burst` kbit, None: the testbed's default, and a queue of `queue_ms`;

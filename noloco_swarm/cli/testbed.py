@@ -26,7 +26,7 @@ from rich.table import Table
 from noloco_swarm.cli.swarm import LocalSwarm, Placement, local_swarm, wait
 from noloco_swarm.peer.events import Final, of_kind
 from noloco_swarm.testbed import DelayRelay, Route, Testbed
-from noloco_swarm.testbed.bed import CutMode, Transport
+from noloco_swarm.testbed.bed import CutMode, TransportKind
 from noloco_swarm.testbed.schedule import Shape, Timeline
 from noloco_swarm.train.config import RunConfig
 
@@ -85,7 +85,7 @@ def namespace_swarm(
     shapes: Sequence[Shape] = (),
     workdir: Path | None = None,
     threads: int = 1,
-    transport: Transport = "tcp",
+    transport: TransportKind = "tcp",
 ) -> Iterator[NamespaceSwarm]:
     """Build the testbed, start the bootstrap and the peers in it; yields while they run; always
     ends every process and removes every namespace, link and relay it made.
@@ -192,7 +192,7 @@ def run_testbed(
     step_timeout: float | None = None,
     keep: Path | None = None,
     threads: int = 1,
-    transport: Transport = "tcp",
+    transport: TransportKind = "tcp",
 ) -> int:
     """Run the swarm on a testbed, apply the fault schedule, print per-peer results."""
     console = Console()

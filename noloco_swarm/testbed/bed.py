@@ -36,7 +36,7 @@ LINK_PREFIX = "nt"  # links: nt<pid hex>x<n>b (bridge), nt<pid hex>x<n>v<i> (hos
 NAME = re.compile(rf"^{PREFIX}-([0-9a-f]+)-([0-9a-f]+)(?:-|$)")
 LINK = re.compile(rf"^{LINK_PREFIX}([0-9a-f]+)x[0-9a-f]+[bv]")
 CutMode = Literal["drop", "down"]
-Transport = Literal["tcp", "quic"]  # what a peer on the testbed listens on
+TransportKind = Literal["tcp", "quic"]  # what a peer on the testbed listens on
 _SEQUENCE = itertools.count()
 _CUT_TABLE = "nltb_cut"
 
@@ -139,7 +139,7 @@ class Host:
     veth: str
     address: str
 
-    def maddr(self, port: int = 0, transport: Transport = "tcp") -> str:
+    def maddr(self, port: int = 0, transport: TransportKind = "tcp") -> str:
         """A libp2p listen multiaddr on this host's address: TCP (noise and yamux over it), or
         QUIC over UDP."""
         if transport == "quic":

@@ -19,7 +19,7 @@ from noloco_swarm.cli.swarm import LocalSwarm, wait
 from noloco_swarm.cli.testbed import BOOT, namespace_swarm, peer_host
 from noloco_swarm.peer.events import Joined, Step, of_kind
 from noloco_swarm.testbed import Testbed, namespaces_permitted
-from noloco_swarm.testbed.bed import LINK, NAME, Transport, forward_rules, owned_names
+from noloco_swarm.testbed.bed import LINK, NAME, TransportKind, forward_rules, owned_names
 from noloco_swarm.testbed.schedule import Shape
 from tests.integration.helpers import troubles
 from tests.integration.test_swarm import SLOWER, STEPS, simulate, small
@@ -171,7 +171,7 @@ def test_a_sigkilled_testbed_is_swept_by_the_next_one(nothing_left: None) -> Non
 
 @pytest.mark.parametrize("transport", ["tcp", "quic"])
 def test_swarm_in_namespaces_ends_with_the_simulators_weights(
-    transport: Transport, cache: Path, one_thread: None, nothing_left: None, tmp_path: Path
+    transport: TransportKind, cache: Path, one_thread: None, nothing_left: None, tmp_path: Path
 ) -> None:
     """Over TCP (the peers' default) and over QUIC (`noloco testbed --transport quic`)."""
     cfg = small("noloco")
@@ -232,6 +232,13 @@ def test_a_link_profile_with_one_slow_far_peer_keeps_the_simulators_weights(
 def test_a_delay_for_a_host_that_is_not_a_peer_is_refused(tmp_path: Path, nothing_left: None) -> None:
     swarm = namespace_swarm(small("noloco"), STEPS, workdir=tmp_path, delays={"s9r9": 10.0})
     with pytest.raises(ValueError, match="--delay names hosts"), swarm:
+        pass
+
+
+def test_a_delay_on_a_quic_testbed_is_refused(tmp_path: Path, nothing_left: None) -> None:
+    """The delay relay carries TCP only: a QUIC testbed with a delay would run undelayed."""
+    swarm = namespace_swarm(small("noloco"), STEPS, workdir=tmp_path, delay_ms=10.0, transport="quic")
+    with pytest.raises(ValueError, match="carries TCP only"), swarm:
         pass
 
 
