@@ -39,6 +39,7 @@ import sys
 import time
 from collections import defaultdict
 from pathlib import Path
+from typing import get_args
 
 from noloco_swarm.cli.options import build_config
 from noloco_swarm.cli.swarm import wait
@@ -90,10 +91,11 @@ def measure(
             keep
             / f"{cfg.outer.method}-n{cfg.num_replicas}-{rate_mbit:g}mbit-{tag}-burst{burst or 'auto'}-queue{queue_ms:g}ms-{transport}"
         )
-        for again in itertools.count(2):  # a setting run again gets a folder of its own
+        base = workdir  # a setting run again gets a folder of its own
+        for again in itertools.count(2):
             if not workdir.exists():
                 break
-            workdir = workdir.with_name(f"{workdir.name.rsplit('~', 1)[0]}~{again}")
+            workdir = base.with_name(f"{base.name}~{again}")
         workdir.mkdir(parents=True)
     os.environ[STRAGGLE_ENV] = straggle  # the peers inherit it ("" : no stragglers)
     started = time.monotonic()
@@ -156,8 +158,8 @@ def main() -> None:
     if not ok:
         sys.exit(f"outer_sync needs the namespace testbed: {why}")
     Straggle.parse(args.straggle)  # refuse a malformed value before any run
-    if unknown := set(args.transports.split(",")) - {"tcp", "quic"}:
-        sys.exit(f"unknown transports {sorted(unknown)}: choose tcp and/or quic")
+    if unknown := set(args.transports.split(",")) - set(get_args(TransportKind)):
+        sys.exit(f"unknown transports {sorted(unknown)}: choose from {', '.join(get_args(TransportKind))}")
     rows = []
     for n in (int(x) for x in args.replicas.split(",")):
         stage_bytes = 4 * num_flat(build_stage(config("noloco", n, args.hidden, 2).model, 0, 1, 0))

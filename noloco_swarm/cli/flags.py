@@ -13,7 +13,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from noloco_swarm.cli.options import (
     Layer,
@@ -23,6 +23,7 @@ from noloco_swarm.cli.options import (
     parse_assignments,
     resolve,
 )
+from noloco_swarm.testbed.bed import TransportKind
 
 PRECEDENCE = "defaults < --config FILE < NOLOCO_SET < --set KEY=VALUE < named flags"
 
@@ -203,7 +204,7 @@ def add_testbed(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--transport",
-        choices=["tcp", "quic"],
+        choices=get_args(TransportKind),
         default="tcp",
         help="what the peers listen on: tcp (noise and yamux over TCP) or quic (QUIC over UDP; "
         "takes no --delay: the delay relay carries TCP only)",

@@ -304,16 +304,15 @@ def _testbed(args: argparse.Namespace) -> int:
     if args.print_config:
         return _print_config(resolved, "testbed")
     from noloco_swarm.testbed import namespaces_permitted
-    from noloco_swarm.testbed.schedule import Timeline, parse_delay, parse_shape
+    from noloco_swarm.testbed.schedule import Timeline, check_delays, parse_delay, parse_shape
 
     try:
         shapes = [parse_shape(text) for text in args.shape]
         delays = dict(parse_delay(text) for text in args.delay)
         Timeline.of_cuts(args.cut)  # refuse a bad --cut before anything starts
+        check_delays(args.transport, args.delay_ms, delays)
     except ValueError as e:
         raise ConfigError(str(e)) from e
-    if args.transport == "quic" and (args.delay_ms or any(delays.values())):
-        raise ConfigError("--transport quic takes no --delay: the delay relay carries TCP only")
     ok, why = namespaces_permitted()
     if not ok:
         print(f"noloco testbed: {why}", file=sys.stderr)

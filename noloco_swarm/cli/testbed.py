@@ -27,7 +27,7 @@ from noloco_swarm.cli.swarm import LocalSwarm, Placement, local_swarm, wait
 from noloco_swarm.peer.events import Final, of_kind
 from noloco_swarm.testbed import DelayRelay, Route, Testbed
 from noloco_swarm.testbed.bed import CutMode, TransportKind
-from noloco_swarm.testbed.schedule import Shape, Timeline
+from noloco_swarm.testbed.schedule import Shape, Timeline, check_delays
 from noloco_swarm.train.config import RunConfig
 
 BOOT = "boot"
@@ -94,8 +94,7 @@ def namespace_swarm(
     peer's host, or per host in `delays` (a host it does not name gets `delay_ms`), so one peer
     can sit behind a slower, longer link than the others. `transport`: what the peers listen on
     (TCP, or QUIC; the delay relay carries TCP only, so QUIC takes no delay)."""
-    if transport == "quic" and (delay_ms or any((delays or {}).values())):
-        raise ValueError("the delay relay carries TCP only: a QUIC testbed takes no --delay")
+    check_delays(transport, delay_ms, delays)
     with ExitStack() as stack:
         if workdir is None:
             workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="noloco-testbed-")))

@@ -7,7 +7,7 @@ Pure: parsing and "what is due by now" take the elapsed time as a parameter, so 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -63,6 +63,12 @@ def parse_delay(text: str) -> tuple[str, float]:
     if value < 0:
         raise ValueError(f"bad --delay {text!r}: give HOST=MS (one-way, milliseconds), e.g. s1r1=40")
     return host.strip(), value
+
+
+def check_delays(transport: str, delay_ms: float, delays: Mapping[str, float] | None = None) -> None:
+    """Refuse a delay on a QUIC testbed: the delay relay carries TCP only, so it would run undelayed."""
+    if transport == "quic" and (delay_ms or any((delays or {}).values())):
+        raise ValueError("--transport quic takes no --delay: the delay relay carries TCP only")
 
 
 def parse_cut(text: str) -> tuple[Action, Action]:
