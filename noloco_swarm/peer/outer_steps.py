@@ -131,13 +131,18 @@ async def finish_outer_step(pending: PendingOuter) -> events.Outer:
     thetas, phis, (sent, received) = await pending.task
     waited = time.perf_counter() - waiting
     snapshot = pending.theta if ctx.cfg.outer.overlap_steps > 0 else None
-    spread = None
-    if ctx.cfg.outer.method == "noloco":
-        if len(thetas) > 1:  # alone (a partner failed): nothing to compare with
-            spread = await asyncio.to_thread(group_spread, thetas, exchange.plan.rank)
-        await asyncio.to_thread(ctx.replica.apply_noloco, thetas, phis, snapshot=snapshot)
-    else:
-        await asyncio.to_thread(ctx.replica.apply_diloco, thetas, snapshot=snapshot)
+
+    def apply() -> tuple[float | None, str]:  # one worker-thread hop for the boundary's float work
+        spread = None
+        if ctx.cfg.outer.method == "noloco":
+            if len(thetas) > 1:  # alone (a partner failed): nothing to compare with
+                spread = group_spread(thetas, exchange.plan.rank)
+            ctx.replica.apply_noloco(thetas, phis, snapshot=snapshot)
+        else:
+            ctx.replica.apply_diloco(thetas, snapshot=snapshot)
+        return spread, ctx.replica.state_hash()  # comparable with the simulator
+
+    spread, state_hash = await asyncio.to_thread(apply)
     if not exchange.failed:  # a failed one lasted its deadline: it says nothing of the link
         ctx.deadlines.observe_exchange(pending.seconds)
     return events.Outer(
@@ -148,7 +153,7 @@ async def finish_outer_step(pending: PendingOuter) -> events.Outer:
         sent_bytes=sent,
         received_bytes=received,
         seconds=pending.seconds,
-        state_hash=await asyncio.to_thread(ctx.replica.state_hash),  # comparable with the simulator
+        state_hash=state_hash,
         applied_at=ctx.step,
         waited=waited,
         spread=spread,
