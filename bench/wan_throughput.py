@@ -17,6 +17,10 @@ figures are medians over rounds (this machine's pace drifts by 20% within an hou
     # the new schedule as a whole, H = 50, on a link whose fp32 hop transfer exceeds a stage's compute
     sudo nice -n 10 python bench/wan_throughput.py --inner-steps 50 --profiles 20:25 --rounds 3 \
         --variants "today: M=1 fp32,M=2 int8 overlap H/2" --unshaped "today: M=1 fp32,M=2 int8 overlap H/2"
+    # a larger batch: more compute per step against the same round trips per step
+    sudo nice -n 10 python bench/wan_throughput.py --batch-size 16 --inner-steps 50 --profiles 20:25 \
+        --rounds 3 --variants "today: M=1 fp32,M=2 int8 overlap H/2,M=4 int8 overlap H/2" \
+        --unshaped "today: M=1 fp32"
 """
 
 from __future__ import annotations
