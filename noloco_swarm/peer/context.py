@@ -74,4 +74,7 @@ class PeerContext:
     def plan_at(self, t: int) -> StepPlan:
         """The step plan of inner step t's round (its replica counts)."""
         counts, cfg = self.view_at(t).replica_counts(), self.cfg
-        return StepPlan.of(counts, self.B, cfg.outer.random_routing, cfg.inner.microbatches)
+        inner = cfg.inner
+        return StepPlan.of(
+            counts, self.B, cfg.outer.random_routing, inner.microbatches, sizes=inner.microbatch_sizes
+        )

@@ -307,7 +307,7 @@ class InnerSteps:
         x, y = window[:, :-1].to(ctx.device), window[:, 1:]
         # Microbatch m: rows of batch positions in m (contiguous in (position, origin) order).
         where = [plan.microbatch_of(row.position) for row in rows]
-        spans = [[j for j, m in enumerate(where) if m == k] for k in range(ctx.cfg.inner.microbatches)]
+        spans = [[j for j, m in enumerate(where) if m == k] for k in range(plan.microbatches)]
         parts = [
             (
                 x[js[0] : js[-1] + 1],

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from noloco_swarm.protocol import plausible
+from noloco_swarm.protocol.plan import check_microbatch_sizes
 from noloco_swarm.protocol.wire import FORMATS, WireFormat
 
 Method = Literal["noloco", "diloco", "allreduce", "local"]
@@ -165,6 +166,10 @@ class InnerConfig:
     microbatches: int = 1
     """M: the batch crosses the pipeline as M microbatches of B/M samples, each sent on as soon as
     it is computed; gradients accumulate and the optimizer steps once per inner step."""
+    microbatch_sizes: tuple[int, ...] = ()
+    """The M microbatches' sizes in batch order, summing to B (for example 2,6,6,2); empty: B/M
+    each. Smaller first and last microbatches shorten the two waits on the link that every step's
+    flush makes (the first rows to arrive, the last gradients to return). Same update either way."""
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
@@ -177,7 +182,12 @@ class InnerConfig:
             )
         if self.weight_decay < 0 or self.grad_clip < 0:
             raise ValueError("weight_decay and grad_clip must be >= 0")
-        if self.microbatches < 1 or self.batch_size % self.microbatches:
+        if self.microbatch_sizes:
+            try:
+                check_microbatch_sizes(self.microbatch_sizes, self.microbatches, self.batch_size)
+            except ValueError as e:
+                raise ValueError(f"inner.microbatch_sizes: {e}") from None
+        elif self.microbatches < 1 or self.batch_size % self.microbatches:
             raise ValueError(
                 f"inner.microbatches must divide inner.batch_size, got {self.microbatches} and {self.batch_size}"
             )

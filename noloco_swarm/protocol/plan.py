@@ -10,7 +10,8 @@ is checked against the simulator's weights:
                  (`StepPlan.expects`) and runs them as one batch in (position, origin) order, so
                  arrival order never changes the result. Gradients return on the same rows.
                  With M microbatches (`StepPlan.microbatches`), microbatch m is batch positions
-                 [m B/M, (m+1) B/M) of every stage-0 replica: each replica runs, sends and
+                 [m B/M, (m+1) B/M) of every stage-0 replica, or the m-th run of consecutive
+                 positions of the sizes `StepPlan.sizes` names: each replica runs, sends and
                  receives microbatch by microbatch (the same rules, restricted to those rows),
                  in ascending m, and backpropagates them in ascending m too.
                  Uneven replica counts use routing.route_uneven; with S > R senders a receiver
@@ -34,8 +35,10 @@ Pure: no I/O, no clock; equal inputs give equal plans on every peer.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
+import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -66,6 +69,15 @@ class Incoming:
 
 
 Flow = tuple[tuple[tuple[Incoming, ...], ...], ...]
+
+
+def check_microbatch_sizes(sizes: Sequence[int], microbatches: int, batch_size: int) -> None:
+    """Raise ValueError unless `sizes` cut a batch of `batch_size` into `microbatches` runs."""
+    if len(sizes) != microbatches or min(sizes, default=0) < 1 or sum(sizes) != batch_size:
+        raise ValueError(
+            f"microbatch sizes {list(sizes)} must be {microbatches} sizes of at least 1 "
+            f"that sum to the batch of {batch_size}"
+        )
 
 
 @functools.lru_cache(maxsize=1024)
@@ -150,6 +162,9 @@ class StepPlan:
     """Per-sample random routes (the paper); False: replica d of every stage feeds replica d."""
     microbatches: int = 1
     """M: microbatches per inner step (B/M consecutive batch positions each); M divides B."""
+    sizes: tuple[int, ...] = ()
+    """The M microbatches' sizes in batch order, summing to B (consecutive positions each);
+    empty: B/M each."""
     around: frozenset[tuple[int, int]] = frozenset()
     """(stage, rank) of replicas that are routed around (gone): their stand-ins hold their rows
     (on stage 0: read them from the gone replica's shard). Empty on a healthy swarm and in the
@@ -160,7 +175,9 @@ class StepPlan:
             raise ValueError(f"every stage needs at least one replica, got counts {list(self.counts)}")
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
-        if self.microbatches < 1 or self.batch_size % self.microbatches:
+        if self.sizes:
+            check_microbatch_sizes(self.sizes, self.microbatches, self.batch_size)
+        elif self.microbatches < 1 or self.batch_size % self.microbatches:
             raise ValueError(f"{self.microbatches} microbatches do not divide a batch of {self.batch_size}")
         for stage, rank in self.around:
             if not 0 <= stage < len(self.counts) or not 0 <= rank < self.counts[stage]:
@@ -176,8 +193,9 @@ class StepPlan:
         random_routing: bool = True,
         microbatches: int = 1,
         around: Iterable[tuple[int, int]] = (),
+        sizes: Sequence[int] = (),
     ) -> StepPlan:
-        return cls(tuple(counts), batch_size, random_routing, microbatches, frozenset(around))
+        return cls(tuple(counts), batch_size, random_routing, microbatches, tuple(sizes), frozenset(around))
 
     def routing_around(self, around: Iterable[tuple[int, int]]) -> StepPlan:
         """This plan, with `around` routed around too."""
@@ -215,7 +233,22 @@ class StepPlan:
 
     def microbatch_of(self, position: int) -> int:
         """The microbatch that batch position `position` belongs to."""
-        return position // (self.batch_size // self.microbatches)
+        if not 0 <= position < self.batch_size:
+            raise ValueError(f"no batch position {position} in a batch of {self.batch_size}")
+        return bisect.bisect_right(self._starts, position) - 1
+
+    def span(self, microbatch: int) -> range:
+        """The batch positions of `microbatch`."""
+        if not 0 <= microbatch < self.microbatches:
+            raise ValueError(f"no microbatch {microbatch} of {self.microbatches}")
+        starts = self._starts
+        stop = starts[microbatch + 1] if microbatch + 1 < len(starts) else self.batch_size
+        return range(starts[microbatch], stop)
+
+    @functools.cached_property
+    def _starts(self) -> tuple[int, ...]:
+        sizes = self.sizes or (self.batch_size // self.microbatches,) * self.microbatches
+        return tuple(itertools.accumulate(sizes[:-1], initial=0))
 
     @property
     def num_stages(self) -> int:

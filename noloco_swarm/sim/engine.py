@@ -56,7 +56,11 @@ class Simulator:
         self.device = torch.device(device)
         self.clock = StepClock(cfg.outer.inner_steps, cfg.inner.batch_size, cfg.inner.total_steps)
         self.plan = StepPlan.of(
-            cfg.replica_counts, cfg.inner.batch_size, cfg.outer.random_routing, cfg.inner.microbatches
+            cfg.replica_counts,
+            cfg.inner.batch_size,
+            cfg.outer.random_routing,
+            cfg.inner.microbatches,
+            sizes=cfg.inner.microbatch_sizes,
         )
         # Every replica starts from the same weights, derived from the run seed.
         self.replicas: list[list[StageReplica]] = []
@@ -102,10 +106,10 @@ class Simulator:
         last-stage replica that ran rows of it. A replica the routes give no row of m skips it."""
         cfg, plan, t = self.cfg, self.plan, self.step
         P, fmt = cfg.num_stages, cfg.wire.activations
-        per = cfg.inner.batch_size // plan.microbatches
+        span = plan.span(m)
         # Forward, stage by stage: inputs[r] are replica r's rows, a leaf as a peer receives them.
-        inputs: list[torch.Tensor | None] = [w[:, :-1][m * per : (m + 1) * per] for w in windows]
-        targets: list[torch.Tensor | None] = [w[:, 1:][m * per : (m + 1) * per] for w in windows]
+        inputs: list[torch.Tensor | None] = [w[span.start : span.stop, :-1] for w in windows]
+        targets: list[torch.Tensor | None] = [w[span.start : span.stop, 1:] for w in windows]
         leaves: list[list[torch.Tensor | None]] = []
         outputs: list[list[torch.Tensor | None]] = []
         for s in range(P):

@@ -7,7 +7,8 @@ link:
   (the last stage runs both at once, since the loss is there). Cost is linear in rows:
   `StageCost.forward_s` per sample, backward likewise. Among ready tasks a peer takes the earliest
   step first, then backwards before forwards (1F1B-like), then the lowest microbatch.
-- **Inner step.** The batch of B samples is cut into M microbatches. Stage s forwards microbatch m
+- **Inner step.** The batch of B samples is cut into M microbatches (B/M rows each, or the sizes
+  `Schedule.microbatch_sizes` names). Stage s forwards microbatch m
   once the rows of m from every replica of stage s-1 are in (routes are per sample and random, so
   the model spreads each microbatch evenly over the D receivers: B/(M*D) rows per pair, a fluid
   mean of the plan's permutations). Gradients come back on the same pairs. The optimizer steps
@@ -112,10 +113,16 @@ class Schedule:
     """NoLoCo's exchange within gossip groups, or DiLoCo's sharded all-reduce over all D."""
     group_size: int = 2
     """NoLoCo's group size n."""
+    microbatch_sizes: tuple[int, ...] = ()
+    """The M microbatches' rows in batch order (summing to the batch); empty: B/M each."""
 
     def __post_init__(self) -> None:
         if self.microbatches < 1 or self.overlap_steps < 0 or self.group_size < 1:
             raise ValueError("need microbatches >= 1, overlap_steps >= 0 and group_size >= 1")
+        if self.microbatch_sizes and (
+            len(self.microbatch_sizes) != self.microbatches or min(self.microbatch_sizes) < 1
+        ):
+            raise ValueError(f"need {self.microbatches} microbatch sizes of at least 1")
         if self.wire not in WIRE_BYTES or self.exchange not in ("noloco", "diloco"):
             raise ValueError(f"unknown wire {self.wire!r} or exchange {self.exchange!r}")
 
@@ -276,9 +283,11 @@ def simulate(swarm: Swarm, schedule: Schedule, exact: bool = False) -> Timing:
     def flow(a: int, b: int, nbytes: float, deps: list[int]) -> int:
         return graph.add(Task("flow", peer=a, dst=b, amount=nbytes, latency=latency(a, b)), deps)
 
-    rows = swarm.batch / M  # per microbatch of one replica
-    act = wire_bytes(rows / D, swarm.seq_len, swarm.hidden, schedule.wire, token_ids=True)
-    grad = wire_bytes(rows / D, swarm.seq_len, swarm.hidden, schedule.wire, token_ids=False)
+    if schedule.microbatch_sizes and sum(schedule.microbatch_sizes) != swarm.batch:
+        raise ValueError(f"microbatch sizes {schedule.microbatch_sizes} do not sum to {swarm.batch}")
+    rows = schedule.microbatch_sizes or (swarm.batch / M,) * M  # per microbatch of one replica
+    act = [wire_bytes(r / D, swarm.seq_len, swarm.hidden, schedule.wire, token_ids=True) for r in rows]
+    grad = [wire_bytes(r / D, swarm.seq_len, swarm.hidden, schedule.wire, token_ids=False) for r in rows]
     opt: dict[tuple[int, int], int] = {}  # (stage, replica) -> last optimizer step's task
     exchange_start: dict[tuple[int, int], int] = {}  # of the exchange after step w
     exchange_done: dict[tuple[int, int], int] = {}
@@ -297,12 +306,14 @@ def simulate(swarm: Swarm, schedule: Schedule, exact: bool = False) -> Timing:
                 gate = graph.add(Task("gate"), gate_deps)
                 for m in range(M):
                     deps = [gate] + [sent[(s - 1, e, d, m)] for e in range(D)] if s else [gate]
-                    seconds = rows * (cost.forward_s + (cost.backward_s if last else 0.0))
+                    seconds = rows[m] * (cost.forward_s + (cost.backward_s if last else 0.0))
                     task = Task("compute", peer=peer[(s, d)], amount=seconds, priority=(t, 1, m))
                     fwd[(s, d, m)] = graph.add(task, deps)
                     if not last:
                         for e in range(D):
-                            sent[(s, d, e, m)] = flow(peer[(s, d)], peer[(s + 1, e)], act, [fwd[(s, d, m)]])
+                            sent[(s, d, e, m)] = flow(
+                                peer[(s, d)], peer[(s + 1, e)], act[m], [fwd[(s, d, m)]]
+                            )
         for s in reversed(range(P)):
             cost = swarm.stages[s]
             for d in range(D):
@@ -313,9 +324,10 @@ def simulate(swarm: Swarm, schedule: Schedule, exact: bool = False) -> Timing:
                     else:
                         deps = [fwd[(s, d, m)]]
                         deps += [
-                            flow(peer[(s + 1, e)], peer[(s, d)], grad, [bwd[(s + 1, e, m)]]) for e in range(D)
+                            flow(peer[(s + 1, e)], peer[(s, d)], grad[m], [bwd[(s + 1, e, m)]])
+                            for e in range(D)
                         ]
-                        task = Task("compute", peer=peer[(s, d)], amount=rows * cost.backward_s)
+                        task = Task("compute", peer=peer[(s, d)], amount=rows[m] * cost.backward_s)
                         task.priority = (t, 0, m)
                         bwd[(s, d, m)] = graph.add(task, deps)
                     ends.append(bwd[(s, d, m)])

@@ -69,7 +69,9 @@ def estimate(cfg: RunConfig, stage: int) -> MemoryEstimate:
         per_token_layer += FP32 * 2 * m.num_heads * m.seq_len  # scores and probabilities
     # The last stage backpropagates each microbatch as soon as it ran it: one microbatch is alive
     # there; the stages before it keep every microbatch of the step until its gradients return.
-    alive = tokens // cfg.inner.microbatches if last else tokens
+    inner = cfg.inner
+    largest = max(inner.microbatch_sizes, default=inner.batch_size // inner.microbatches)
+    alive = largest * m.seq_len if last else tokens
     activations = alive * len(layers) * per_token_layer + tokens * h * FP32 * 2  # + rows in and out
     logits = alive * m.vocab_size * FP32 * 3 if last else 0  # logits, log-softmax, their gradient
     return MemoryEstimate(

@@ -272,19 +272,20 @@ def test_microbatches_in_flight_end_with_the_simulators_weights(
     stages: str, cache: Path, one_thread: None
 ) -> None:
     """B = 4 rows cross as M = 4 microbatches of one row (2x2, with the outer exchange overlapped
-    with the next inner step too), or M = 2 of two rows over uneven stages (3,2: some receivers
-    get no row of a microbatch), or M = 2 through a middle stage (1,2,1: it sends microbatches on and
-    backpropagates them as their gradients return): each is sent on as soon as computed, gradients
-    come back in any order and are accumulated in ascending microbatch order, and every replica
-    ends with the simulator's exact weights for the same M."""
-    m, k = {"2,2": ("4", "1"), "3,2": ("2", "0"), "1,2,1": ("2", "0")}[stages]
+    with the next inner step too), or M = 2 uneven microbatches of one and three rows over uneven
+    stages (3,2: some receivers get no row of a microbatch), or M = 2 through a middle stage
+    (1,2,1: it sends microbatches on and backpropagates them as their gradients return): each is
+    sent on as soon as computed, gradients come back in any order and are accumulated in ascending
+    microbatch order, and every replica ends with the simulator's exact weights for the same cut."""
+    m, k, sizes = {"2,2": ("4", "1", ""), "3,2": ("2", "0", "1,3"), "1,2,1": ("2", "0", "")}[stages]
     counts = [int(c) for c in stages.split(",")]
     cfg = small(
         "noloco",
         num_replicas=str(max(counts)),
         num_stages=str(len(counts)),
         stage_replicas=stages,
-        **{"inner.batch_size": "4", "inner.microbatches": m, "outer.overlap_steps": k},
+        **{"inner.batch_size": "4", "inner.microbatches": m, "inner.microbatch_sizes": sizes},
+        **{"outer.overlap_steps": k},
     )
     with local_swarm(cfg, STEPS, step_timeout=60) as swarm:
         wait(swarm, timeout=400)
@@ -296,7 +297,10 @@ def test_microbatches_in_flight_end_with_the_simulators_weights(
         trouble
     )
     assert all(s.dropped_samples == 0 for s in summaries), trouble
-    whole, _ = simulate(dataclasses.replace(cfg, inner=dataclasses.replace(cfg.inner, microbatches=1)), STEPS)
+    whole, _ = simulate(
+        dataclasses.replace(cfg, inner=dataclasses.replace(cfg.inner, microbatches=1, microbatch_sizes=())),
+        STEPS,
+    )
     assert whole != expected, "microbatches sum gradients in another order: not the same bits"
 
 

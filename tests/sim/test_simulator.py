@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from pathlib import Path
 
@@ -72,21 +73,20 @@ def test_seeded_groups_change_partners_not_determinism() -> None:
 def test_one_replica_without_routing_is_plain_training() -> None:
     # P = 1, D = 1, no outer step: the simulator must be bit-identical to a plain loop.
     cfg = config("local", num_stages=1, num_replicas=1, outer={"random_routing": False})
-    assert train(cfg, 7).replica_hashes()[0][0] == plain_loop(cfg, 7, microbatches=1)
+    assert train(cfg, 7).replica_hashes()[0][0] == plain_loop(cfg, 7, sizes=[4])
 
 
-def plain_loop(cfg: RunConfig, steps: int, microbatches: int) -> str:
+def plain_loop(cfg: RunConfig, steps: int, sizes: list[int]) -> str:
     """The state hash of a plain AdamW loop over replica 0's batches, each batch's loss summed
-    (scaled by 1/B) over `microbatches` consecutive slices, backpropagated slice by slice."""
+    (scaled by 1/B) over consecutive slices of `sizes` rows, backpropagated slice by slice."""
     model = build_model(cfg.model, cfg.seed)
     opt = torch.optim.AdamW(
         model.parameters(), lr=cfg.inner.lr, betas=cfg.inner.betas, weight_decay=0.0, foreach=True
     )
     batches, B = synthetic(cfg), cfg.inner.batch_size
-    per = B // microbatches
     for step in range(steps):
         w = batches(0, step)
-        for lo in range(0, B, per):
+        for lo, per in zip(itertools.accumulate(sizes, initial=0), sizes, strict=False):
             (model(w[:, :-1][lo : lo + per], w[:, 1:][lo : lo + per]).sum() / B).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         for group in opt.param_groups:
@@ -239,14 +239,29 @@ def test_microbatches_accumulate_the_whole_batch_gradient() -> None:
     cfg = config(
         "local", num_stages=1, num_replicas=1, outer={"random_routing": False}, inner={"microbatches": 2}
     )
-    assert train(cfg, 5).replica_hashes()[0][0] == plain_loop(cfg, 5, microbatches=2)
+    assert train(cfg, 5).replica_hashes()[0][0] == plain_loop(cfg, 5, sizes=[2, 2])
+    # Uneven microbatches: the same loop over slices of those sizes, and not the even split's bits.
+    uneven_cfg = config(
+        "local",
+        num_stages=1,
+        num_replicas=1,
+        outer={"random_routing": False},
+        inner={"microbatches": 3, "microbatch_sizes": (1, 2, 1)},
+    )
+    uneven = train(uneven_cfg, 5).replica_hashes()[0][0]
+    assert uneven == plain_loop(uneven_cfg, 5, sizes=[1, 2, 1])
+    assert uneven != plain_loop(uneven_cfg, 5, sizes=[2, 2])
     # A pipeline of uneven replicas with random routes (some replicas get no row of a microbatch):
     # every M accumulates the whole batch's gradient, up to float reassociation.
     uneven = {"stage_replicas": (3, 2), "num_replicas": 3}
     ref = train(config("noloco", **uneven), 3)
     ref_loss = ref.forward_backward()
-    for m in (2, 4):
-        sim = train(config("noloco", inner={"microbatches": m}, **uneven), 3)
+    for inner in (
+        {"microbatches": 2},
+        {"microbatches": 4},
+        {"microbatches": 3, "microbatch_sizes": (1, 2, 1)},
+    ):
+        sim = train(config("noloco", inner=inner, **uneven), 3)
         assert math.isclose(sim.forward_backward(), ref_loss, rel_tol=1e-5)
         for got, want in zip(sim.stages, ref.stages, strict=True):
             for a, b in zip(got, want, strict=True):
@@ -258,3 +273,11 @@ def test_microbatches_accumulate_the_whole_batch_gradient() -> None:
 def test_microbatches_that_do_not_divide_the_batch_are_a_clear_error() -> None:
     with pytest.raises(ValueError, match="microbatches must divide"):
         config(inner={"microbatches": 3})
+    with pytest.raises(ValueError, match=r"inner\.microbatch_sizes: .* must be 3 sizes"):
+        config(inner={"microbatches": 3, "microbatch_sizes": (2, 2)})
+    # Sizes need not divide anything; only M of them, at least 1 each, summing to B.
+    assert config(inner={"microbatches": 3, "microbatch_sizes": (1, 2, 1)}).inner.microbatch_sizes == (
+        1,
+        2,
+        1,
+    )

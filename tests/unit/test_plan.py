@@ -3,6 +3,8 @@ with equal replica counts the routes are the official code's draws."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -112,25 +114,40 @@ def test_keys_shards_join_round_and_eval_paths() -> None:
     assert eval_paths((3, 2, 4)) == 2
 
 
-@settings(max_examples=40, deadline=None)
-@given(
-    counts=counts_st,
-    shape=st.sampled_from([(4, 2), (4, 4), (6, 3), (8, 2), (2, 1)]),
-    step=st.integers(0, 1000),
-)
+@st.composite
+def microbatch_cuts(draw: st.DrawFn) -> tuple[int, int, tuple[int, ...], list[range]]:
+    """A batch, M, the sizes to give the plan (empty: even) and the positions of each microbatch."""
+    batch = draw(st.integers(1, 9))
+    if draw(st.booleans()):  # an even split
+        m_count = draw(st.sampled_from([m for m in range(1, batch + 1) if batch % m == 0]))
+        per = batch // m_count
+        return batch, m_count, (), [range(m * per, (m + 1) * per) for m in range(m_count)]
+    cuts = sorted(draw(st.sets(st.integers(1, batch - 1), max_size=batch - 1))) if batch > 1 else []
+    edges = [0, *cuts, batch]
+    sizes = tuple(b - a for a, b in itertools.pairwise(edges))
+    return batch, len(sizes), sizes, [range(a, b) for a, b in itertools.pairwise(edges)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(counts=counts_st, cut=microbatch_cuts(), step=st.integers(0, 1000))
 def test_microbatches_partition_every_replicas_rows_and_sends(
-    counts: tuple[int, ...], shape: tuple[int, int], step: int
+    counts: tuple[int, ...], cut: tuple[int, int, tuple[int, ...], list[range]], step: int
 ) -> None:
-    """Microbatch m holds exactly the rows at positions [m B/M, (m+1) B/M), in batch order, at
-    every stage; what a sender sends per microbatch is what the receiver expects of it."""
-    batch, m_count = shape
-    whole, plan = StepPlan.of(counts, batch), StepPlan.of(counts, batch, microbatches=m_count)
+    """Microbatch m holds exactly the rows at positions [m B/M, (m+1) B/M), or the m-th run of
+    the sizes given, in batch order, at every stage; what a sender sends per microbatch is what the
+    receiver expects of it."""
+    batch, m_count, sizes, spans = cut
+    whole = StepPlan.of(counts, batch)
+    plan = StepPlan.of(counts, batch, microbatches=m_count, sizes=sizes)
+    assert [plan.span(m) for m in range(m_count)] == spans
     for s, count in enumerate(counts):
         for r in range(count):
             parts = [plan.rows(step, s, r, m) for m in range(m_count)]
             assert tuple(x for part in parts for x in part) == whole.rows(step, s, r)
             for m, part in enumerate(parts):
-                assert all(x.row.position * m_count // batch == m for x in part)
+                assert all(
+                    x.row.position in spans[m] and plan.microbatch_of(x.row.position) == m for x in part
+                )
             if s < len(counts) - 1:
                 for m, part in enumerate(parts):
                     for receiver, sent in plan.sends(step, s, r, m).items():
@@ -143,6 +160,14 @@ def test_microbatches_must_divide_the_batch() -> None:
         StepPlan.of((2, 2), 4, microbatches=3)
     with pytest.raises(ValueError, match="no microbatch 2"):
         StepPlan.of((2, 2), 4, microbatches=2).rows(0, 0, 0, 2)
+    with pytest.raises(ValueError, match="no batch position 4"):
+        StepPlan.of((2, 2), 4, microbatches=2).microbatch_of(4)
+
+
+@pytest.mark.parametrize("sizes", [(1, 2), (1, 2, 2), (0, 2, 2), (3, 3, -2)])
+def test_microbatch_sizes_must_cut_the_batch_into_m_runs(sizes: tuple[int, ...]) -> None:
+    with pytest.raises(ValueError, match="must be 3 sizes of at least 1 that sum to the batch of 4"):
+        StepPlan.of((2, 2), 4, microbatches=3, sizes=sizes)
 
 
 @st.composite

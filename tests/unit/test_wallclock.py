@@ -61,6 +61,23 @@ def test_compute_bound_pipeline_with_a_flush_takes_m_plus_p_minus_one_slots() ->
     assert t.busy == pytest.approx((12 / 15, 12 / 15))  # both stages compute 12 s of each 15
 
 
+def test_uneven_microbatches_fill_and_drain_with_their_own_sizes() -> None:
+    # The same pipeline with B = 4 cut 1,2,1: 1 s of fill (stage 0's forward of one sample),
+    # stage 1's 3 + 6 + 3 s back to back (microbatch 1's rows are in after 3 s, as it finishes
+    # microbatch 0). Stage 0's backward of microbatch 1 (4 s) starts at 10, when its gradients
+    # return, and outlasts stage 1's last 3 s: it ends at 14, and the last sample's 2 s follow.
+    stages = [StageCost(1.0, 2.0, params=0), StageCost(1.0, 2.0, params=0)]
+    t = simulate(swarm(stages), Schedule(microbatches=3, microbatch_sizes=(1, 2, 1)))
+    assert t.step_s == pytest.approx(10 + 4 + 2)
+    # Sizes equal to the even split are the even split; sizes must cut the batch.
+    even = simulate(swarm(stages), Schedule(microbatches=2))
+    assert simulate(swarm(stages), Schedule(microbatches=2, microbatch_sizes=(2, 2))) == even
+    with pytest.raises(ValueError, match="do not sum to 4"):
+        simulate(swarm(stages), Schedule(microbatches=2, microbatch_sizes=(1, 2)))
+    with pytest.raises(ValueError, match="need 3 microbatch sizes"):
+        Schedule(microbatches=3, microbatch_sizes=(2, 2))
+
+
 def test_many_microbatches_are_bounded_by_the_slowest_resource() -> None:
     # Negligible compute; stage 0's uplink carries 1 s of activations per step and stage 1's
     # uplink 1 s of gradients, on different links, so a deep pipeline nears 1 s per step.
