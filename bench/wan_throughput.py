@@ -21,6 +21,10 @@ figures are medians over rounds (this machine's pace drifts by 20% within an hou
     sudo nice -n 10 python bench/wan_throughput.py --batch-size 16 --inner-steps 50 --profiles 20:25 \
         --rounds 3 --variants "today: M=1 fp32,M=2 int8 overlap H/2,M=4 int8 overlap H/2" \
         --unshaped "today: M=1 fp32"
+    # uneven microbatches against even ones (and the even schedule unshaped: its own overheads)
+    EVEN="M=4 int8 overlap H/2" ENDS="M=5 2:4:4:4:2 int8 overlap H/2" MID="M=4 3:5:5:3 int8 overlap H/2"
+    sudo nice -n 10 python bench/wan_throughput.py --batch-size 16 --inner-steps 50 --profiles 20:25 \
+        --rounds 3 --variants "today: M=1 fp32,$EVEN,$ENDS,$MID" --unshaped "today: M=1 fp32,$EVEN"
 """
 
 from __future__ import annotations
@@ -53,12 +57,39 @@ VARIANTS = {
         "wire.activations": "int8",
         "outer.overlap_steps": "H/2",
     },
+    # Uneven microbatches: smaller ones at the ends shorten the fill (the first rows to reach
+    # stage 1) and the drain (the last gradients to return) that every step's flush pays on the
+    # link. Sizes in sixteenths of the batch (B/16 x 2,4,4,4,2 is 2,4,4,4,2 at B = 16).
+    "M=5 2:4:4:4:2 int8 overlap H/2": {
+        "inner.microbatches": "5",
+        "inner.microbatch_sizes": "2,4,4,4,2/16",
+        "wire.activations": "int8",
+        "outer.overlap_steps": "H/2",
+    },
+    "M=4 3:5:5:3 int8 overlap H/2": {
+        "inner.microbatches": "4",
+        "inner.microbatch_sizes": "3,5,5,3/16",
+        "wire.activations": "int8",
+        "outer.overlap_steps": "H/2",
+    },
 }
 
 
-def settings(name: str, inner_steps: int) -> dict[str, str]:
-    """A variant's config values, "H/2" resolved for this H."""
-    return {k: str(inner_steps // 2) if v == "H/2" else v for k, v in VARIANTS[name].items()}
+def settings(name: str, inner_steps: int, batch_size: int) -> dict[str, str]:
+    """A variant's config values, "H/2" resolved for this H and sizes "a,b,.../16" for this B."""
+    out = {}
+    for key, given in VARIANTS[name].items():
+        value = given
+        if given == "H/2":
+            value = str(inner_steps // 2)
+        elif given.endswith("/16"):
+            if batch_size % 16:
+                raise SystemExit(
+                    f"variant {name!r} cuts the batch in sixteenths: needs 16 | B, got {batch_size}"
+                )
+            value = ",".join(str(int(x) * batch_size // 16) for x in given.removesuffix("/16").split(","))
+        out[key] = value
+    return out
 
 
 def main() -> None:
@@ -85,7 +116,10 @@ def main() -> None:
     if unknown:
         ap.error(f"unknown variants {sorted(unknown)}; known: {list(VARIANTS)}")
     H = args.inner_steps
-    cfgs = {name: testbed_config(args.seq_len, args.batch_size, H, **settings(name, H)) for name in names}
+    cfgs = {
+        name: testbed_config(args.seq_len, args.batch_size, H, **settings(name, H, args.batch_size))
+        for name in names
+    }
     steps = 3 * H
 
     def run(name: str, rate: float | None, delay: float, round_: int) -> dict:
@@ -170,7 +204,7 @@ def main() -> None:
                 for k, v in vars(args).items()
                 if k in ("seq_len", "batch_size", "inner_steps", "profiles", "rounds")
             },
-            "variants": {name: settings(name, H) for name in sorted(cfgs)},
+            "variants": {name: settings(name, H, args.batch_size) for name in sorted(cfgs)},
             "stage_compute_per_step_s": compute_s,
             "stage_compute_note": "half the unshaped M=1 step (median over rounds): two stages run in "
             "series with one batch in flight",
