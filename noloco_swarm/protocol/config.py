@@ -164,8 +164,9 @@ class InnerConfig:
     grad_clip: float = 1.0
     """Per-stage gradient-norm clip (official: 1.0); 0 disables clipping."""
     microbatches: int = 1
-    """M: the batch crosses the pipeline as M microbatches of B/M samples, each sent on as soon as
-    it is computed; gradients accumulate and the optimizer steps once per inner step."""
+    """M: the batch crosses the pipeline as M microbatches of B/M samples (or of the sizes below),
+    each sent on as soon as it is computed; gradients accumulate and the optimizer steps once per
+    inner step."""
     microbatch_sizes: tuple[int, ...] = ()
     """The M microbatches' sizes in batch order, summing to B (for example 2,6,6,2); empty: B/M
     each. Smaller first and last microbatches shorten the two waits on the link that every step's

@@ -161,7 +161,8 @@ class StepPlan:
     random_routing: bool = True
     """Per-sample random routes (the paper); False: replica d of every stage feeds replica d."""
     microbatches: int = 1
-    """M: microbatches per inner step (B/M consecutive batch positions each); M divides B."""
+    """M: microbatches per inner step: B/M consecutive batch positions each (M divides B), unless
+    `sizes` cuts them otherwise."""
     sizes: tuple[int, ...] = ()
     """The M microbatches' sizes in batch order, summing to B (consecutive positions each);
     empty: B/M each."""
