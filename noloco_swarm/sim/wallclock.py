@@ -47,6 +47,7 @@ from typing import Literal
 from noloco_swarm.model.presets import ModelConfig, count_stage_parameters, layer_parameters
 from noloco_swarm.model.split import split_layers
 from noloco_swarm.protocol.gossip import make_groups
+from noloco_swarm.protocol.plan import check_microbatch_sizes
 from noloco_swarm.sim.flows import Graph, Task
 
 Wire = Literal["fp32", "bf16", "int8"]
@@ -283,8 +284,8 @@ def simulate(swarm: Swarm, schedule: Schedule, exact: bool = False) -> Timing:
     def flow(a: int, b: int, nbytes: float, deps: list[int]) -> int:
         return graph.add(Task("flow", peer=a, dst=b, amount=nbytes, latency=latency(a, b)), deps)
 
-    if schedule.microbatch_sizes and sum(schedule.microbatch_sizes) != swarm.batch:
-        raise ValueError(f"microbatch sizes {schedule.microbatch_sizes} do not sum to {swarm.batch}")
+    if schedule.microbatch_sizes:  # the swarm's own rule; the schedule alone cannot know B
+        check_microbatch_sizes(schedule.microbatch_sizes, M, swarm.batch)
     rows = schedule.microbatch_sizes or (swarm.batch / M,) * M  # per microbatch of one replica
     act = [wire_bytes(r / D, swarm.seq_len, swarm.hidden, schedule.wire, token_ids=True) for r in rows]
     grad = [wire_bytes(r / D, swarm.seq_len, swarm.hidden, schedule.wire, token_ids=False) for r in rows]

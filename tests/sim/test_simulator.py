@@ -86,8 +86,8 @@ def plain_loop(cfg: RunConfig, steps: int, sizes: list[int]) -> str:
     batches, B = synthetic(cfg), cfg.inner.batch_size
     for step in range(steps):
         w = batches(0, step)
-        for lo, per in zip(itertools.accumulate(sizes, initial=0), sizes, strict=False):
-            (model(w[:, :-1][lo : lo + per], w[:, 1:][lo : lo + per]).sum() / B).backward()
+        for lo, hi in itertools.pairwise(itertools.accumulate(sizes, initial=0)):
+            (model(w[:, :-1][lo:hi], w[:, 1:][lo:hi]).sum() / B).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         for group in opt.param_groups:
             group["lr"] = lr_at(
@@ -276,8 +276,5 @@ def test_microbatches_that_do_not_divide_the_batch_are_a_clear_error() -> None:
     with pytest.raises(ValueError, match=r"inner\.microbatch_sizes: .* must be 3 sizes"):
         config(inner={"microbatches": 3, "microbatch_sizes": (2, 2)})
     # Sizes need not divide anything; only M of them, at least 1 each, summing to B.
-    assert config(inner={"microbatches": 3, "microbatch_sizes": (1, 2, 1)}).inner.microbatch_sizes == (
-        1,
-        2,
-        1,
-    )
+    cut = config(inner={"microbatches": 3, "microbatch_sizes": (1, 2, 1)})
+    assert cut.inner.microbatch_sizes == (1, 2, 1)

@@ -72,7 +72,7 @@ def test_uneven_microbatches_fill_and_drain_with_their_own_sizes() -> None:
     # Sizes equal to the even split are the even split; sizes must cut the batch.
     even = simulate(swarm(stages), Schedule(microbatches=2))
     assert simulate(swarm(stages), Schedule(microbatches=2, microbatch_sizes=(2, 2))) == even
-    with pytest.raises(ValueError, match="do not sum to 4"):
+    with pytest.raises(ValueError, match="must be 2 sizes of at least 1 that sum to the batch of 4"):
         simulate(swarm(stages), Schedule(microbatches=2, microbatch_sizes=(1, 2)))
     with pytest.raises(ValueError, match="need 3 microbatch sizes"):
         Schedule(microbatches=3, microbatch_sizes=(2, 2))
