@@ -12,6 +12,7 @@ import signal
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.live import Live
@@ -22,9 +23,10 @@ from noloco_swarm.cli.view import ReplicaStatus, RunStatus, render
 from noloco_swarm.model.state import num_flat
 from noloco_swarm.peer.events import Event, Final, Membership, Outer, Step, of_kind
 from noloco_swarm.protocol import gossip
-from noloco_swarm.sim.engine import Simulator, StepStats
-from noloco_swarm.sim.run import run_simulation
 from noloco_swarm.train.config import RunConfig
+
+if TYPE_CHECKING:  # the launcher of a networked swarm runs no model: it starts without transformers
+    from noloco_swarm.sim.engine import Simulator, StepStats
 
 
 def outer_bytes_per_peer(sim: Simulator, stage: int) -> int:
@@ -87,6 +89,8 @@ class _Tracker:
 
 
 def run_local(cfg: RunConfig, steps: int, *, plain: bool = False) -> int:
+    from noloco_swarm.sim.run import run_simulation
+
     console = Console()
     console.print(
         f"[bold]noloco local[/]: {cfg.num_stages} stages x {cfg.num_replicas} replicas, method {cfg.outer.method}, "

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -110,3 +112,23 @@ def test_peer_rooms_stay_small() -> None:
                 big.append(f"{path.name}:{node.name} has {node.end_lineno - node.lineno + 1} lines")
     assert not big, "split these classes by protocol verb:\n" + "\n".join(big)
     assert len((PACKAGE / "peer" / "runtime.py").read_text().splitlines()) <= 400
+
+
+# Commands that run no model start without transformers (about 3 s of CPU to import here): the DHT
+# bootstrap, the live view, the launcher of a networked `noloco local`, the config tools. The
+# peer (`cli.join`) needs it. One fresh interpreter imports them in turn and says, after each,
+# whether transformers has been loaded; the peer comes last, to show that the probe sees it.
+WITHOUT_TRANSFORMERS = ["main", "dht", "status", "local", "keys", "doctor", "testbed", "swarm"]
+PROBE = """
+import importlib, sys
+for name in sys.argv[1:]:
+    importlib.import_module("noloco_swarm.cli." + name)
+    print(name, "transformers" in sys.modules)
+"""
+
+
+def test_commands_that_run_no_model_do_not_import_transformers() -> None:
+    argv = [sys.executable, "-c", PROBE, *WITHOUT_TRANSFORMERS, "join"]
+    out = subprocess.run(argv, capture_output=True, text=True, check=True, cwd=PACKAGE.parent).stdout
+    loaded = dict(line.split() for line in out.splitlines())
+    assert loaded == {**{c: "False" for c in WITHOUT_TRANSFORMERS}, "join": "True"}, loaded
