@@ -8,6 +8,7 @@ reference simulator instead (same routes, groups and outer steps, no transport).
 from __future__ import annotations
 
 import math
+import os
 import signal
 import time
 from collections.abc import Mapping, Sequence
@@ -18,12 +19,12 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from noloco_swarm.cli.swarm import LocalSwarm, local_swarm, wait
+from noloco_swarm.cli.swarm import LocalSwarm, cpu_share, local_swarm, wait
 from noloco_swarm.cli.view import ReplicaStatus, RunStatus, render
 from noloco_swarm.model.state import num_flat
 from noloco_swarm.peer.events import Event, Final, Membership, Outer, Step, of_kind
 from noloco_swarm.protocol import gossip
-from noloco_swarm.train.config import RunConfig
+from noloco_swarm.train.config import RunConfig, format_cpus
 
 if TYPE_CHECKING:  # the launcher of a networked swarm runs no model: it starts without transformers
     from noloco_swarm.sim.engine import Simulator, StepStats
@@ -225,7 +226,13 @@ def swarm_status(
 
 
 def run_local_swarm(
-    cfg: RunConfig, steps: int, *, plain: bool = False, keep: Path | None = None, plot: bool = False
+    cfg: RunConfig,
+    steps: int,
+    *,
+    plain: bool = False,
+    keep: Path | None = None,
+    plot: bool = False,
+    pin: bool = True,
 ) -> int:
     # Ctrl-C (SIGINT) must stop the swarm however this process was started: a non-interactive
     # shell's background job, or a harness, hands it SIGINT ignored, and Python then installs no
@@ -247,7 +254,16 @@ def run_local_swarm(
     status: RunStatus | None = None
     last_print = [0]
     interrupted = False
-    with local_swarm(cfg, steps, workdir=keep) as swarm:
+    pin = pin and hasattr(os, "sched_getaffinity")  # Linux: elsewhere the peers run unpinned
+    if pin:
+        cpus = sorted(os.sched_getaffinity(0))
+        peers = sum(cfg.replica_counts)
+        shares = " ".join(format_cpus(cpu_share(cpus, peers, i)) for i in range(peers))
+        console.print(
+            f"each peer and its p2pd on its own CPUs, in start order: {shares} (--no-pin: anywhere)",
+            soft_wrap=True,
+        )
+    with local_swarm(cfg, steps, workdir=keep, pin=pin) as swarm:
         console.print(
             f"watch it from another terminal: noloco status --run-id {swarm.run_id} "
             f"--initial-peers {swarm.bootstrap}",

@@ -20,7 +20,7 @@ from noloco_swarm.cli.flags import (
 )
 from noloco_swarm.cli.logs import LOG_FORMATS
 from noloco_swarm.cli.options import ConfigError, Layer, Resolved
-from noloco_swarm.train.config import Runner
+from noloco_swarm.train.config import Runner, parse_cpus
 
 DEFAULT_IDENTITY = Path("~/.config/noloco-swarm/dht.key")
 SIM_METHODS = "noloco,diloco,allreduce,local"
@@ -50,6 +50,12 @@ def parser() -> argparse.ArgumentParser:
         help="run the swarm inside this process (the simulator), no network",
     )
     local.add_argument("--keep", type=Path, default=None, help="keep peer logs and metrics in this folder")
+    local.add_argument(
+        "--pin",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run each peer and its p2pd on its own share of this machine's CPUs (Linux; default: on)",
+    )
     local.add_argument(
         "--plot",
         action="store_true",
@@ -261,10 +267,10 @@ def _print_config(resolved: Resolved, command: str) -> int:
     return 0
 
 
-def _threads(args: argparse.Namespace, *, peer: bool = False) -> None:
+def _threads(args: argparse.Namespace, *, peer: bool = False, cpus: int = 0) -> None:
     import torch
 
-    default = torch.get_num_threads()
+    default = cpus or torch.get_num_threads()  # a pinned peer's default: the CPUs it may use
     if peer:
         # Leave a core to the transport: torch compute slows sharply when p2pd and the
         # stream handlers compete with it for every core (measured with hivemind 1.1.12).
@@ -345,10 +351,16 @@ def _join(args: argparse.Namespace) -> int:
     if args.print_config:
         return _print_config(resolved, "join")
     from noloco_swarm.cli.join import run_join
-    from noloco_swarm.peer.lifetime import die_with_parent, release_memory
+    from noloco_swarm.peer.lifetime import die_with_parent, pin_to_cpus, release_memory
 
     if args.die_with_parent:
         die_with_parent()
+    cpus = parse_cpus(cfg.peer.cpus)
+    if cpus:  # before torch's threads and p2pd start: they inherit it
+        try:
+            pin_to_cpus(cpus)
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
     release_memory(cfg.peer.release_memory)  # before the model and its state exist
     if cfg.peer.device == "cuda":
         import torch
@@ -364,7 +376,7 @@ def _join(args: argparse.Namespace) -> int:
             from noloco_swarm.train.cuda import deterministic_cuda
 
             deterministic_cuda()
-    _threads(args, peer=True)
+    _threads(args, peer=True, cpus=len(cpus))
     if args.resume and not cfg.peer.checkpoint_dir:
         print(
             "noloco: --resume needs --checkpoint-dir (the folder the peer wrote its checkpoints to)",

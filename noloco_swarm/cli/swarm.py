@@ -26,7 +26,7 @@ from noloco_swarm.peer.events import Event, Final, of_kind, read
 from noloco_swarm.peer.lifetime import sweep_sockets
 from noloco_swarm.peer.node import start_dht
 from noloco_swarm.protocol.messages import RunManifest
-from noloco_swarm.train.config import NetworkConfig, RunConfig
+from noloco_swarm.train.config import NetworkConfig, RunConfig, format_cpus
 
 LOOPBACK = ("/ip4/127.0.0.1/tcp/0",)
 
@@ -84,6 +84,7 @@ class LocalSwarm:
     authority: Path | None = None  # a closed run's authority key: each peer gets an identity and a ticket
     # Environment variables of one peer, by (stage, replica): e.g. a test's failpoints in one peer.
     peer_env: Callable[[int | None, int], Mapping[str, str]] | None = None
+    pin: bool = False  # each peer (and its p2pd) runs on its own share of our CPUs (cpu_share)
 
     @property
     def config_path(self) -> Path:
@@ -113,6 +114,9 @@ class LocalSwarm:
         if self.durable:
             argv += ["--checkpoint-dir", str(self.checkpoints(stage, d))]
             argv += ["--resume"] if resume else []
+        if self.pin:
+            cpus = cpu_share(sorted(os.sched_getaffinity(0)), sum(self.cfg.replica_counts), len(self.peers))
+            argv += ["--set", f"peer.cpus={format_cpus(cpus)}"]
         if self.authority is not None:  # a closed run: a day's ticket for the key's peer id
             ticket = key.with_suffix(".ticket")
             if not key.exists():
@@ -175,6 +179,25 @@ class LocalSwarm:
         return [f for p in self.peers for f in of_kind(p.events(), Final)]
 
 
+def cpu_share(cpus: list[int], peers: int, index: int) -> list[int]:
+    """The CPUs of the `index`-th peer started (0, 1, ...) when `peers` peers share `cpus`.
+
+    With at least as many CPUs as peers, each peer gets its own block of len(cpus) // peers.
+    With fewer, peers take one CPU each in turn: peers start stage by stage, so a stage's replicas
+    (which compute at the same time) land on different CPUs, and each CPU hosts one replica of
+    every stage (which take turns along the pipeline). A peer added later shares the block or CPU
+    of the peer `index` wraps round to. Pinned so, a peer and its p2pd hand each message over on
+    one CPU: on 2 cores the 2x2 swarm of bench/swarm_throughput.py ran 9% faster
+    (docs/benchmarks.md, "Swarm: the cost of real transport", session 26)."""
+    if not cpus or peers < 1:
+        raise ValueError("cpu_share needs at least one CPU and one peer")
+    size = len(cpus) // peers
+    if size >= 1:
+        block = index % peers
+        return cpus[block * size : (block + 1) * size]
+    return [cpus[index % len(cpus)]]
+
+
 @contextmanager
 def local_swarm(
     cfg: RunConfig,
@@ -191,6 +214,7 @@ def local_swarm(
     host_maddrs: tuple[str, ...] = LOOPBACK,
     authority: Path | None = None,
     peer_env: Callable[[int | None, int], Mapping[str, str]] | None = None,
+    pin: bool = False,
 ) -> Iterator[LocalSwarm]:
     """Start the swarm; yields while the peers run; always ends every process it started.
 
@@ -203,7 +227,10 @@ def local_swarm(
     runs and `host_maddrs` where our own node listens (`noloco testbed`: namespaces on a bridge).
     A closed run (`cfg.authority`) needs its `authority` key file: every peer gets a ticket.
     `peer_env(stage, replica)` adds environment variables to one peer (a test's failpoints).
+    `pin` runs each peer and its daemon on its own share of this process's CPUs (cpu_share; Linux).
     """
+    if pin and not hasattr(os, "sched_getaffinity"):
+        raise ValueError(f"pinning peers to CPUs needs Linux's CPU affinity, which {sys.platform} lacks")
     if bool(cfg.authority) != (authority is not None):
         raise ValueError("a closed run (cfg.authority) needs its authority key file, and only it")
     if resume and (workdir is None or run_id is None or not durable):
@@ -228,6 +255,7 @@ def local_swarm(
         place=place,
         authority=authority,
         peer_env=peer_env,
+        pin=pin,
     )
     dht = start_dht(NetworkConfig(initial_peers=initial_peers, host_maddrs=host_maddrs))
     try:

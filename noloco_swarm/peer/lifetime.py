@@ -257,3 +257,22 @@ def trim_heap() -> None:
     libc = _glibc()
     if libc is not None:
         libc.malloc_trim(0)
+
+
+def pin_to_cpus(cpus: list[int]) -> None:
+    """Run this process, every thread it has and every thread and process it starts later (torch's
+    pool, p2pd) on `cpus` only (peer.cpus; Linux). ValueError if the system has no such call or
+    `cpus` names a CPU this process may not use."""
+    if not hasattr(os, "sched_setaffinity"):
+        raise ValueError(f"peer.cpus needs Linux's CPU affinity, which {sys.platform} lacks: leave it empty")
+    allowed = os.sched_getaffinity(0)
+    if missing := sorted(set(cpus) - allowed):
+        raise ValueError(
+            f"peer.cpus names CPUs {missing} that this process may not run on (it may use "
+            f"{sorted(allowed)}); choose among those"
+        )
+    # Threads that exist already keep their own affinity unless set one by one; new ones inherit
+    # their creator's, and child processes (p2pd, started later) their parent's.
+    for task in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(task), cpus)

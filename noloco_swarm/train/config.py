@@ -25,6 +25,34 @@ EVENT_LOOPS = ("uvloop", "asyncio")
 RELEASE_MEMORY = ("map", "trim", "off")  # peer.release_memory; the first is the default
 
 
+def parse_cpus(text: str) -> list[int]:
+    """The CPUs of a Linux CPU list such as `0-3,8` (peer.cpus), sorted; [] for an empty text;
+    ValueError naming the malformed part."""
+    cpus: set[int] = set()
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        first, sep, last = part.partition("-")
+        if not first.isdigit() or (sep and not last.isdigit()):
+            raise ValueError(f"peer.cpus: {part!r} is not a CPU number or a range like 0-3 (in {text!r})")
+        low, high = int(first), int(last) if sep else int(first)
+        if high < low:
+            raise ValueError(f"peer.cpus: the range {part!r} ends before it starts (in {text!r})")
+        cpus.update(range(low, high + 1))
+    if text.strip() and not cpus:
+        raise ValueError(f"peer.cpus: {text!r} names no CPU; leave it empty to run anywhere")
+    return sorted(cpus)
+
+
+def format_cpus(cpus: list[int]) -> str:
+    """A Linux CPU list for `cpus` (the inverse of parse_cpus): [0, 1, 2, 5] -> "0-2,5"."""
+    runs: list[list[int]] = []
+    for cpu in sorted(set(cpus)):
+        if runs and cpu == runs[-1][1] + 1:
+            runs[-1][1] = cpu
+        else:
+            runs.append([cpu, cpu])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
 @dataclass(frozen=True)
 class PeerConfig:
     """How one peer runs (not part of the run's identity, so not in the manifest)."""
@@ -83,6 +111,10 @@ class PeerConfig:
     (docs/benchmarks.md: small preset, peak 1.34x, 1.5x and 1.85x of the 6 x 4 bytes state)."""
     event_loop: str = "uvloop"
     """The peer's asyncio event loop: uvloop (libuv-based, the default) or asyncio (the standard one)."""
+    cpus: str = ""
+    """The CPUs this peer process and its libp2p daemon run on, as a Linux CPU list (for example
+    0-3,8); empty: wherever the system schedules them. `noloco local` sets it itself, giving each
+    of its peers its own share of the machine's CPUs (`noloco local --no-pin`: none)."""
     ticket: str | None = None
     """Join ticket file for a closed run (from its organiser's `noloco ticket`; ~ is expanded)."""
 
@@ -103,6 +135,7 @@ class PeerConfig:
             raise ValueError("peer.checkpoint_every and peer.checkpoint_keep must be >= 1")
         if self.event_loop not in EVENT_LOOPS:
             raise ValueError(f"peer.event_loop must be uvloop or asyncio, got {self.event_loop!r}")
+        parse_cpus(self.cpus)  # a malformed list is refused here, before any peer starts
         if not 0 <= self.state_serve_rate < float("inf"):
             raise ValueError(
                 f"peer.state_serve_rate must be >= 0 MiB/s (0: no cap), got {self.state_serve_rate}"
@@ -169,10 +202,10 @@ class NetworkConfig:
 LOCAL_SECTIONS = ("peer", "network")
 
 # Who runs a config: the in-process simulator (`noloco sim`, `noloco local --in-process`), one real
-# peer (`noloco join`), or `noloco local`, which starts real peers and names their run id, stages,
+# peer (`noloco join`), or `noloco local`, which starts real peers and names their run id, stages, CPUs,
 # metrics files and loopback addresses itself.
 Runner = Literal["simulator", "peer", "local"]
-LOCAL_OWNED = ("peer.run_id", "peer.stage", "peer.metrics", "peer.ticket")
+LOCAL_OWNED = ("peer.run_id", "peer.stage", "peer.metrics", "peer.ticket", "peer.cpus")
 
 
 @dataclass(frozen=True)
@@ -369,7 +402,7 @@ class RunConfig:
                 owned = key in LOCAL_OWNED or key.startswith("network.")
                 if owned and ours[key] != unset[key]:  # a file may restate a default; that asks nothing
                     out.append(
-                        f"{key}{given(key)}: noloco local names its peers' run id, stages, metrics "
+                        f"{key}{given(key)}: noloco local names its peers' run id, stages, CPUs, metrics "
                         "files and loopback addresses itself; drop it, or run peers with noloco join"
                     )
         return out

@@ -45,13 +45,14 @@ def start_local(*flags: str, tmp: Path) -> subprocess.Popen[str]:
     return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
 
-def wait_for_a_step(proc: subprocess.Popen[str], timeout: float = 180) -> None:
-    """Until `noloco local` prints its first step line: the swarm trains."""
+def wait_for_a_step(proc: subprocess.Popen[str], timeout: float = 180) -> list[str]:
+    """Until `noloco local` prints its first step line (the swarm trains); the lines it printed."""
     deadline = time.monotonic() + timeout
     seen: list[str] = []
     while not any(line.startswith("step") for line in seen):
         assert time.monotonic() < deadline and proc.poll() is None, "".join(seen)
         seen.append(proc.stdout.readline())  # type: ignore[union-attr]
+    return seen
 
 
 def survivors(pids: set[int], run_dirs: set[str]) -> str:
@@ -93,3 +94,57 @@ def test_a_killed_launcher_takes_its_peers_and_their_daemons_with_it(cache: Path
             os.kill(pid, signal.SIGKILL)
         for folder in local_dirs(tmp_path):  # a killed launcher cannot remove its own
             shutil.rmtree(folder, ignore_errors=True)
+
+
+def affinity(pid: int) -> set[tuple[int, ...]]:
+    """The CPU sets of every thread of `pid` (one set when they all agree)."""
+    return {tuple(sorted(os.sched_getaffinity(int(task)))) for task in os.listdir(f"/proc/{pid}/task")}
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="CPU affinity is Linux's")
+def test_local_runs_each_peer_and_its_daemon_on_its_own_share_of_the_cpus(
+    cache: Path, tmp_path: Path
+) -> None:
+    """`noloco local` pins each peer, every thread of it and its p2pd to the CPUs cpu_share gives
+    its place in the start order (stage by stage), and says so; its own bootstrap node stays free."""
+    from noloco_swarm.cli.swarm import cpu_share
+    from noloco_swarm.train.config import format_cpus
+
+    allowed = sorted(os.sched_getaffinity(0))
+    # A run that outlasts the checks below by far: peers found training are still there to look at.
+    proc = start_local("--steps", "5000", "--set", "outer.inner_steps=2000", tmp=tmp_path)
+    family: set[int] = set()
+    try:
+        said = "".join(wait_for_a_step(proc))
+        family = descendants(proc.pid)
+        peers = {}
+        for pid in family:
+            argv = Path(f"/proc/{pid}/cmdline").read_text().split("\0")
+            if "join" in argv:
+                stage, metrics = argv[argv.index("--stage") + 1], argv[argv.index("--metrics") + 1]
+                replica = Path(metrics).stem.rsplit("-", 1)[1]  # peer-STAGE-REPLICA.jsonl
+                peers[int(stage) * 2 + int(replica)] = pid  # 2 replicas per stage, started in order
+        assert sorted(peers) == [0, 1, 2, 3], peers
+        for index, pid in peers.items():
+            share = tuple(cpu_share(allowed, 4, index))
+            daemons = p2pd_descendants(pid)
+            assert len(daemons) == 1, f"peer {index} should run one p2pd, has {daemons}"
+            assert affinity(pid) == {share}, f"peer {index}'s threads run on {affinity(pid)}, not {share}"
+            assert affinity(daemons.pop()) == {share}, f"peer {index}'s p2pd is not on {share}"
+        assert affinity(proc.pid) == {tuple(allowed)}  # the launcher itself is not pinned
+    finally:
+        proc.send_signal(signal.SIGINT)  # the launcher ends its swarm
+        try:
+            proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+        deadline = time.monotonic() + 45  # the peers' daemons stop with them, not at once
+        while alive(family) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        ended = not alive(family)
+        for pid in alive(family):  # never leave them running, whatever failed above
+            os.kill(pid, signal.SIGKILL)
+    shares = " ".join(format_cpus(cpu_share(allowed, 4, i)) for i in range(4))
+    assert f"each peer and its p2pd on its own CPUs, in start order: {shares} (--no-pin" in said, said
+    assert ended, "the launcher's swarm outlived it"

@@ -55,6 +55,7 @@ def no_noloco_set(monkeypatch: pytest.MonkeyPatch) -> None:
         (["local", "--set", "noequals"], "", "", "expected key=value"),
         ([*JOIN, "--preset", "small"], "", "", "with --set model.vocab_size=4096"),
         ([*JOIN, "--set", "peer.release_memory=never"], "", "", "peer.release_memory must be one of"),
+        ([*JOIN], "peer.cpus=3-1", "", "peer.cpus: the range '3-1' ends before it starts"),
     ],
 )
 def test_bad_keys_and_values_exit_2_and_say_what_to_change(
@@ -85,6 +86,10 @@ def test_bad_keys_and_values_exit_2_and_say_what_to_change(
         ([*JOIN, "--set", "network.client_mode=true"], "network.client_mode (set by --set)"),
         (["local", "--set", "peer.run_id=x"], "peer.run_id (set by --set): noloco local names its peers'"),
         (["local", "--set", "network.use_relay=false"], "network.use_relay (set by --set)"),
+        (
+            ["local", "--set", "peer.cpus=0"],
+            "peer.cpus (set by --set): noloco local names its peers' run id, stages, CPUs",
+        ),
         (["join"], "noloco join needs a run id: give --run-id NAME"),
         (["status", "--run-id", "r"], "noloco status needs --initial-peers"),
     ],
