@@ -11,10 +11,13 @@ Each round runs the swarm once per event loop named in --loops (the peers' `peer
 so uvloop and asyncio are compared side by side too (the swarm's step time, not the simulator's),
 and once per `inner.microbatches` value named in --microbatches, each against the simulator with
 the same M (the same arithmetic) and against the first value's (the whole batch, when that is 1).
+By default each peer and its p2pd run on their own share of the CPUs, as `noloco local` runs
+them (`--pin on`); `--pin on,off` also runs the swarm unpinned in every round, side by side.
 
     python bench/swarm_throughput.py                 # 2x2, tiny, seq 64, batch 4, 60 steps, H=10
     python bench/swarm_throughput.py --rounds 1 --steps 30 --loops uvloop
     python bench/swarm_throughput.py --loops uvloop --microbatches 1,2,4   # microbatches in flight
+    python bench/swarm_throughput.py --loops uvloop --pin on,off          # pinned against unpinned
 """
 
 from __future__ import annotations
@@ -52,12 +55,20 @@ def main() -> None:
         "--microbatches", default="1", help="inner.microbatches values to run, comma-separated (e.g. 1,2,4)"
     )
     ap.add_argument(
+        "--pin",
+        default="on",
+        help="on, off or on,off: peers pinned to CPUs as noloco local pins them, or not",
+    )
+    ap.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="a config value for both sides"
     )
     ap.add_argument("--out", type=Path, default=None, help="also write the figures as JSON here")
     args = ap.parse_args()
     loops = args.loops.split(",")
     ms = [int(m) for m in args.microbatches.split(",")]
+    if not set(args.pin.split(",")) <= {"on", "off"}:
+        ap.error(f"--pin takes on, off or on,off, not {args.pin!r}")
+    pins = [p == "on" for p in args.pin.split(",")]
     base = {
         "num_stages": str(args.stages),
         "num_replicas": str(args.replicas),
@@ -72,8 +83,8 @@ def main() -> None:
     }
     cfg = cfgs[ms[0]]
     tokens_per_step = args.replicas * args.batch_size * args.seq_len
-    runs = [(m, loop) for m in ms for loop in loops]
-    swarm_tps: dict[str, list[float]] = {name(m, loop, ms): [] for m, loop in runs}
+    runs = [(m, loop, pin) for m in ms for loop in loops for pin in pins]
+    swarm_tps: dict[str, list[float]] = {name(m, loop, pin, ms, pins): [] for m, loop, pin in runs}
     sim_tps: dict[int, list[float]] = {m: [] for m in ms}
     sim_drift: dict[int, list[float]] = {m: [] for m in ms}  # after / before, per round
     sent_ratio, recv_ratio = [], []
@@ -94,14 +105,14 @@ def main() -> None:
         # geometric mean: the machine's pace drifts within minutes (by a third within an hour),
         # and one simulator run beside the swarms took that drift into the ratio.
         before = {m: simulate(m) for m in ms}
-        for m, loop in runs:
+        for m, loop, pin in runs:
             peer_cfg = dataclasses.replace(cfgs[m], peer=dataclasses.replace(cfg.peer, event_loop=loop))
-            with local_swarm(peer_cfg, args.steps, step_timeout=120) as swarm:
+            with local_swarm(peer_cfg, args.steps, step_timeout=120, pin=pin) as swarm:
                 wait(swarm, timeout=1800)
                 summaries = swarm.summaries()
                 outers = [(p.stage, e) for p in swarm.peers for e in of_kind(p.events(), Outer)]
             seconds = max(s.train_seconds for s in summaries if s.stage == 0)
-            swarm_tps[name(m, loop, ms)].append(args.steps * tokens_per_step / seconds)
+            swarm_tps[name(m, loop, pin, ms, pins)].append(args.steps * tokens_per_step / seconds)
             sent_ratio += [e.sent_bytes / floor[s] for s, e in outers]
             recv_ratio += [e.received_bytes / floor[s] for s, e in outers]
 
@@ -111,23 +122,17 @@ def main() -> None:
             sim_drift[m].append(after / before[m])
     # Each swarm against the simulator of the same round: with the same M (the cost of transport)
     # and with M = the first value given (the whole-batch oracle, when that is 1).
-    ratio = {
-        name(m, loop, ms): [a / b for a, b in zip(swarm_tps[name(m, loop, ms)], sim_tps[m], strict=True)]
-        for m, loop in runs
-    }
-    ratio_first = {
-        name(m, loop, ms): [a / b for a, b in zip(swarm_tps[name(m, loop, ms)], sim_tps[ms[0]], strict=True)]
-        for m, loop in runs
-    }
+    keys = {name(m, loop, pin, ms, pins): m for m, loop, pin in runs}
+    ratio = {key: [a / b for a, b in zip(swarm_tps[key], sim_tps[m], strict=True)] for key, m in keys.items()}
+    ratio_first = {key: [a / b for a, b in zip(swarm_tps[key], sim_tps[ms[0]], strict=True)] for key in keys}
     print(
         f"config: {args.stages} stages x {args.replicas} replicas, tiny, seq {args.seq_len}, batch {args.batch_size}, "
         f"H={args.inner_steps}, {args.steps} steps, {args.rounds} alternating rounds"
     )
-    for m, loop in runs:
-        key = name(m, loop, ms)
+    for key, m in keys.items():
         tps = swarm_tps[key]
         rounds = ", ".join(f"{r:.3f}" for r in ratio[key])
-        print(f"swarm {key:14s} (processes, loopback): {statistics.median(tps):8.0f} tokens/s")
+        print(f"swarm {key:20s} (processes, loopback): {statistics.median(tps):8.0f} tokens/s")
         print(f"  ratio swarm/simulator (same M)  : {statistics.median(ratio[key]):.3f} (rounds: {rounds})")
         if m != ms[0]:
             first = ", ".join(f"{r:.3f}" for r in ratio_first[key])
@@ -138,17 +143,18 @@ def main() -> None:
         drift = ", ".join(f"{d:.3f}" for d in sim_drift[m])
         print(f"simulator M={m} (one process)     : {statistics.median(sim_tps[m]):8.0f} tokens/s")
         print(f"  its pace after / before a round : {drift}")
-    loop_ratio = None
+    loop_ratio = pin_ratio = None
     if {"uvloop", "asyncio"} <= set(loops):
-        per_round = [
-            a / b
-            for a, b in zip(
-                swarm_tps[name(ms[0], "uvloop", ms)], swarm_tps[name(ms[0], "asyncio", ms)], strict=True
-            )
-        ]
-        loop_ratio = statistics.median(per_round)
-        print(
-            f"swarm uvloop/asyncio tokens/s   : {loop_ratio:.3f} (rounds: {', '.join(f'{r:.3f}' for r in per_round)})"
+        loop_ratio = side_by_side(
+            "uvloop/asyncio",
+            swarm_tps[name(ms[0], "uvloop", pins[0], ms, pins)],
+            swarm_tps[name(ms[0], "asyncio", pins[0], ms, pins)],
+        )
+    if {True, False} <= set(pins):
+        pin_ratio = side_by_side(
+            "pinned/unpinned",
+            swarm_tps[name(ms[0], loops[0], True, ms, pins)],
+            swarm_tps[name(ms[0], loops[0], False, ms, pins)],
         )
     print(
         f"bytes per outer step per peer / stage fp32 bytes: sent {statistics.median(sent_ratio):.4f}x, "
@@ -168,6 +174,7 @@ def main() -> None:
                 key: statistics.median(r) for key, r in ratio_first.items()
             },
             "uvloop_over_asyncio_median": loop_ratio,
+            "pinned_over_unpinned_median": pin_ratio,
             "sent_bytes_per_stage_bytes_median": statistics.median(sent_ratio),
             "received_bytes_per_stage_bytes_median": statistics.median(recv_ratio),
             "exchanges": len(sent_ratio),
@@ -175,9 +182,18 @@ def main() -> None:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
 
 
-def name(m: int, loop: str, ms: list[int]) -> str:
-    """A run's label: the event loop, and M when several values run."""
-    return loop if ms == [1] else f"M={m} {loop}"
+def name(m: int, loop: str, pin: bool, ms: list[int], pins: list[bool]) -> str:
+    """A run's label: the event loop, M when several values run, pinning when both ways run."""
+    label = loop if ms == [1] else f"M={m} {loop}"
+    return label if len(pins) == 1 else f"{label} {'pinned' if pin else 'unpinned'}"
+
+
+def side_by_side(what: str, a: list[float], b: list[float]) -> float:
+    """Print and return the median per-round ratio a/b of two swarms' tokens/s."""
+    per_round = [x / y for x, y in zip(a, b, strict=True)]
+    median = statistics.median(per_round)
+    print(f"swarm {what} tokens/s : {median:.3f} (rounds: {', '.join(f'{r:.3f}' for r in per_round)})")
+    return median
 
 
 if __name__ == "__main__":
