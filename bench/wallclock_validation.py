@@ -36,8 +36,16 @@ from noloco_swarm.testbed.schedule import Shape
 from noloco_swarm.train.config import RunConfig
 
 
-def measure(cfg: RunConfig, steps: int, rate_mbit: float | None, delay_ms: float, keep: Path | None) -> dict:
-    """One testbed run; per-step, per-exchange and per-period figures from the peers' events."""
+def measure(
+    cfg: RunConfig,
+    steps: int,
+    rate_mbit: float | None,
+    delay_ms: float,
+    keep: Path | None,
+    pin: bool = False,
+) -> dict:
+    """One testbed run; per-step, per-exchange and per-period figures from the peers' events.
+    `pin`: each peer and its p2pd on their own share of the CPUs (as `noloco local` runs them)."""
     hosts = [peer_host(s, d) for s in range(cfg.num_stages) for d in range(cfg.num_replicas)]
     shapes = [Shape(h, rate_mbit) for h in hosts] if rate_mbit else []
     workdir = None
@@ -46,7 +54,7 @@ def measure(cfg: RunConfig, steps: int, rate_mbit: float | None, delay_ms: float
         workdir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     with namespace_swarm(
-        cfg, steps, step_timeout=120, delay_ms=delay_ms, shapes=shapes, workdir=workdir
+        cfg, steps, step_timeout=120, delay_ms=delay_ms, shapes=shapes, workdir=workdir, pin=pin
     ) as ns:
         wait(ns.swarm, timeout=900)
         peers = [(p.stage, p.events()) for p in ns.swarm.peers]

@@ -25,6 +25,9 @@ figures are medians over rounds (this machine's pace drifts by 20% within an hou
     EVEN="M=4 int8 overlap H/2" ENDS="M=5 2:4:4:4:2 int8 overlap H/2" MID="M=4 3:5:5:3 int8 overlap H/2"
     sudo nice -n 10 python bench/wan_throughput.py --batch-size 16 --inner-steps 50 --profiles 20:25 \
         --rounds 3 --variants "today: M=1 fp32,$EVEN,$ENDS,$MID" --unshaped "today: M=1 fp32,$EVEN"
+
+A variant's name followed by " pinned" runs the same schedule with each peer and its p2pd on
+their own share of the CPUs, as `noloco local` runs them (the testbed's default leaves them free).
 """
 
 from __future__ import annotations
@@ -92,6 +95,14 @@ def settings(name: str, inner_steps: int, batch_size: int) -> dict[str, str]:
     return out
 
 
+PINNED = " pinned"  # a variant's name ending so: its peers pinned to CPUs
+
+
+def base(name: str) -> str:
+    """The schedule of a variant's name (without " pinned")."""
+    return name.removesuffix(PINNED)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seq-len", type=int, default=128)
@@ -112,12 +123,12 @@ def main() -> None:
     args = ap.parse_args()
     variants, unshaped_variants = args.variants.split(","), args.unshaped.split(",")
     names = {*variants, *unshaped_variants}
-    unknown = names - set(VARIANTS)
+    unknown = {base(name) for name in names} - set(VARIANTS)
     if unknown:
         ap.error(f"unknown variants {sorted(unknown)}; known: {list(VARIANTS)}")
     H = args.inner_steps
     cfgs = {
-        name: testbed_config(args.seq_len, args.batch_size, H, **settings(name, H, args.batch_size))
+        name: testbed_config(args.seq_len, args.batch_size, H, **settings(base(name), H, args.batch_size))
         for name in names
     }
     steps = 3 * H
@@ -126,7 +137,7 @@ def main() -> None:
         keep = None
         if args.keep is not None:
             keep = args.keep / f"r{round_}-{name.replace(' ', '_').replace(':', '').replace('/', '')}"
-        result = measure(cfgs[name], steps, rate, delay, keep)
+        result = measure(cfgs[name], steps, rate, delay, keep, pin=name.endswith(PINNED))
         print(
             f"  {name:22s} rate {rate} Mbit/s, one-way {delay:g} ms: {result['tokens_per_s']:8.0f} tokens/s, "
             f"step {result['step_s']:.3f} s, exchange {result['exchange_s']:.2f} s",
@@ -204,7 +215,11 @@ def main() -> None:
                 for k, v in vars(args).items()
                 if k in ("seq_len", "batch_size", "inner_steps", "profiles", "rounds")
             },
-            "variants": {name: settings(name, H, args.batch_size) for name in sorted(cfgs)},
+            "variants": {
+                name: settings(base(name), H, args.batch_size)
+                | ({"pinned": "true"} if name != base(name) else {})
+                for name in sorted(cfgs)
+            },
             "stage_compute_per_step_s": compute_s,
             "stage_compute_note": "half the unshaped M=1 step (median over rounds): two stages run in "
             "series with one batch in flight",

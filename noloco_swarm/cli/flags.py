@@ -160,6 +160,17 @@ def add_network(p: argparse.ArgumentParser, *, identity_default: str | None, pee
     )
 
 
+def add_pin(p: argparse.ArgumentParser, *, default: bool) -> None:
+    """Whether a launcher pins its peers to CPUs (`noloco local`: on; `noloco testbed`: off)."""
+    p.add_argument(
+        "--pin",
+        action=argparse.BooleanOptionalAction,
+        default=default,
+        help="run each peer and its p2pd on its own share of this machine's CPUs "
+        f"(Linux; default: {'on' if default else 'off'})",
+    )
+
+
 def add_testbed(p: argparse.ArgumentParser) -> None:
     """The testbed's links and faults (`noloco testbed`); not config keys: they shape the machine."""
     p.add_argument(

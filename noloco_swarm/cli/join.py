@@ -71,7 +71,8 @@ def run_join(
 
     net = cfg.network
     stage = "auto" if cfg.peer.stage is None else str(cfg.peer.stage)
-    console.print(f"[bold]noloco join[/]: run {cfg.peer.run_id}, stage {stage}, {steps} steps")
+    cpus = f", on CPUs {cfg.peer.cpus}" if cfg.peer.cpus else ""
+    console.print(f"[bold]noloco join[/]: run {cfg.peer.run_id}, stage {stage}, {steps} steps{cpus}")
     if net.announce_maddrs:
         console.print(f"announcing {', '.join(net.announce_maddrs)} to other peers")
     if not net.use_relay:

@@ -13,6 +13,7 @@ from noloco_swarm.cli.flags import (
     add_metrics_port,
     add_network,
     add_peer,
+    add_pin,
     add_run,
     add_sources,
     add_testbed,
@@ -50,12 +51,7 @@ def parser() -> argparse.ArgumentParser:
         help="run the swarm inside this process (the simulator), no network",
     )
     local.add_argument("--keep", type=Path, default=None, help="keep peer logs and metrics in this folder")
-    local.add_argument(
-        "--pin",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="run each peer and its p2pd on its own share of this machine's CPUs (Linux; default: on)",
-    )
+    add_pin(local, default=True)
     local.add_argument(
         "--plot",
         action="store_true",
@@ -109,6 +105,7 @@ def parser() -> argparse.ArgumentParser:
     add_run(testbed, replicas=2, steps=30)
     add_sources(testbed)
     add_testbed(testbed)
+    add_pin(testbed, default=False)
 
     sim = sub.add_parser(
         "sim",
@@ -340,6 +337,7 @@ def _testbed(args: argparse.Namespace) -> int:
         keep=args.keep,
         threads=args.threads or 1,
         transport=args.transport,
+        pin=args.pin,
     )
 
 

@@ -12,6 +12,7 @@ Everything is torn down at exit, Ctrl-C included.
 
 from __future__ import annotations
 
+import os
 import sys
 import tempfile
 import time
@@ -86,9 +87,11 @@ def namespace_swarm(
     workdir: Path | None = None,
     threads: int = 1,
     transport: TransportKind = "tcp",
+    pin: bool = False,
 ) -> Iterator[NamespaceSwarm]:
     """Build the testbed, start the bootstrap and the peers in it; yields while they run; always
-    ends every process and removes every namespace, link and relay it made.
+    ends every process and removes every namespace, link and relay it made. `pin`: each peer and
+    its p2pd run on their own share of this machine's CPUs, as under `noloco local`.
 
     A link profile is `shapes` (a rate per host) and the one-way delays: `delay_ms` for every
     peer's host, or per host in `delays` (a host it does not name gets `delay_ms`), so one peer
@@ -140,6 +143,7 @@ def namespace_swarm(
                 initial_peers=(bootstrap,),
                 place=place,
                 host_maddrs=(f"/ip4/{bed.gateway}/tcp/0",),
+                pin=pin,
             )
         )
         yield NamespaceSwarm(bed, swarm, bootstrap, ports)
@@ -192,8 +196,10 @@ def run_testbed(
     keep: Path | None = None,
     threads: int = 1,
     transport: TransportKind = "tcp",
+    pin: bool = False,
 ) -> int:
-    """Run the swarm on a testbed, apply the fault schedule, print per-peer results."""
+    """Run the swarm on a testbed, apply the fault schedule, print per-peer results. `pin`: each
+    peer and its p2pd on their own share of the CPUs (Linux), as under `noloco local`."""
     console = Console()
     timeline = Timeline.of_cuts(cuts)
     unknown = timeline.hosts() - set(host_names(cfg))
@@ -216,6 +222,7 @@ def run_testbed(
             workdir=keep,
             threads=threads,
             transport=transport,
+            pin=pin and hasattr(os, "sched_getaffinity"),
         ) as ns:
             start = time.monotonic()
 

@@ -15,12 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from noloco_swarm.cli.swarm import LocalSwarm, wait
+from noloco_swarm.cli.swarm import LocalSwarm, cpu_share, wait
 from noloco_swarm.cli.testbed import BOOT, namespace_swarm, peer_host
 from noloco_swarm.peer.events import Joined, Step, of_kind
 from noloco_swarm.testbed import Testbed, namespaces_permitted
 from noloco_swarm.testbed.bed import LINK, NAME, TransportKind, forward_rules, owned_names
 from noloco_swarm.testbed.schedule import Shape
+from noloco_swarm.train.config import format_cpus
 from tests.integration.helpers import troubles
 from tests.integration.test_swarm import SLOWER, STEPS, simulate, small
 
@@ -207,12 +208,21 @@ def test_a_link_profile_with_one_slow_far_peer_keeps_the_simulators_weights(
     """A link profile: every peer's link shaped to 50 Mbit/s with 10 ms each way, and one volunteer
     (s1r1) behind 10 Mbit/s and 40 ms each way. With two microbatches in flight and bf16 rows,
     the swarm still ends with the simulator's exact weights, and every peer was reached through
-    its own delayed path (each announced its relay) and moved its traffic over its shaped link."""
+    its own delayed path (each announced its relay) and moved its traffic over its shaped link.
+    The peers are pinned to CPUs, as `noloco testbed` and bench/wan_throughput.py's pinned
+    variants run them: where a process runs must not change what it computes."""
     cfg = small("noloco", **{"inner.batch_size": "4", "inner.microbatches": "2", "wire.activations": "bf16"})
     hosts = [peer_host(s, r) for s in range(2) for r in range(2)]
     shapes = [Shape(h, 10.0 if h == "s1r1" else 50.0) for h in hosts]
     with namespace_swarm(
-        cfg, STEPS, step_timeout=60, workdir=tmp_path, delay_ms=10.0, delays={"s1r1": 40.0}, shapes=shapes
+        cfg,
+        STEPS,
+        step_timeout=60,
+        workdir=tmp_path,
+        delay_ms=10.0,
+        delays={"s1r1": 40.0},
+        shapes=shapes,
+        pin=True,
     ) as ns:
         wait(ns.swarm, timeout=600)
         summaries, trouble = ns.swarm.summaries(), troubles(ns.swarm)
@@ -223,8 +233,11 @@ def test_a_link_profile_with_one_slow_far_peer_keeps_the_simulators_weights(
     got = {(s.stage, s.rank): s.state_hash for s in summaries}
     assert got == {(s, r): expected[s][r] for s in range(2) for r in range(2)}, trouble
     assert sorted(relays) == hosts
-    for name in hosts:
+    allowed = sorted(os.sched_getaffinity(0))
+    for index, name in enumerate(hosts):  # started stage by stage, as hosts lists them
         assert f"/ip4/{gateway}/tcp/{relays[name]}" in logs[name], f"{name} did not announce its relay"
+        said = " ".join(logs[name].split())  # as one line: the console may wrap its own
+        assert f"steps, on CPUs {format_cpus(cpu_share(allowed, 4, index))} " in said, said[:300]
         rx, tx = traffic[name]
         assert rx > 4_000_000 and tx > 4_000_000, f"{name}: {rx} bytes in, {tx} out"
 
