@@ -25,6 +25,9 @@ EVENT_LOOPS = ("uvloop", "asyncio")
 RELEASE_MEMORY = ("map", "trim", "off")  # peer.release_memory; the first is the default
 
 
+MAX_CPUS = 8192  # Linux's largest CPU count (NR_CPUS); a CPU list names CPUs below it
+
+
 def parse_cpus(text: str) -> list[int]:
     """The CPUs of a Linux CPU list such as `0-3,8` (peer.cpus), sorted; [] for an empty text;
     ValueError naming the malformed part."""
@@ -36,6 +39,8 @@ def parse_cpus(text: str) -> list[int]:
         low, high = int(first), int(last) if sep else int(first)
         if high < low:
             raise ValueError(f"peer.cpus: the range {part!r} ends before it starts (in {text!r})")
+        if high >= MAX_CPUS:
+            raise ValueError(f"peer.cpus: {part!r} names a CPU beyond Linux's {MAX_CPUS} (in {text!r})")
         cpus.update(range(low, high + 1))
     if text.strip() and not cpus:
         raise ValueError(f"peer.cpus: {text!r} names no CPU; leave it empty to run anywhere")

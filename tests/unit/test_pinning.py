@@ -33,6 +33,7 @@ def test_cpu_lists_read_as_linux_writes_them(text: str, cpus: list[int]) -> None
         ("-1", "'-1' is not a CPU number"),
         ("0,2.5", "'2.5' is not a CPU number"),
         ("3-1", "the range '3-1' ends before it starts"),
+        ("0-99999999999", "'0-99999999999' names a CPU beyond Linux's 8192"),
         (" , ", "names no CPU"),
     ],
 )
