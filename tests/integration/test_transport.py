@@ -81,12 +81,13 @@ def run(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, T], limit: fl
     return loop.run_until_complete(asyncio.wait_for(coro, limit))
 
 
-def wait_until(condition: Callable[[], bool], timeout: float = 10) -> bool:
+def wait_until(condition: Callable[[], bool], timeout: float = 10, poll: float = 0.05) -> bool:
+    """Ask `condition` every `poll` seconds until it holds (True), for `timeout` seconds at most."""
     deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline:
             return False
-        time.sleep(0.05)
+        time.sleep(poll)
     return True
 
 
