@@ -217,7 +217,7 @@ def main() -> None:
             },
             "variants": {
                 name: settings(base(name), H, args.batch_size)
-                | ({"pinned": "true"} if name != base(name) else {})
+                | ({"pinned": "true"} if name.endswith(PINNED) else {})
                 for name in sorted(cfgs)
             },
             "stage_compute_per_step_s": compute_s,

@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from noloco_swarm.cli.swarm import LocalSwarm, cpu_share, local_swarm, wait
+from noloco_swarm.cli.swarm import LocalSwarm, local_swarm, planned_cpus, wait
 from noloco_swarm.cli.view import ReplicaStatus, RunStatus, render
 from noloco_swarm.model.state import num_flat
 from noloco_swarm.peer.events import Event, Final, Membership, Outer, Step, of_kind
@@ -256,9 +256,7 @@ def run_local_swarm(
     interrupted = False
     pin = pin and hasattr(os, "sched_getaffinity")  # Linux: elsewhere the peers run unpinned
     if pin:
-        cpus = sorted(os.sched_getaffinity(0))
-        peers = sum(cfg.replica_counts)
-        shares = " ".join(format_cpus(cpu_share(cpus, peers, i)) for i in range(peers))
+        shares = " ".join(format_cpus(planned_cpus(cfg, i)) for i in range(sum(cfg.replica_counts)))
         console.print(
             f"each peer and its p2pd on its own CPUs, in start order: {shares} (--no-pin: anywhere)",
             soft_wrap=True,

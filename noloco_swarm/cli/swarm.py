@@ -115,8 +115,7 @@ class LocalSwarm:
             argv += ["--checkpoint-dir", str(self.checkpoints(stage, d))]
             argv += ["--resume"] if resume else []
         if self.pin:
-            cpus = cpu_share(sorted(os.sched_getaffinity(0)), sum(self.cfg.replica_counts), len(self.peers))
-            argv += ["--set", f"peer.cpus={format_cpus(cpus)}"]
+            argv += ["--set", f"peer.cpus={format_cpus(planned_cpus(self.cfg, len(self.peers)))}"]
         if self.authority is not None:  # a closed run: a day's ticket for the key's peer id
             ticket = key.with_suffix(".ticket")
             if not key.exists():
@@ -196,6 +195,12 @@ def cpu_share(cpus: list[int], peers: int, index: int) -> list[int]:
         block = index % peers
         return cpus[block * size : (block + 1) * size]
     return [cpus[index % len(cpus)]]
+
+
+def planned_cpus(cfg: RunConfig, index: int) -> list[int]:
+    """The CPUs of the `index`-th peer a pinning launcher starts for `cfg` (cpu_share of this
+    process's CPUs among the run's starting peers; Linux)."""
+    return cpu_share(sorted(os.sched_getaffinity(0)), sum(cfg.replica_counts), index)
 
 
 @contextmanager
