@@ -78,7 +78,7 @@ def main() -> None:
         )
         print(f"  swarm/simulator: {statistics.median(ratio):.3f} (rounds: {fmt(ratio)})")
         print(
-            f"  swarm / {reference} swarm, same round: {statistics.median(against):.3f} (rounds: {fmt(against)})"
+            f"  tokens/s against the reference ({reference}), same round: {statistics.median(against):.3f} (rounds: {fmt(against)})"
         )
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
