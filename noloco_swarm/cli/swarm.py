@@ -154,17 +154,17 @@ class LocalSwarm:
         settings this swarm resolved (cfg.peer), and what differs per peer as named flags."""
         p = self.cfg.peer
         announce = ["--announce-maddrs", *where.announce_maddrs] if where.announce_maddrs else []
+        settings = [
+            arg
+            for f in dataclasses.fields(p)
+            if f.name not in PER_PEER and getattr(p, f.name) is not None
+            for arg in ("--set", f"peer.{f.name}={setting(getattr(p, f.name))}")
+        ]
         return [
             "join", "--initial-peers", self.bootstrap, "--host-maddrs", *where.host_maddrs, *announce,
             "--run-id", self.run_id, "--stage", "auto" if stage is None else str(stage), "--metrics", str(metrics),
             "--steps", str(self.steps), "--run-config", str(self.config_path), "--threads", str(self.threads),
-            "--device", p.device, "--step-timeout", str(p.step_timeout),
-            "--set", f"peer.exchange_timeout={p.exchange_timeout}", "--set", f"peer.start_timeout={p.start_timeout}",
-            "--set", f"peer.join_timeout={p.join_timeout}", "--set", f"peer.heartbeat_ttl={p.heartbeat_ttl}",
-            "--set", f"peer.event_loop={p.event_loop}", "--set", f"peer.state_serve_rate={p.state_serve_rate}",
-            "--set", f"peer.metrics_host={p.metrics_host}", "--set", f"peer.metrics_linger={p.metrics_linger}",
-            "--die-with-parent",
-            *(["--set", "peer.deterministic=true"] if p.deterministic else []),
+            *settings, "--die-with-parent",
         ]  # fmt: skip
 
     def failed(self) -> list[PeerProcess]:
@@ -176,6 +176,16 @@ class LocalSwarm:
     def summaries(self) -> list[Final]:
         """The summary of every peer that has finished so far."""
         return [f for p in self.peers for f in of_kind(p.events(), Final)]
+
+
+# Peer settings a launcher gives each of its peers itself, by flags of their own (start_peer,
+# join_argv), rather than passing on the value it resolved for the swarm.
+PER_PEER = ("run_id", "stage", "metrics", "metrics_port", "checkpoint_dir", "cpus", "ticket")
+
+
+def setting(value: object) -> str:
+    """A peer setting's value as `--set` takes it."""
+    return ("true" if value else "false") if isinstance(value, bool) else str(value)
 
 
 def cpu_share(cpus: list[int], peers: int, index: int) -> list[int]:

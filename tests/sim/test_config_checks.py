@@ -143,11 +143,20 @@ def test_local_peers_resolve_the_parents_config(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The run keys travel in the run config file (under every source of the peer), the parent's
-    peer settings as flags; eval_every's default is not refused there either."""
+    peer settings as flags, every one of them; eval_every's default is not refused there either."""
+    settings = {
+        "peer.join_timeout": 99,
+        "peer.deadline_factor": 3.0,
+        "peer.min_deadline": 4.0,
+        "peer.release_memory": "trim",
+        "peer.exchange_pacing": 0.5,
+        "peer.checkpoint_keep": 5,
+        "peer.deterministic": True,
+    }
     parent = resolve(
         [
             Layer("default", {"method": "diloco"}, explicit=False),
-            Layer("--set", {"num_replicas": 3, "outer.inner_steps": 4, "peer.join_timeout": 99}),
+            Layer("--set", {"num_replicas": 3, "outer.inner_steps": 4} | settings),
             Layer("--step-timeout", {"peer.step_timeout": 11}),
         ]
     ).cfg
@@ -168,6 +177,7 @@ def test_local_peers_resolve_the_parents_config(
         assert values[shown] == (expected if expected is not None else "none"), key
     assert origin["num_replicas"] == "noloco local's run config" and origin["peer.stage"] == "--stage"
     assert (values["peer.step_timeout"], values["peer.exchange_timeout"]) == (11.0, 11.0)
+    assert {key: values[key] for key in settings} == settings
 
 
 def test_sim_methods_are_the_flag_layer_of_the_method_key(
