@@ -11,6 +11,7 @@ keeps the configured deadlines.
 
 from __future__ import annotations
 
+import statistics
 from collections import deque
 
 from noloco_swarm.train.config import PeerConfig
@@ -38,6 +39,13 @@ class Deadlines:
     def step(self) -> float:
         """Deadline of one step's rows, or of their gradients."""
         return self._adapt(self._steps, WARMUP, self.opts.step_timeout)
+
+    @property
+    def typical_step(self) -> float | None:
+        """The median of the recent steps, in seconds; None until WARMUP steps were seen."""
+        if len(self._steps) < WARMUP:
+            return None
+        return statistics.median(self._steps)
 
     @property
     def exchange(self) -> float:

@@ -1,8 +1,8 @@
 """A stage's state moved to a joiner in hashed chunks, from every live donor at once.
 
 Donor side: `Snapshot` is a replica's state at a round boundary with its manifest (chunk hashes,
-computed once when it is taken), and serves one chunk per request; `Pacer` caps the rate at which
-a volunteer serves state (`peer.state_serve_rate`).
+computed once when it is taken), and serves one chunk per request; a `streams.Pacer` caps the
+rate at which a volunteer serves state (`peer.state_serve_rate`).
 
 Joiner side: `download_state` asks every donor for its manifest, adopts the first donor's
 snapshot in the joiner's preference order (protocol/chunks.py says why one donor's: replicas of a
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -106,22 +105,6 @@ class Snapshot:
             run_id, stage, request.round, request.snapshot, request.index, TensorMeta.of(tensor)
         )
         return header, tensor
-
-
-class Pacer:
-    """Spaces out the chunks a donor serves so that they average at most `mib_per_s` (0: no cap)."""
-
-    def __init__(self, mib_per_s: float) -> None:
-        self.rate = mib_per_s * MIB
-        self._free_at = 0.0
-
-    async def wait(self, nbytes: int) -> None:
-        if self.rate <= 0:
-            return
-        now = time.monotonic()
-        start = max(now, self._free_at)
-        self._free_at = start + nbytes / self.rate
-        await asyncio.sleep(start - now)
 
 
 @dataclass

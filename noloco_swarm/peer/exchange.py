@@ -107,16 +107,25 @@ class ExchangeBoard:
         self._serving: set[tuple[Key, str]] = set()  # (key, caller) of calls being served now
         self._delivering: set[tuple[Key, str]] = set()  # answered calls awaiting the caller's receipt
         self._retired: Key | None = None  # newest finished key; older ones are refused
+        self._paces: dict[Key, streams.Pacer] = {}  # the pace our answers for a key go out at
         self.avoidance = plausible.Avoidance()  # members whose weights we rejected lately
         transport.register_stream(VERB, self._serve, on_close=self.close, accepts=Accepts.weights(numel))
 
     # -- the local peer's side -------------------------------------------------------------
 
-    def provide(self, key: Key, tensors: torch.Tensor | Tensors, *, to: str | None = None) -> None:
+    def provide(
+        self,
+        key: Key,
+        tensors: torch.Tensor | Tensors,
+        *,
+        to: str | None = None,
+        pace: streams.Pacer | None = None,
+    ) -> None:
         """Offer our flat weights for exchange `key` to every partner that calls for it (or only
-        to `to`). Sent and kept in place, never copied: they must not change afterwards (theta is
-        a snapshot taken at the boundary; phi, sent only in the two-tensor form, is replaced by
-        that step, never changed in place; all-reduce shards are the exchange's own)."""
+        to `to`), sent at `pace` if given. Sent and kept in place, never copied: they must not
+        change afterwards (theta is a snapshot taken at the boundary; phi, sent only in the
+        two-tensor form, is replaced by that step, never changed in place; all-reduce shards are
+        the exchange's own)."""
         if self._retired is not None and key <= self._retired:
             raise ValueError(f"exchange {key} is not newer than the last finished one, {self._retired}")
         for old in self._keys():
@@ -124,6 +133,8 @@ class ExchangeBoard:
                 self.forget(old)
         self._served = {slot: kept for slot, kept in self._served.items() if slot[0] >= key}
         ours = tuple(streams.prepare((tensors,) if isinstance(tensors, torch.Tensor) else tensors))
+        if pace is not None:
+            self._paces[key] = pace
         if to is None:
             self._provided[key] = ours
         else:
@@ -144,11 +155,20 @@ class ExchangeBoard:
         self._received[slot] = None  # delivered: free the tensors, refuse replays
         return result
 
-    async def swap(self, peer: str, header: ExchangeHeader, tensors: Tensors, *, timeout: float) -> Tensors:
-        """Call `peer` for the exchange `header` names: send ours, get theirs, both ways at once."""
+    async def swap(
+        self,
+        peer: str,
+        header: ExchangeHeader,
+        tensors: Tensors,
+        *,
+        timeout: float,
+        pace: streams.Pacer | None = None,
+    ) -> Tensors:
+        """Call `peer` for the exchange `header` names: send ours (at `pace`, if given), get
+        theirs, both ways at once."""
         expect = streams.declared_tensors(header)
         _, theirs = await self.transport.call(
-            peer, VERB, header, tensors, timeout=timeout, expect=expect, confirmed=True
+            peer, VERB, header, tensors, timeout=timeout, expect=expect, confirmed=True, pace=pace
         )
         return tuple(theirs)
 
@@ -160,6 +180,7 @@ class ExchangeBoard:
         """Finish exchange `key`: drop our tensors and partners', abort its streams, fail its waiters."""
         self._retired = max(key, self._retired or key)
         self._provided.pop(key, None)
+        self._paces.pop(key, None)
         for slot in [s for s in self._provided_to if s[0] == key]:
             del self._provided_to[slot]
         self._notify()  # servers waiting for this key find it retired and refuse
@@ -299,7 +320,7 @@ class ExchangeBoard:
                 raise Refused("mismatch", f"we hold {mine}, you sent {envelope.tensors}: check the run")
             if failpoints.fire("close_unanswered", VERB):
                 raise StreamClosed("failpoint: closed the exchange stream without our answer")
-            await streams.reply(stream, Ack(), failpoints.poison(VERB, key, ours))
+            await streams.reply(stream, Ack(), failpoints.poison(VERB, key, ours), self._paces.get(key))
             theirs = tuple(await receiving)
             # The caller's call ends at this confirmation, not at our reply. Both directions
             # are complete here: if the confirmation is lost, the caller calls again and gets
@@ -372,10 +393,21 @@ class OuterExchange:
     """One outer step's exchange with this round's group; run once, then finished."""
 
     def __init__(
-        self, ctx: PeerContext, board: ExchangeBoard, plan: OuterPlan, round_: int, drift: float = 0.0
+        self,
+        ctx: PeerContext,
+        board: ExchangeBoard,
+        plan: OuterPlan,
+        round_: int,
+        drift: float = 0.0,
+        *,
+        paced: bool = False,
     ) -> None:
+        """`paced`: our sending may be spread over the overlap window (`peer.exchange_pacing`);
+        the caller says no when the step will be applied sooner, at the run's end."""
         self.ctx, self.board, self.plan, self.round = ctx, board, plan, round_
         self.drift = drift  # how far our slow weights moved alone since we last averaged
+        self.paced = paced
+        self.pace: streams.Pacer | None = None  # set when the exchange starts (`pacer`)
         view = ctx.rounds.at(round_)
         self.members = {m: view.peer_at(ctx.stage, m) for m in plan.partners}
         self.failed: set[int] = set()
@@ -393,6 +425,7 @@ class OuterExchange:
         # computed while the swap starts rather than before it: both only read theta and phi, and
         # a partner's call then finds our weights offered tens of milliseconds sooner.
         self._own = asyncio.ensure_future(asyncio.to_thread(plausible.own_progress, theta, phi))
+        self.pace = self.pacer(theta)
         try:
             if self.plan.sharded:
                 return {me: await self._allreduce_mean(theta)}, None
@@ -409,6 +442,24 @@ class OuterExchange:
             if not self._own.done():  # the swap failed first: the thread's result is not needed
                 self._own.cancel()
             await asyncio.gather(self._own, return_exceptions=True)
+
+    def pacer(self, theta: torch.Tensor) -> streams.Pacer | None:
+        """The pace that spreads all we send in this exchange over `peer.exchange_pacing` of the
+        k inner steps it overlaps (their length estimated from recent steps), or None: as fast as
+        the link takes it (pacing off, a blocking exchange, too few steps seen yet, or not
+        `paced`). On a link the pipeline's rows share, an exchange sent at full speed fills the
+        link's queue and every row waits behind it; a paced one leaves the rows room."""
+        share, k = self.ctx.cfg.peer.exchange_pacing, self.ctx.cfg.outer.overlap_steps
+        step = self.ctx.deadlines.typical_step
+        if not self.paced or share == 0 or k == 0 or step is None:
+            return None
+        n = len(self.plan.group)
+        if self.plan.sharded:  # a shard to each other member, twice (reduce-scatter, all-gather)
+            copies = 2 * (n - 1) / n
+        else:
+            copies = len(self.members) * (2 if self.ctx.cfg.outer.sends_phi else 1)
+        nbytes = theta.numel() * theta.element_size() * copies
+        return streams.Pacer(nbytes / (share * k * step))
 
     async def _allreduce_mean(self, theta: torch.Tensor) -> torch.Tensor:
         """The stage's mean theta by reduce-scatter then all-gather over equal padded shards.
@@ -448,7 +499,7 @@ class OuterExchange:
         failpoints.arm(VERB, key)  # a test's hostile member decides here what it will send
         for m, peer in self.members.items():
             if not self.plan.calls(m):  # they call us and get what we provide for them
-                self.board.provide(key, payload(m), to=peer)
+                self.board.provide(key, payload(m), to=peer, pace=self.pace)
         results: dict[int, asyncio.Task[Tensors | BaseException]] = {}
         async with asyncio.TaskGroup() as group:
             for m in self.members:
@@ -514,7 +565,9 @@ class OuterExchange:
             return Passed(f"{peer} is at step {at}, past the outer step after step {self.plan.step}")
         for attempt in range(CALL_ATTEMPTS):  # a live partner whose stream broke is called again
             try:
-                return await self.board.swap(peer, header, ours, timeout=ctx.deadlines.exchange)
+                return await self.board.swap(
+                    peer, header, ours, timeout=ctx.deadlines.exchange, pace=self.pace
+                )
             except (StreamClosed, StreamTruncated) as e:
                 if attempt == CALL_ATTEMPTS - 1 or not await ctx.rounds.alive(peer):
                     return e

@@ -25,9 +25,10 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from noloco_swarm.peer import events
 from noloco_swarm.peer.context import PeerContext
-from noloco_swarm.peer.donors import DONOR_ERRORS, Pacer, Snapshot, download_state
+from noloco_swarm.peer.donors import DONOR_ERRORS, MIB, Snapshot, download_state
 from noloco_swarm.peer.exchange import ByteLedger
 from noloco_swarm.peer.rounds import DHT_ERRORS, PROBE_TIMEOUT, ask_status
+from noloco_swarm.peer.streams import Pacer
 from noloco_swarm.peer.transport import Transport
 from noloco_swarm.protocol import messages
 from noloco_swarm.protocol.clock import StepClock
@@ -91,7 +92,7 @@ class Joining:
         self.ctx, self.ledger, self._announce = ctx, ledger, announce
         self.joined_round = 0
         self.snapshots: dict[int, Snapshot] = {}  # round -> state served to that round's joiners
-        self.pacer = Pacer(ctx.cfg.peer.state_serve_rate)
+        self.pacer = Pacer(ctx.cfg.peer.state_serve_rate * MIB)
         ctx.transport.register("rpc_fetch_state", self.rpc_fetch_state)
         ctx.transport.register("rpc_fetch_chunk", self.rpc_fetch_chunk)
 

@@ -39,10 +39,14 @@ class OuterSteps:
         # apart, and a partner's weights are judged against it too (protocol/plausible.py).
         self.drift = 0.0
 
-    async def at_boundary(self) -> None:
-        """After the last inner step of a round: the outer step, at once or started (overlap)."""
-        if self.ctx.cfg.outer.overlap_steps > 0:
-            self.pending = await start_outer_step(self.ctx, self.board, self.ledger, self.drift)
+    async def at_boundary(self, run_ends_at: int) -> None:
+        """After the last inner step of a round: the outer step, at once or started (overlap).
+        `run_ends_at`: the step the run ends at (an overlapped step due later is applied there,
+        so its exchange is not paced: peer.exchange_pacing)."""
+        k = self.ctx.cfg.outer.overlap_steps
+        if k > 0:
+            paced = self.ctx.step + k <= run_ends_at
+            self.pending = await start_outer_step(self.ctx, self.board, self.ledger, self.drift, paced=paced)
         else:
             self._record(await take_outer_step(self.ctx, self.board, self.ledger, self.drift))
 
@@ -107,18 +111,20 @@ class PendingOuter:
 
 
 async def start_outer_step(
-    ctx: PeerContext, board: ExchangeBoard, ledger: ByteLedger, drift: float = 0.0
+    ctx: PeerContext, board: ExchangeBoard, ledger: ByteLedger, drift: float = 0.0, *, paced: bool = False
 ) -> PendingOuter:
     """At boundary t = ctx.step: snapshot theta and start exchanging it with the group of the round
     that just closed, in the background. The replica may train on while it runs (overlap).
-    `drift`: how far our slow weights moved alone since we last averaged (OuterSteps.drift)."""
+    `drift`: how far our slow weights moved alone since we last averaged (OuterSteps.drift);
+    `paced`: our sending may be spread over the overlap window (OuterExchange.pacer)."""
     t, o = ctx.step, ctx.cfg.outer
     view = ctx.view_at(t - 1)  # the round that just closed
     rank = view.rank_of(ctx.me)[1]
     plan = outer_plan(o.method, o.group_size, len(view.stages[ctx.stage]), t, rank, ctx.cfg.group_draw_seed)
     assert plan is not None, "only methods with an outer step get here"
     theta = await asyncio.to_thread(ctx.replica.theta)  # a copy: training may change the weights
-    return PendingOuter(ctx, OuterExchange(ctx, board, plan, view.round, drift), theta, ledger)
+    exchange = OuterExchange(ctx, board, plan, view.round, drift, paced=paced)
+    return PendingOuter(ctx, exchange, theta, ledger)
 
 
 async def finish_outer_step(pending: PendingOuter) -> events.Outer:

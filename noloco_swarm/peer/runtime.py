@@ -173,7 +173,7 @@ class Peer:
         if self.resumed_pending is not None and self.resumed_pending == ctx.step:
             # Resumed from a checkpoint written at a boundary before its overlapped exchange
             # started: every member resumed from this step runs that exchange again.
-            await self.outer.at_boundary()
+            await self.outer.at_boundary(self.steps)
         self.resumed_pending = None
         previous = phase = time.monotonic()
         while ctx.step < self.steps:
@@ -228,7 +228,7 @@ class Peer:
             if overlap:
                 await self._save(with_theta=True)
             if ctx.cfg.outer.method in ("noloco", "diloco"):
-                await self.outer.at_boundary()
+                await self.outer.at_boundary(self.steps)
             if not overlap:
                 await self._save()
         if directory is None:

@@ -7,7 +7,10 @@ Each direction of a stream carries exactly one frame:
 The raw bytes are the tensors of `Envelope.tensors`, in order, each C-contiguous and
 little-endian, with no per-part framing: the lengths are known from the metas, so the receiver
 reads straight into one preallocated buffer per tensor. The sender writes in parts of
-`part_bytes` and waits for the socket to drain after each, which bounds its own buffering.
+`part_bytes` and waits for the socket to drain after each, which bounds its own buffering. A
+paced frame (`Pacer`) is written in parts of at most `PACED_PART` bytes, each when the pace
+allows: what we send then never queues ahead of other traffic on the link for longer than one
+small part takes to cross it.
 
 Why this and not protobuf messages whose `buffer` field carries the parts: every protobuf part is
 copied by `SerializeToString`, `readexactly` and `ParseFromString` before it reaches our buffer;
@@ -23,6 +26,7 @@ import math
 import os
 import socket
 import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 
@@ -118,6 +122,29 @@ class TransportConfig:
             raise ValueError("serve_timeout and header_timeout must be > 0 seconds")
 
 
+PACED_PART = 64 << 10  # bytes per write of a paced frame (26 ms of a 20 Mbit/s link)
+
+
+class Pacer:
+    """Spaces out writes so that they average at most `bytes_per_s` (0: no cap). One pacer may
+    be shared by several writers at once: together they keep to the rate."""
+
+    def __init__(self, bytes_per_s: float) -> None:
+        if not 0 <= bytes_per_s < math.inf:
+            raise ValueError(f"a pace must be >= 0 bytes/s (0: no cap), got {bytes_per_s}")
+        self.rate = bytes_per_s
+        self._free_at = 0.0
+
+    async def wait(self, nbytes: int) -> None:
+        """Return when `nbytes` more may be written."""
+        if self.rate <= 0:
+            return
+        now = time.monotonic()
+        start = max(now, self._free_at)
+        self._free_at = start + nbytes / self.rate
+        await asyncio.sleep(start - now)
+
+
 @dataclass
 class ByteCounts:
     """Bytes moved with one remote peer. `payload` is tensor bytes; `total` adds framing."""
@@ -167,8 +194,10 @@ async def call_frames(
     expect: tuple[TensorMeta, ...] | None,
     confirmed: bool = False,
     lost: Callable[[], bool] | None = None,
+    pace: Pacer | None = None,
 ) -> tuple[Message, list[torch.Tensor]]:
-    """Caller side: write our frame while reading the reply (full duplex); check it before allocating.
+    """Caller side: write our frame (at `pace`, if given) while reading the reply (full duplex);
+    check it before allocating.
 
     `lost` (a test's failpoint) is asked once the whole reply is in: True makes this call behave
     as one whose reply never arrived (no receipt is sent; the caller then discards the reply).
@@ -179,7 +208,7 @@ async def call_frames(
     buffered in p2pd, which then resets the stream and drops it (seen under load: "stream ended
     after 4146304 of 4196352 bytes"), and the two sides of an exchange would disagree."""
     part = config.part_bytes
-    sending = asyncio.create_task(write_frame(writer, envelope, wire, part, counts))
+    sending = asyncio.create_task(write_frame(writer, envelope, wire, part, counts, pace))
     try:
         reply_envelope, header = await _read_reply(peer, reader, counts, config, expect)
         tensors = await read_tensors(reader, reply_envelope.tensors, counts, part, writer.transport)
@@ -221,12 +250,14 @@ async def _read_reply(
     return envelope, header
 
 
-async def reply(stream: InboundStream, header: Message, tensors: Sequence[torch.Tensor]) -> None:
-    """Server side: write the reply frame."""
+async def reply(
+    stream: InboundStream, header: Message, tensors: Sequence[torch.Tensor], pace: Pacer | None = None
+) -> None:
+    """Server side: write the reply frame (at `pace`, if given)."""
     wire = prepare(tensors)
     envelope = Envelope(messages.REPLY_VERB, messages.encode(header), tuple(TensorMeta.of(t) for t in wire))
     stream.replied = True
-    await write_frame(stream.writer, envelope, wire, stream.part_bytes, stream.counts)
+    await write_frame(stream.writer, envelope, wire, stream.part_bytes, stream.counts, pace)
 
 
 RECEIPT = "got your reply"  # the caller's last frame of a confirmed call (call_frames)
@@ -270,16 +301,22 @@ async def write_frame(
     tensors: list[torch.Tensor],
     part_bytes: int,
     counts: ByteCounts,
+    pace: Pacer | None = None,
 ) -> None:
-    """Write one frame; `tensors` must match `envelope.tensors` and come from `prepare`."""
+    """Write one frame; `tensors` must match `envelope.tensors` and come from `prepare`. With
+    `pace`, the tensor bytes go out in parts of at most PACED_PART, each when `pace` allows."""
     encoded = messages.encode(envelope)
     writer.write(MAGIC + len(encoded).to_bytes(4, "big") + encoded)
     counts.sent_total += _PREAMBLE + len(encoded)
     await writer.drain()
+    if pace is not None:
+        part_bytes = min(part_bytes, PACED_PART)
     for tensor in tensors:
         data = tensor_bytes(tensor)
         for offset in range(0, len(data), part_bytes):
             part = data[offset : offset + part_bytes]
+            if pace is not None:
+                await pace.wait(len(part))
             writer.write(part)
             await writer.drain()
             counts.sent_payload += len(part)

@@ -300,13 +300,15 @@ class Transport:
         timeout: float,
         expect: tuple[messages.TensorMeta, ...] | None = None,
         confirmed: bool = False,
+        pace: streams.Pacer | None = None,
     ) -> tuple[Message, list[torch.Tensor]]:
         """Send (header, tensors) to `peer_id`'s `verb` handler and return its reply, all within
         `timeout`. With `expect`, a reply carrying other tensors is refused before it is read.
         With `confirmed`, the call ends only when the remote confirms it read all of our frame
-        (for a verb that replies while still reading: see streams.call_frames)."""
+        (for a verb that replies while still reading: see streams.call_frames). With `pace`, our
+        tensors are sent at that pace (streams.write_frame)."""
         return await self._call(
-            str(peer_id), verb, header, tensors, timeout, expect=expect, confirmed=confirmed
+            str(peer_id), verb, header, tensors, timeout, expect=expect, confirmed=confirmed, pace=pace
         )
 
     async def _call(
@@ -318,6 +320,7 @@ class Transport:
         timeout: float,
         expect: tuple[messages.TensorMeta, ...] | None,
         confirmed: bool = False,
+        pace: streams.Pacer | None = None,
     ) -> tuple[Message, list[torch.Tensor]]:
         if self._closed:
             raise RuntimeError("this transport is shut down")
@@ -333,7 +336,9 @@ class Transport:
                 kept = self._idle.take(peer) if reuse else None
                 if kept is not None:
                     try:
-                        return await self._frames(peer, verb, kept, envelope, wire, counts, expect, confirmed)
+                        return await self._frames(
+                            peer, verb, kept, envelope, wire, counts, expect, confirmed, pace
+                        )
                     except _Unanswered:
                         pass  # the callee had let this stream go: a fresh one, as without reuse
                 _, reader, writer = await self._dial(
@@ -341,7 +346,7 @@ class Transport:
                 )
                 self._opened[peer] = self._opened.get(peer, 0) + 1
                 return await self._frames(
-                    peer, verb, (reader, writer), envelope, wire, counts, expect, confirmed
+                    peer, verb, (reader, writer), envelope, wire, counts, expect, confirmed, pace
                 )
         except PeerUnavailable:
             raise
@@ -384,13 +389,14 @@ class Transport:
         counts: ByteCounts,
         expect: tuple[messages.TensorMeta, ...] | None,
         confirmed: bool,
+        pace: streams.Pacer | None = None,
     ) -> tuple[Message, list[torch.Tensor]]:
         """One call's frames on `stream`; the stream is kept for reuse after a whole plain answer."""
         reader, writer = stream
         lose, kept = _LostReply(verb), False
         try:
             answer = await streams.call_frames(
-                peer, reader, writer, envelope, wire, counts, self.config, expect, confirmed, lose
+                peer, reader, writer, envelope, wire, counts, self.config, expect, confirmed, lose, pace
             )
         except StreamClosed as e:  # closed before the first byte of an answer: not served
             raise _Unanswered(str(e)) from e

@@ -99,6 +99,12 @@ class PeerConfig:
     state_serve_rate: float = 0.0
     """MiB/s at most that this peer sends its state to joiners at (0: no cap); caps a volunteer's
     upload while it serves a joiner, which also downloads from the stage's other replicas."""
+    exchange_pacing: float = 0.0
+    """With an overlapped outer step (outer.overlap_steps = k > 0): send our outer-exchange
+    tensors at a pace that spreads them over this share (0..1) of the k inner steps, their length
+    estimated from recent steps; 0 sends them as fast as the link takes them. On a link the
+    pipeline's rows share, a full-speed exchange fills the link's queue and the rows wait behind
+    it; a paced one leaves them room (docs/benchmarks.md, "Pacing the overlapped exchange")."""
     heartbeat_ttl: float = 30.0
     """Seconds an announcement lives in the DHT; re-stored every third of it."""
     checkpoint_dir: str | None = None
@@ -144,6 +150,10 @@ class PeerConfig:
         if not 0 <= self.state_serve_rate < float("inf"):
             raise ValueError(
                 f"peer.state_serve_rate must be >= 0 MiB/s (0: no cap), got {self.state_serve_rate}"
+            )
+        if not 0 <= self.exchange_pacing <= 1:
+            raise ValueError(
+                f"peer.exchange_pacing must be within 0..1 of the overlap window (0: off), got {self.exchange_pacing}"
             )
         if self.ticket:
             object.__setattr__(self, "ticket", os.path.expanduser(self.ticket))

@@ -1,0 +1,111 @@
+"""Paced writes (streams.Pacer): the same frame, in small parts, each when the pace allows; and
+the outer exchange's pace (peer.exchange_pacing) spreads its bytes over the overlap window."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from noloco_swarm.cli.options import build_config
+from noloco_swarm.peer import streams
+from noloco_swarm.peer.deadlines import WARMUP, Deadlines
+from noloco_swarm.peer.exchange import OuterExchange
+from noloco_swarm.protocol.messages import REPLY_VERB, Ack, Envelope, TensorMeta, encode
+from noloco_swarm.protocol.plan import outer_plan
+from noloco_swarm.train.config import PeerConfig
+from tests.fuzz.frames import _Writer
+
+
+class RecordingPacer(streams.Pacer):
+    """A pacer that lets every write through at once and records what it was asked for."""
+
+    def __init__(self) -> None:
+        super().__init__(1.0)
+        self.asked: list[int] = []
+
+    async def wait(self, nbytes: int) -> None:
+        self.asked.append(nbytes)
+
+
+def frame(pace: streams.Pacer | None, part_bytes: int = 1 << 20) -> bytes:
+    tensors = streams.prepare([torch.arange(300_000, dtype=torch.float32), torch.ones(7)])
+    envelope = Envelope(REPLY_VERB, encode(Ack()), tuple(TensorMeta.of(t) for t in tensors))
+    writer = _Writer()
+    asyncio.run(streams.write_frame(writer, envelope, tensors, part_bytes, streams.ByteCounts(), pace))  # type: ignore[arg-type]
+    return bytes(writer.data)
+
+
+def test_a_paced_frame_is_the_same_bytes_in_small_parts_each_asked_of_the_pace() -> None:
+    pacer = RecordingPacer()
+    assert frame(pacer) == frame(None)
+    assert sum(pacer.asked) == 300_000 * 4 + 7 * 4  # every tensor byte, and only those
+    assert max(pacer.asked) == streams.PACED_PART  # parts of 1 MiB are cut down to 64 KiB
+    assert frame(RecordingPacer(), part_bytes=64 << 10) == frame(None)
+
+
+def test_a_pacer_books_its_rate_across_writers() -> None:
+    """Writers sharing a pacer queue behind each other: each write starts when the bytes booked
+    before it have had their time (the pacer's own schedule, not a measured duration)."""
+    pacer = streams.Pacer(1e6)  # 1 MB/s
+
+    async def main() -> tuple[float, float]:
+        start = time.monotonic()
+        await asyncio.gather(pacer.wait(1000), pacer.wait(1000), pacer.wait(1000))
+        return start, pacer._free_at
+
+    start, free_at = asyncio.run(main())
+    assert free_at >= start + 0.003  # three 1 ms slots, booked one after the other
+
+
+@pytest.mark.parametrize("rate", [-1.0, float("inf"), float("nan")])
+def test_a_pace_must_be_a_finite_rate(rate: float) -> None:
+    with pytest.raises(ValueError, match="pace"):
+        streams.Pacer(rate)
+
+
+@pytest.mark.parametrize("share", [-0.1, 1.5, float("nan")])
+def test_exchange_pacing_is_a_share_of_the_overlap_window(share: float) -> None:
+    with pytest.raises(ValueError, match="exchange_pacing"):
+        PeerConfig(exchange_pacing=share)
+
+
+def exchange(share: float, overlap: int, *, steps_seen: int, paced: bool = True) -> OuterExchange:
+    """An OuterExchange of a 2-replica NoLoCo stage, whose peer has seen `steps_seen` steps of 0.4 s."""
+    cfg = build_config(
+        "tiny",
+        "noloco",
+        assignments={"num_replicas": "2", "outer.inner_steps": "10", "outer.overlap_steps": str(overlap)},
+        env={},
+    )
+    cfg = dataclasses.replace(cfg, peer=dataclasses.replace(cfg.peer, exchange_pacing=share))
+    deadlines = Deadlines(cfg.peer)
+    for _ in range(steps_seen):
+        deadlines.observe_step(0.4)
+    view = SimpleNamespace(peer_at=lambda stage, rank: f"peer-{rank}")
+    ctx = SimpleNamespace(cfg=cfg, stage=0, deadlines=deadlines, rounds=SimpleNamespace(at=lambda r: view))
+    plan = outer_plan("noloco", 2, 2, 10, 0, cfg.group_draw_seed)
+    assert plan is not None
+    return OuterExchange(ctx, None, plan, 0, paced=paced)  # type: ignore[arg-type]
+
+
+def test_the_exchange_pace_spreads_our_bytes_over_the_share_of_the_window() -> None:
+    theta = torch.zeros(1000)
+    pacer = exchange(0.5, 5, steps_seen=WARMUP).pacer(theta)
+    assert pacer is not None
+    # 4000 bytes of theta to one partner over half of 5 steps of 0.4 s: 4000 / 1.0 s
+    assert pacer.rate == pytest.approx(4000 / (0.5 * 5 * 0.4))
+
+
+@pytest.mark.parametrize(
+    ("share", "overlap", "steps_seen", "paced"),
+    [(0.0, 5, WARMUP, True), (0.5, 0, WARMUP, True), (0.5, 5, WARMUP - 1, True), (0.5, 5, WARMUP, False)],
+)
+def test_no_pace_when_off_blocking_unmeasured_or_due_at_the_runs_end(
+    share: float, overlap: int, steps_seen: int, paced: bool
+) -> None:
+    assert exchange(share, overlap, steps_seen=steps_seen, paced=paced).pacer(torch.zeros(1000)) is None
