@@ -177,12 +177,10 @@ def main() -> None:
 
     cfg = cfgs["today: M=1 fp32"] if "today: M=1 fp32" in cfgs else next(iter(cfgs.values()))
     rows = (args.batch_size, args.seq_len, cfg.model.hidden_size)
-    # Half the unshaped M=1 step: two stages run in series with one batch in flight.
-    compute_s = (
-        statistics.median(r["unshaped"]["today: M=1 fp32"]["step_s"] for r in rounds) / 2
-        if "today: M=1 fp32" in unshaped_variants
-        else None
-    )
+    # Half the unshaped M=1 step: two stages run in series with one batch in flight (pinned or
+    # not: the first of today's schedule run unshaped).
+    today = [name for name in unshaped_variants if base(name) == "today: M=1 fp32"]
+    compute_s = statistics.median(r["unshaped"][today[0]]["step_s"] for r in rounds) / 2 if today else None
     # Each round's shaped runs against the same round's unshaped ones: the best tokens/s (the
     # utilisation) and the fastest inner step (the inner steps' utilisation alone).
     best = [max(r["tokens_per_s"] for r in round_["unshaped"].values()) for round_ in rounds]
