@@ -163,6 +163,7 @@ async def finish_outer_step(pending: PendingOuter) -> events.Outer:
         applied_at=ctx.step,
         waited=waited,
         spread=spread,
+        pace=exchange.pace.rate if exchange.pace is not None else 0.0,
     )
 
 

@@ -148,15 +148,17 @@ def test_swarm_ends_with_the_simulators_weights(method: str, cache: Path, one_th
     assert all(s.val_loss is not None for s in summaries if s.stage == 0)
 
 
-@pytest.mark.parametrize("method", ["noloco", "diloco"])
+@pytest.mark.parametrize(("method", "pacing"), [("noloco", "0"), ("diloco", "0"), ("noloco", "1")])
 def test_an_overlapped_outer_exchange_ends_with_the_simulators_weights(
-    method: str, cache: Path, one_thread: None
+    method: str, pacing: str, cache: Path, one_thread: None
 ) -> None:
     """`outer.overlap_steps` = 1: each peer starts its exchange at the boundary (steps 3 and 6),
     trains one more inner step while it runs, then applies the step to the boundary's snapshot and
     carries that step's progress over, as the simulator does: every replica ends with its exact
-    weights, after every outer step too, with the bytes of a blocking exchange."""
-    cfg = small(method, **{"outer.overlap_steps": "1"})
+    weights, after every outer step too, with the bytes of a blocking exchange. With
+    `peer.exchange_pacing` the exchange at step 6 (by then peers have seen enough steps to pace
+    by) is sent paced, over the next step, and changes nothing of that."""
+    cfg = small(method, **{"outer.overlap_steps": "1", "peer.exchange_pacing": pacing})
     with local_swarm(cfg, STEPS, step_timeout=60) as swarm:
         wait(swarm, timeout=400)
         summaries, outers, trouble = swarm.summaries(), outer_steps(swarm), troubles(swarm)
@@ -169,6 +171,7 @@ def test_an_overlapped_outer_exchange_ends_with_the_simulators_weights(
     assert expected[0][0] != expected[0][1], "replicas keep their own progress over the shared phi"
     theta_bytes = {s: num_flat_stage(cfg, s) * 4 for s in range(2)}
     assert sorted((e.step, e.applied_at) for _, _, e in outers) == [(3, 4)] * 4 + [(6, 7)] * 4
+    assert sorted((e.step, e.pace > 0) for _, _, e in outers) == [(3, False)] * 4 + [(6, pacing != "0")] * 4
     for stage, rank, e in outers:
         assert e.failed == [] and e.state_hash == after_outer[e.applied_at][stage][rank], trouble
         if (stage, e.step) not in retried:
