@@ -445,10 +445,11 @@ class OuterExchange:
 
     def pacer(self, theta: torch.Tensor) -> streams.Pacer | None:
         """The pace that spreads all we send in this exchange over `peer.exchange_pacing` of the
-        k inner steps it overlaps (their length estimated from recent steps), or None: as fast as
-        the link takes it (pacing off, a blocking exchange, too few steps seen yet, or not
-        `paced`). On a link the pipeline's rows share, an exchange sent at full speed fills the
-        link's queue and every row waits behind it; a paced one leaves the rows room."""
+        k inner steps it overlaps (their length estimated from recent steps), but over no more
+        than half the exchange's deadline; or None: as fast as the link takes it (pacing off, a
+        blocking exchange, too few steps seen yet, or not `paced`). On a link the pipeline's rows
+        share, an exchange sent at full speed fills the link's queue and every row waits behind
+        it; a paced one leaves the rows room."""
         share, k = self.ctx.cfg.peer.exchange_pacing, self.ctx.cfg.outer.overlap_steps
         step = self.ctx.deadlines.typical_step
         if not self.paced or share == 0 or k == 0 or step is None:
@@ -459,7 +460,7 @@ class OuterExchange:
         else:
             copies = len(self.members) * (2 if self.ctx.cfg.outer.sends_phi else 1)
         nbytes = theta.numel() * theta.element_size() * copies
-        return streams.Pacer(nbytes / (share * k * step))
+        return streams.Pacer(nbytes / min(share * k * step, self.ctx.deadlines.exchange / 2))
 
     async def _allreduce_mean(self, theta: torch.Tensor) -> torch.Tensor:
         """The stage's mean theta by reduce-scatter then all-gather over equal padded shards.

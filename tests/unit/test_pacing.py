@@ -74,15 +74,20 @@ def test_exchange_pacing_is_a_share_of_the_overlap_window(share: float) -> None:
         PeerConfig(exchange_pacing=share)
 
 
-def exchange(share: float, overlap: int, *, steps_seen: int, paced: bool = True) -> OuterExchange:
-    """An OuterExchange of a 2-replica NoLoCo stage, whose peer has seen `steps_seen` steps of 0.4 s."""
+def exchange(
+    share: float, overlap: int, *, steps_seen: int, paced: bool = True, deadline: float = 120.0
+) -> OuterExchange:
+    """An OuterExchange of a 2-replica NoLoCo stage, whose peer has seen `steps_seen` steps of 0.4 s
+    and no exchange yet (its exchange deadline is `deadline`)."""
     cfg = build_config(
         "tiny",
         "noloco",
         assignments={"num_replicas": "2", "outer.inner_steps": "10", "outer.overlap_steps": str(overlap)},
         env={},
     )
-    cfg = dataclasses.replace(cfg, peer=dataclasses.replace(cfg.peer, exchange_pacing=share))
+    cfg = dataclasses.replace(
+        cfg, peer=dataclasses.replace(cfg.peer, exchange_pacing=share, exchange_timeout=deadline)
+    )
     deadlines = Deadlines(cfg.peer)
     for _ in range(steps_seen):
         deadlines.observe_step(0.4)
@@ -99,6 +104,13 @@ def test_the_exchange_pace_spreads_our_bytes_over_the_share_of_the_window() -> N
     assert pacer is not None
     # 4000 bytes of theta to one partner over half of 5 steps of 0.4 s: 4000 / 1.0 s
     assert pacer.rate == pytest.approx(4000 / (0.5 * 5 * 0.4))
+
+
+def test_a_paced_exchange_keeps_within_half_its_deadline() -> None:
+    """Spread over 1.0 x 5 steps x 0.4 s = 2 s, but the exchange's deadline is 3 s: 1.5 s."""
+    pacer = exchange(1.0, 5, steps_seen=WARMUP, deadline=3.0).pacer(torch.zeros(1000))
+    assert pacer is not None
+    assert pacer.rate == pytest.approx(4000 / 1.5)
 
 
 @pytest.mark.parametrize(
