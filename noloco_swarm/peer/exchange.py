@@ -452,7 +452,7 @@ class OuterExchange:
         it; a paced one leaves the rows room."""
         share, k = self.ctx.cfg.peer.exchange_pacing, self.ctx.cfg.outer.overlap_steps
         step = self.ctx.deadlines.typical_step
-        if not self.paced or share == 0 or k == 0 or step is None:
+        if not self.paced or share == 0 or k == 0 or not step:  # None: too few steps seen
             return None
         n = len(self.plan.group)
         if self.plan.sharded:  # a shard to each other member, twice (reduce-scatter, all-gather)

@@ -9,8 +9,8 @@ little-endian, with no per-part framing: the lengths are known from the metas, s
 reads straight into one preallocated buffer per tensor. The sender writes in parts of
 `part_bytes` and waits for the socket to drain after each, which bounds its own buffering. A
 paced frame (`Pacer`) is written in parts of at most `PACED_PART` bytes, each when the pace
-allows: what we send then never queues ahead of other traffic on the link for longer than one
-small part takes to cross it.
+allows: at a pace below the link's rate, what we send then keeps no more than about one part
+queued ahead of other traffic on the link.
 
 Why this and not protobuf messages whose `buffer` field carries the parts: every protobuf part is
 copied by `SerializeToString`, `readexactly` and `ParseFromString` before it reaches our buffer;
