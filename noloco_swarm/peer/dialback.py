@@ -6,7 +6,11 @@ fresh connection to the addresses we would announce. A `noloco dht` bootstrap no
 as a libp2p protocol (`offer_on_dht`), and `noloco doctor` asks for it (`ask`):
 
   request   one JSON line: {"addrs": [multiaddr, ...]}, at most MAX_ADDRS, each /ip4 or /ip6 + /tcp
-  answer    one JSON line: {"ok": bool, "dialed": [multiaddr, ...], "detail": str}
+  answer    one JSON line: {"ok": bool, "dialed": [multiaddr, ...], "detail": str, "tested": bool}
+
+"tested" is false when the bootstrap could not carry out the dial (asked again too soon, or its own
+dialer failed): a failure of the bootstrap's, not a verdict on the asker's reachability. (An older
+bootstrap leaves it out; it then means true.) Every request gets an answer, whatever fails.
 
 The bootstrap dials only the requesting peer's own id (libp2p's handshake checks it), only at
 addresses on the IP address it sees the request come from (as libp2p's AutoNAT does, so that
@@ -38,6 +42,7 @@ class Verdict:
     ok: bool
     dialed: tuple[str, ...]
     detail: str
+    tested: bool = True
 
 
 def first_line(text: str, limit: int = 200) -> str:
@@ -98,8 +103,19 @@ class DialBack:
             except (ValueError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError) as e:
                 verdict = Verdict(False, (), f"refused: {e}")
             else:
-                verdict = await self._dial(peer, addrs)
-            answer = {"ok": verdict.ok, "dialed": list(verdict.dialed), "detail": verdict.detail}
+                try:
+                    verdict = await self._dial(peer, addrs)
+                except Exception as e:  # ours, not the asker's: it still gets an answer
+                    logger.exception("dial-back for %s failed on this node's side", peer)
+                    verdict = Verdict(
+                        False, (), f"this bootstrap could not dial: {first_line(str(e))}", False
+                    )
+            answer = {
+                "ok": verdict.ok,
+                "dialed": list(verdict.dialed),
+                "detail": verdict.detail,
+                "tested": verdict.tested,
+            }
             writer.write(json.dumps(answer).encode() + b"\n")
             await writer.drain()
         except (OSError, asyncio.CancelledError) as e:  # the caller went away
@@ -117,7 +133,7 @@ class DialBack:
 
         now = time.monotonic()
         if now - self._last.get(peer, -RATE_SECONDS) < RATE_SECONDS:
-            return Verdict(False, (), f"asked again within {RATE_SECONDS:.0f} s: try later")
+            return Verdict(False, (), f"asked again within {RATE_SECONDS:.0f} s: try later", False)
         self._last = {p: t for p, t in self._last.items() if now - t < RATE_SECONDS} | {peer: now}
         async with self._lock:
             fresh = await start_p2p(
@@ -159,8 +175,12 @@ async def ask(p2p: Any, bootstrap: str, addrs: list[str], timeout: float) -> Ver
     try:
         writer.write(json.dumps({"addrs": addrs}).encode() + b"\n")
         await writer.drain()
-        line = await asyncio.wait_for(reader.readuntil(b"\n"), timeout + DIAL_SECONDS)
+        try:
+            line = await asyncio.wait_for(reader.readuntil(b"\n"), timeout + DIAL_SECONDS)
+        except asyncio.IncompleteReadError:
+            raise ConnectionError("the stream closed before an answer came") from None
         answer = json.loads(line[:MAX_LINE])
-        return Verdict(bool(answer["ok"]), tuple(map(str, answer["dialed"])), str(answer["detail"]))
+        dialed = tuple(map(str, answer["dialed"]))
+        return Verdict(bool(answer["ok"]), dialed, str(answer["detail"]), bool(answer.get("tested", True)))
     finally:
         writer.close()

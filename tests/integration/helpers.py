@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import select
 import signal
 import socket
 import subprocess
@@ -116,6 +117,19 @@ def process_group(
         with suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=15)
         end_group(proc)
+
+
+def unread_output(proc: subprocess.Popen[str]) -> str:
+    """What `proc` (started by process_group) has written since its ready line and nobody has
+    read yet, without waiting for more; for a failing test's message."""
+    fd = proc.stdout.fileno()  # type: ignore[union-attr]
+    chunks = []
+    while select.select([fd], [], [], 0)[0]:
+        chunk = os.read(fd, 1 << 16)
+        if not chunk:
+            break
+        chunks.append(chunk)
+    return b"".join(chunks).decode(errors="replace")
 
 
 WARNED = re.compile(r"\b(WARN|WARNING|ERROR|Traceback)\b")

@@ -20,7 +20,7 @@ from noloco_swarm.peer.directory import MANIFEST_TTL, RunDirectory, manifest_key
 from noloco_swarm.peer.node import start_dht
 from noloco_swarm.protocol.messages import RunManifest
 from noloco_swarm.train.config import NetworkConfig
-from tests.integration.helpers import p2pd_descendants, process_group, unused_port
+from tests.integration.helpers import p2pd_descendants, process_group, unread_output, unused_port
 
 pytestmark = pytest.mark.integration
 # A well-formed peer id whose node is nowhere near this machine.
@@ -70,7 +70,7 @@ def test_a_healthy_setup_passes_and_a_used_identity_fails(cache, tmp_path) -> No
     before = p2pd_descendants()
     key = tmp_path / "dht.key"
     argv = [sys.executable, "-m", "noloco_swarm.cli.main", "dht", "--host-maddrs", "/ip4/127.0.0.1/tcp/0"]
-    with process_group([*argv, "--identity", str(key)]) as (_, bootstrap):
+    with process_group([*argv, "--identity", str(key)]) as (node, bootstrap):
         port = unused_port()
         result = doctor("--initial-peers", bootstrap, "--port", str(port), "--run-id", "doctor-test")
         twin = doctor("--initial-peers", bootstrap, "--identity", str(key))
@@ -81,9 +81,11 @@ def test_a_healthy_setup_passes_and_a_used_identity_fails(cache, tmp_path) -> No
             "--initial-peers", bootstrap, "--port", str(unused_port()),
             "--announce-maddrs", f"/ip4/127.0.0.1/tcp/{hidden}",
         )  # fmt: skip
+        # The bootstrap's log, shown with any failure: the dial-back's other side is there.
+        node_log = f"\n--- the bootstrap's log since it was up:\n{unread_output(node)}"
     out = result.stdout + result.stderr
-    assert result.returncode == 0, out
-    assert not lines_of(out, "FAIL"), out
+    assert result.returncode == 0, out + node_log
+    assert not lines_of(out, "FAIL"), out + node_log
     for name in (
         "config",
         "p2pd",
@@ -102,10 +104,12 @@ def test_a_healthy_setup_passes_and_a_used_identity_fails(cache, tmp_path) -> No
     assert twin.returncode == 1, twin_out
     assert [line for line in lines_of(twin_out, "FAIL") if "identity" in line], twin_out
     behind_out = behind.stdout + behind.stderr
-    assert behind.returncode == 1, behind_out
+    assert behind.returncode == 1, behind_out + node_log
     failed = lines_of(behind_out, "FAIL")
-    assert len(failed) == 1 and failed[0].startswith(f"FAIL  dial-back from {bootstrap}"), behind_out
-    assert f"/ip4/127.0.0.1/tcp/{hidden}" in behind_out and "forward TCP port" in behind_out, behind_out
+    from_node = failed[0].startswith(f"FAIL  dial-back from {bootstrap}") if failed else False
+    assert len(failed) == 1 and from_node, behind_out + node_log
+    assert f"/ip4/127.0.0.1/tcp/{hidden}" in behind_out, behind_out + node_log
+    assert "forward TCP port" in behind_out, behind_out + node_log
     assert p2pd_descendants() <= before
 
 

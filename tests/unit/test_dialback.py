@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -79,19 +80,45 @@ class Writer:
     [b"", b"{not json\n", b'{"addrs": ["/ip4/198.51.100.1/tcp/1"]}\n', b"\xff\xfe\n", b"x" * 70000],
 )
 def test_a_malformed_request_gets_an_answer_not_an_error(sent: bytes) -> None:
-    async def serve() -> Writer:
-        reader = asyncio.StreamReader()
-        reader.feed_data(sent)
-        reader.feed_eof()
-        writer = Writer()
-        info = Info(PeerID.from_base58(PEER), Multiaddr(SEEN))
-        await dialback.DialBack().serve(info, reader, writer)  # type: ignore[arg-type]
-        return writer
-
-    writer = asyncio.run(serve())
+    writer = asyncio.run(serve(sent, dialback.DialBack()))
     answer = json.loads(writer.data)
     assert answer["ok"] is False and answer["dialed"] == [] and answer["detail"].startswith("refused: ")
+    assert answer["tested"] is True  # a verdict on the request, not a failure of the bootstrap's
     assert writer.closed
+
+
+async def serve(sent: bytes, node: dialback.DialBack) -> Writer:
+    """One request through `node`'s handler, as its daemon would hand it over; what it wrote."""
+    reader = asyncio.StreamReader()
+    reader.feed_data(sent)
+    reader.feed_eof()
+    writer = Writer()
+    info = Info(PeerID.from_base58(PEER), Multiaddr(SEEN))
+    await node.serve(info, reader, writer)  # type: ignore[arg-type]
+    return writer
+
+
+def test_a_bootstrap_whose_dialer_cannot_start_still_answers_and_says_it_did_not_test(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its dialer's p2pd cannot listen (a socket path longer than unix sockets allow): the asker
+    gets an answer naming that, marked untested, not a closed stream. Asked again at once, the
+    rate limit answers, also untested: neither is a verdict on the asker's reachability."""
+    from hivemind.p2p import P2P
+
+    from noloco_swarm.peer import lifetime
+
+    monkeypatch.setattr(P2P, "_UNIX_SOCKET_PREFIX", P2P._UNIX_SOCKET_PREFIX)  # start_p2p sets it
+    too_long = tmp_path / ("d" * 120)
+    too_long.mkdir()
+    monkeypatch.setattr(lifetime, "SOCKETS", too_long)
+    node = dialback.DialBack()
+    request = json.dumps({"addrs": ["/ip4/203.0.113.7/tcp/31337"]}).encode() + b"\n"
+    first = json.loads(asyncio.run(serve(request, node)).data)
+    assert first["ok"] is False and first["tested"] is False, first
+    assert first["detail"].startswith("this bootstrap could not dial: "), first
+    again = json.loads(asyncio.run(serve(request, node)).data)
+    assert again["tested"] is False and "asked again" in again["detail"], again
 
 
 def test_a_daemon_error_is_reported_by_its_first_line_even_when_empty() -> None:
