@@ -573,8 +573,12 @@ def test_a_killed_peer_takes_its_processes_and_a_replacement_takes_its_stage(
     the mismatch crashed both of them and the swarm with them). Every process of the dead peer
     (its p2pd) ends with it, and a `--stage auto` replacement started 3 s after the death takes the
     dead peer's stage, whose announcement is still in the DHT."""
-    steps = 60
-    # a step of this size takes long enough (~0.5 s here) for the kill to land mid-run
+    # A step of this size takes long enough (~0.5 s here) for the kill to land mid-run. The run
+    # must also outlast the replacement's start, by a wide margin. From the kill to the
+    # replacement's announced round: 12.5 s unloaded, where a dead stage-2 replica's survivors ran
+    # 5 steps/s; 18-21 s on CI beside the other lane, at 0.34 s per step. With 60 steps, CI once
+    # left the replacement nothing to train (round 20 of 20). 180 steps leave 2.7x and 3x that.
+    steps = 180
     cfg = small("noloco", **{"inner.total_steps": str(steps), "num_stages": str(stages), **SLOWER})
     before = p2pd_descendants()
     with local_swarm(cfg, steps, step_timeout=10, workdir=tmp_path) as swarm:  # logs kept by pytest
@@ -594,7 +598,8 @@ def test_a_killed_peer_takes_its_processes_and_a_replacement_takes_its_stage(
         survivors, summaries, victim_id, last = finish_without(swarm, victim)
         killed_in = last // 3  # its last round
         survivor_events = [p.events() for p in survivors]
-        joined = next(iter(of_kind(replacement.events(), Joined)))
+        joined = next(iter(of_kind(replacement.events(), Joined)), None)
+        assert joined is not None, f"the replacement never joined:\n{replacement.log_tail()}"
     assert p2pd_descendants() <= before
     assert not sockets.exists(), "the killed peer's sockets outlived the swarm"
     assert all(s.steps == steps for s in summaries.values())
