@@ -105,9 +105,9 @@ class PeerConfig:
     estimated from recent steps (but over at most half the exchange's deadline); 0 sends them as
     fast as the link takes them. Give every peer of a swarm the same value: a partner that does not
     pace and has seen only fast exchanges has a short exchange deadline, and may give up on a
-    paced exchange that outlasts it. On a link the
-    pipeline's rows share, a full-speed exchange fills the link's queue and the rows wait behind
-    it; a paced one leaves them room (docs/benchmarks.md, "Pacing the overlapped exchange")."""
+    paced exchange that outlasts it. On a link the pipeline's rows share, a full-speed exchange
+    fills the link's queue and the rows wait behind it; a paced one leaves them room
+    (docs/benchmarks.md, "Pacing the overlapped exchange")."""
     heartbeat_ttl: float = 30.0
     """Seconds an announcement lives in the DHT; re-stored every third of it."""
     checkpoint_dir: str | None = None
