@@ -71,7 +71,7 @@ class Outer(Event):
     # NoLoCo: RMS distance (per weight) of this replica's fast weights to its group's mean, before
     # the step: how far the replicas drifted apart; None for other methods
     spread: float | None = None
-    pace: float = 0.0  # bytes/s our tensors went out at (peer.exchange_pacing); 0: unpaced
+    pace: float = 0.0  # bytes/s our tensors went out at (exchange_pacing, exchange_max_mbit); 0: unpaced
 
 
 @dataclass(frozen=True)

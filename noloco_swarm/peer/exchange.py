@@ -444,23 +444,26 @@ class OuterExchange:
             await asyncio.gather(self._own, return_exceptions=True)
 
     def pacer(self, theta: torch.Tensor) -> streams.Pacer | None:
-        """The pace that spreads all we send in this exchange over `peer.exchange_pacing` of the
-        k inner steps it overlaps (their length estimated from recent steps), but over no more
-        than half the exchange's deadline; or None: as fast as the link takes it (pacing off, a
-        blocking exchange, too few steps seen yet, or not `paced`). On a link the pipeline's rows
-        share, an exchange sent at full speed fills the link's queue and every row waits behind
-        it; a paced one leaves the rows room."""
-        share, k = self.ctx.cfg.peer.exchange_pacing, self.ctx.cfg.outer.overlap_steps
+        """The pace all we send in this exchange goes out at: the slower of `peer.exchange_max_mbit`
+        and the pace that spreads it over `peer.exchange_pacing` of the k inner steps it overlaps
+        (their length estimated from recent steps, but no more than half the exchange's deadline);
+        or None: as fast as the link takes it. The second applies only to an overlapped exchange
+        that is `paced`, once enough steps have been seen. On a link the pipeline's rows share, an
+        exchange sent at full speed fills the link's queue and every row waits behind it; a paced
+        one leaves the rows room."""
+        peer = self.ctx.cfg.peer
+        rates = [peer.exchange_max_mbit * 1e6 / 8] if peer.exchange_max_mbit else []
+        share, k = peer.exchange_pacing, self.ctx.cfg.outer.overlap_steps
         step = self.ctx.deadlines.typical_step
-        if not self.paced or share == 0 or k == 0 or not step:  # None: too few steps seen
-            return None
-        n = len(self.plan.group)
-        if self.plan.sharded:  # a shard to each other member, twice (reduce-scatter, all-gather)
-            copies = 2 * (n - 1) / n
-        else:
-            copies = len(self.members) * (2 if self.ctx.cfg.outer.sends_phi else 1)
-        nbytes = theta.numel() * theta.element_size() * copies
-        return streams.Pacer(nbytes / min(share * k * step, self.ctx.deadlines.exchange / 2))
+        if self.paced and share and k and step:  # step None: too few steps seen
+            n = len(self.plan.group)
+            if self.plan.sharded:  # a shard to each other member, twice (reduce-scatter, all-gather)
+                copies = 2 * (n - 1) / n
+            else:
+                copies = len(self.members) * (2 if self.ctx.cfg.outer.sends_phi else 1)
+            nbytes = theta.numel() * theta.element_size() * copies
+            rates.append(nbytes / min(share * k * step, self.ctx.deadlines.exchange / 2))
+        return streams.Pacer(min(rates)) if rates else None
 
     async def _allreduce_mean(self, theta: torch.Tensor) -> torch.Tensor:
         """The stage's mean theta by reduce-scatter then all-gather over equal padded shards.

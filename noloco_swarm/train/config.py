@@ -108,6 +108,13 @@ class PeerConfig:
     paced exchange that outlasts it. On a link the pipeline's rows share, a full-speed exchange
     fills the link's queue and the rows wait behind it; a paced one leaves them room
     (docs/benchmarks.md, "Pacing the overlapped exchange")."""
+    exchange_max_mbit: float = 0.0
+    """Mbit/s at most that this peer sends its outer-exchange tensors at, blocking or overlapped
+    (0: no cap; with exchange_pacing, the slower of the two paces). Set it a little under the
+    upload rate of this peer's link, about 93% of it: both partners send at once, and at full
+    speed each one's data fills its link's queue and holds back its acknowledgements of the
+    other's data, which slows the other down; just under the rate the queue stays empty
+    (docs/benchmarks.md, "Capping the exchange just under the link's rate")."""
     heartbeat_ttl: float = 30.0
     """Seconds an announcement lives in the DHT; re-stored every third of it."""
     checkpoint_dir: str | None = None
@@ -153,6 +160,10 @@ class PeerConfig:
         if not 0 <= self.state_serve_rate < float("inf"):
             raise ValueError(
                 f"peer.state_serve_rate must be >= 0 MiB/s (0: no cap), got {self.state_serve_rate}"
+            )
+        if not 0 <= self.exchange_max_mbit < float("inf"):
+            raise ValueError(
+                f"peer.exchange_max_mbit must be >= 0 Mbit/s (0: no cap), got {self.exchange_max_mbit}"
             )
         if not 0 <= self.exchange_pacing <= 1:
             raise ValueError(

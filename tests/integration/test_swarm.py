@@ -148,17 +148,25 @@ def test_swarm_ends_with_the_simulators_weights(method: str, cache: Path, one_th
     assert all(s.val_loss is not None for s in summaries if s.stage == 0)
 
 
-@pytest.mark.parametrize(("method", "pacing"), [("noloco", "0"), ("diloco", "0"), ("noloco", "1")])
+@pytest.mark.parametrize(
+    ("method", "pacing", "max_mbit"), [("noloco", "0", "0"), ("diloco", "0", "0"), ("noloco", "1", "400")]
+)
 def test_an_overlapped_outer_exchange_ends_with_the_simulators_weights(
-    method: str, pacing: str, cache: Path, one_thread: None
+    method: str, pacing: str, max_mbit: str, cache: Path, one_thread: None
 ) -> None:
     """`outer.overlap_steps` = 1: each peer starts its exchange at the boundary (steps 3 and 6),
     trains one more inner step while it runs, then applies the step to the boundary's snapshot and
     carries that step's progress over, as the simulator does: every replica ends with its exact
     weights, after every outer step too, with the bytes of a blocking exchange. With
     `peer.exchange_pacing` the exchange at step 6 (by then peers have seen enough steps to pace
-    by) is sent paced, over the next step, and changes nothing of that."""
-    cfg = small(method, **{"outer.overlap_steps": "1", "peer.exchange_pacing": pacing})
+    by) is sent paced, over the next step, and changes nothing of that; so does
+    `peer.exchange_max_mbit`, which caps every exchange (the one at step 3 goes out at the cap)."""
+    settings = {
+        "outer.overlap_steps": "1",
+        "peer.exchange_pacing": pacing,
+        "peer.exchange_max_mbit": max_mbit,
+    }
+    cfg = small(method, **settings)
     with local_swarm(cfg, STEPS, step_timeout=60) as swarm:
         wait(swarm, timeout=400)
         summaries, outers, trouble = swarm.summaries(), outer_steps(swarm), troubles(swarm)
@@ -171,7 +179,13 @@ def test_an_overlapped_outer_exchange_ends_with_the_simulators_weights(
     assert expected[0][0] != expected[0][1], "replicas keep their own progress over the shared phi"
     theta_bytes = {s: num_flat_stage(cfg, s) * 4 for s in range(2)}
     assert sorted((e.step, e.applied_at) for _, _, e in outers) == [(3, 4)] * 4 + [(6, 7)] * 4
-    assert sorted((e.step, e.pace > 0) for _, _, e in outers) == [(3, False)] * 4 + [(6, pacing != "0")] * 4
+    cap = float(max_mbit) * 1e6 / 8  # bytes/s; 0: none
+    paces = {step: {e.pace for _, _, e in outers if e.step == step} for step in (3, 6)}
+    assert paces[3] == {cap}  # too few steps seen to pace by the window: the cap alone, or nothing
+    if pacing == "0":
+        assert paces[6] == {0.0}
+    else:  # by the window, which is slower than the cap here
+        assert all(0 < p <= cap for p in paces[6]), paces
     for stage, rank, e in outers:
         assert e.failed == [] and e.state_hash == after_outer[e.applied_at][stage][rank], trouble
         if (stage, e.step) not in retried:

@@ -1,5 +1,6 @@
 """Paced writes (streams.Pacer): the same frame, in small parts, each when the pace allows; and
-the outer exchange's pace (peer.exchange_pacing) spreads its bytes over the overlap window."""
+the outer exchange's pace (peer.exchange_pacing) spreads its bytes over the overlap window, and
+peer.exchange_max_mbit caps it."""
 
 from __future__ import annotations
 
@@ -74,11 +75,23 @@ def test_exchange_pacing_is_a_share_of_the_overlap_window(share: float) -> None:
         PeerConfig(exchange_pacing=share)
 
 
+@pytest.mark.parametrize("mbit", [-1.0, float("inf"), float("nan")])
+def test_exchange_max_mbit_is_a_finite_rate(mbit: float) -> None:
+    with pytest.raises(ValueError, match="exchange_max_mbit"):
+        PeerConfig(exchange_max_mbit=mbit)
+
+
 def exchange(
-    share: float, overlap: int, *, steps_seen: int, paced: bool = True, deadline: float = 120.0
+    share: float,
+    overlap: int,
+    *,
+    steps_seen: int,
+    paced: bool = True,
+    deadline: float = 120.0,
+    max_mbit: float = 0.0,
 ) -> OuterExchange:
     """An OuterExchange of a 2-replica NoLoCo stage, whose peer has seen `steps_seen` steps of 0.4 s
-    and no exchange yet (its exchange deadline is `deadline`)."""
+    and no exchange yet (its exchange deadline is `deadline`, its cap `max_mbit`)."""
     cfg = build_config(
         "tiny",
         "noloco",
@@ -86,7 +99,10 @@ def exchange(
         env={},
     )
     cfg = dataclasses.replace(
-        cfg, peer=dataclasses.replace(cfg.peer, exchange_pacing=share, exchange_timeout=deadline)
+        cfg,
+        peer=dataclasses.replace(
+            cfg.peer, exchange_pacing=share, exchange_timeout=deadline, exchange_max_mbit=max_mbit
+        ),
     )
     deadlines = Deadlines(cfg.peer)
     for _ in range(steps_seen):
@@ -121,3 +137,21 @@ def test_no_pace_when_off_blocking_unmeasured_or_due_at_the_runs_end(
     share: float, overlap: int, steps_seen: int, paced: bool
 ) -> None:
     assert exchange(share, overlap, steps_seen=steps_seen, paced=paced).pacer(torch.zeros(1000)) is None
+
+
+@pytest.mark.parametrize(
+    ("overlap", "steps_seen", "paced"), [(0, 0, False), (5, 0, True), (5, WARMUP, False)]
+)
+def test_the_cap_paces_every_exchange(overlap: int, steps_seen: int, paced: bool) -> None:
+    """Blocking, before any step is seen, or due at the run's end: the cap still holds."""
+    pacer = exchange(0.5, overlap, steps_seen=steps_seen, paced=paced, max_mbit=8.0).pacer(torch.zeros(1000))
+    assert pacer is not None
+    assert pacer.rate == 1e6  # 8 Mbit/s in bytes/s
+
+
+@pytest.mark.parametrize(("max_mbit", "rate"), [(0.016, 2000.0), (0.8, 4000 / (0.5 * 5 * 0.4))])
+def test_the_slower_of_cap_and_window_pace_wins(max_mbit: float, rate: float) -> None:
+    """The window pace is 4000 bytes over 1 s; a cap of 2 kB/s is slower, one of 100 kB/s is not."""
+    pacer = exchange(0.5, 5, steps_seen=WARMUP, max_mbit=max_mbit).pacer(torch.zeros(1000))
+    assert pacer is not None
+    assert pacer.rate == pytest.approx(rate)
