@@ -13,6 +13,11 @@ everything; a mode's time is the later of the two:
   p2p-tcp-both   the same, both ways at once: each side calls the other's sink at once
   p2p-quic-one   our transport over p2pd's QUIC transport, one way
   p2p-quic-both  the same, both ways at once
+  p2p-tcp-paced  p2p-tcp-both with each side's sending capped at `--pace` of the link rate
+  p2p-quic-paced the same over QUIC
+
+Why cap: both ways over one shaped link, each side's data fills its queue and the partner's ACKs
+wait behind it, which slows the partner's sending. A cap just under the rate keeps the queue empty.
 
 `--streams K` cuts each side's tensor into K calls made at once (separate streams, each with its
 own flow-control window). Modes alternate within each repetition; the first repetition (it dials)
@@ -34,11 +39,20 @@ from pathlib import Path
 
 import torch
 
+from noloco_swarm.peer.streams import Pacer
 from noloco_swarm.peer.transport import Accepts, Transport, TransportConfig
 from noloco_swarm.protocol import messages
 from noloco_swarm.testbed.bed import Testbed, default_burst_kbit, namespaces_permitted
 
-MODES = ("kernel-both", "p2p-tcp-one", "p2p-tcp-both", "p2p-quic-one", "p2p-quic-both")
+MODES = (
+    "kernel-both",
+    "p2p-tcp-one",
+    "p2p-tcp-both",
+    "p2p-quic-one",
+    "p2p-quic-both",
+    "p2p-tcp-paced",
+    "p2p-quic-paced",
+)
 MIB = 1 << 20
 KERNEL_PORT = 5071
 SINK = "rpc_duplex_sink"
@@ -89,8 +103,9 @@ class Endpoint:
                 raise RuntimeError(f"could not connect to {maddr}")
             self.peers[kind] = peer
 
-    async def run(self, mode: str, caller: bool) -> float:
-        """One transfer of `mode`; returns this side's seconds until it sent and got everything."""
+    async def run(self, mode: str, caller: bool, pace: float) -> float:
+        """One transfer of `mode`; returns this side's seconds until it sent and got everything.
+        `pace`: bytes/s a paced mode's sending is capped at."""
         self.received, self.arrived = 0, asyncio.Event()
         start = time.perf_counter()
         if mode == "kernel-both":
@@ -98,17 +113,17 @@ class Endpoint:
         else:
             kind, ways = mode.split("-")[1:]
             jobs = []
-            if ways == "both" or caller:
-                jobs.append(self._send(kind))
-            if ways == "both" or not caller:
+            if ways != "one" or caller:
+                jobs.append(self._send(kind, Pacer(pace) if ways == "paced" else None))
+            if ways != "one" or not caller:
                 jobs.append(self.arrived.wait())
             await asyncio.gather(*jobs)
         return time.perf_counter() - start
 
-    async def _send(self, kind: str) -> None:
+    async def _send(self, kind: str, pace: Pacer | None) -> None:
         transport, peer = self.transports[kind], self.peers[kind]
-        calls = [
-            transport.call(peer, SINK, messages.Ack(), [part.contiguous()], timeout=600)
+        calls = [  # one pacer for all: the K calls together keep to its rate
+            transport.call(peer, SINK, messages.Ack(), [part.contiguous()], timeout=600, pace=pace)
             for part in self.payload.chunk(self.streams)
         ]
         await asyncio.gather(*calls)
@@ -132,7 +147,7 @@ class Endpoint:
 
 
 async def endpoint(address: str, size_mib: int, streams: int) -> None:
-    """Serve the parent's lines: `peer TCP QUIC IP`, `go MODE caller|callee`, `quit`."""
+    """Serve the parent's lines: `peer TCP QUIC IP`, `go MODE caller|callee PACE`, `quit`."""
     side = Endpoint(address, size_mib, streams)
     print("ready", await side.start(), flush=True)
     loop = asyncio.get_running_loop()
@@ -142,7 +157,7 @@ async def endpoint(address: str, size_mib: int, streams: int) -> None:
                 await side.connect(line[1], line[2], line[3])
                 print("connected", flush=True)
             elif line[0] == "go":
-                print("done", await side.run(line[1], line[2] == "caller"), flush=True)
+                print("done", await side.run(line[1], line[2] == "caller", float(line[3])), flush=True)
             else:
                 break
     finally:
@@ -155,6 +170,7 @@ async def endpoint(address: str, size_mib: int, streams: int) -> None:
 def measure(rate: float, args: argparse.Namespace) -> dict[str, list[float]]:
     """Every mode, `reps` + 1 times alternating, on two hosts shaped to `rate` Mbit/s."""
     floor = args.size_mib * MIB * 8 / (rate * 1e6)
+    pace = str(args.pace * rate * 1e6 / 8)
     ratios: dict[str, list[float]] = {m: [] for m in args.modes}
     with Testbed(["a", "b"]) as bed:
         procs = {}
@@ -172,8 +188,8 @@ def measure(rate: float, args: argparse.Namespace) -> dict[str, list[float]]:
             for rep in range(args.reps + 1):
                 for mode in args.modes if rep % 2 else reversed(args.modes):
                     time.sleep(0.5)  # let the queues drain between transfers
-                    _say(procs["b"], "go", mode, "callee")  # b waits for a's connection or data
-                    _say(procs["a"], "go", mode, "caller")
+                    _say(procs["b"], "go", mode, "callee", pace)  # b waits for a's connection or data
+                    _say(procs["a"], "go", mode, "caller", pace)
                     seconds = max(float(_expect(p, "done").split()[1]) for p in procs.values())
                     if rep:
                         ratios[mode].append(seconds / floor)
@@ -216,6 +232,7 @@ def main() -> None:
         "--size-mib", type=int, default=8, help="MiB each side sends (8: the tiny stage's weights)"
     )
     ap.add_argument("--streams", type=int, default=1, help="calls at once per side, each with a slice")
+    ap.add_argument("--pace", type=float, default=0.93, help="the paced modes' cap, a share of the link rate")
     ap.add_argument("--queue-ms", type=float, default=100.0, help="the shapers' queue (tbf latency)")
     ap.add_argument("--modes", default=",".join(MODES), help="modes to run, comma-separated")
     ap.add_argument("--reps", type=int, default=5)
@@ -248,6 +265,7 @@ def main() -> None:
             "command": "sudo python bench/duplex_link.py " + " ".join(sys.argv[1:]),
             "size_mib": args.size_mib,
             "streams": args.streams,
+            "pace": args.pace,
             "queue_ms": args.queue_ms,
             "rows": rows,
         }

@@ -26,6 +26,12 @@ ready, side by side for the same N, rate and stragglers.
         --methods noloco --stragglers off     # the shaper's token bucket and queue, side by side
     sudo python bench/outer_sync.py --replicas 2 --rates 25,100 --transports tcp,quic \
         --methods noloco --stragglers off     # the peers over TCP (yamux) and over QUIC
+    sudo python bench/outer_sync.py --replicas 2,4 --rates 25,100 --caps 0,0.93 --repeat 3 \
+        --methods noloco --stragglers off     # the exchange capped just under the link's rate
+
+`--caps` are shares of the link rate that the peers' exchange is capped at (peer.exchange_max_mbit;
+0: no cap). `--repeat R` runs the whole set of settings R times over, alternating, so that settings
+compared side by side meet the machine in the same state.
 """
 
 from __future__ import annotations
@@ -54,8 +60,9 @@ from noloco_swarm.train.config import RunConfig
 METHODS = ("noloco", "diloco")
 
 
-def config(method: str, replicas: int, hidden: int, inner_steps: int) -> RunConfig:
-    """One stage of the tiny preset (hidden size `hidden`), a one-row batch of 16 tokens."""
+def config(method: str, replicas: int, hidden: int, inner_steps: int, max_mbit: float = 0.0) -> RunConfig:
+    """One stage of the tiny preset (hidden size `hidden`), a one-row batch of 16 tokens; the
+    exchange capped at `max_mbit` (peer.exchange_max_mbit, 0: no cap)."""
     assignments = {
         "num_stages": "1",
         "num_replicas": str(replicas),
@@ -65,6 +72,7 @@ def config(method: str, replicas: int, hidden: int, inner_steps: int) -> RunConf
         "outer.inner_steps": str(inner_steps),
         "eval_windows": "1",
         "eval_every": "0",
+        "peer.exchange_max_mbit": str(max_mbit),
     }
     return build_config("tiny", method, assignments=assignments, env={})
 
@@ -89,7 +97,7 @@ def measure(
         tag = "stragglers" if straggle else "even"
         workdir = (
             keep
-            / f"{cfg.outer.method}-n{cfg.num_replicas}-{rate_mbit:g}mbit-{tag}-burst{burst or 'auto'}-queue{queue_ms:g}ms-{transport}"
+            / f"{cfg.outer.method}-n{cfg.num_replicas}-{rate_mbit:g}mbit-{tag}-burst{burst or 'auto'}-queue{queue_ms:g}ms-{transport}-cap{cfg.peer.exchange_max_mbit:g}"
         )
         base = workdir  # a setting run again gets a folder of its own
         for again in itertools.count(2):
@@ -151,6 +159,10 @@ def main() -> None:
     ap.add_argument(
         "--transports", default="tcp", help="what the peers listen on: tcp, quic or both (comma-separated)"
     )
+    ap.add_argument(
+        "--caps", default="0", help="shares of the rate the exchange is capped at (0: none), comma-separated"
+    )
+    ap.add_argument("--repeat", type=int, default=1, help="run every setting this many times, alternating")
     ap.add_argument("--keep", type=Path, default=None, help="keep each run's logs and events here")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -161,26 +173,27 @@ def main() -> None:
     if unknown := set(args.transports.split(",")) - set(get_args(TransportKind)):
         sys.exit(f"unknown transports {sorted(unknown)}: choose from {', '.join(get_args(TransportKind))}")
     rows = []
-    for n in (int(x) for x in args.replicas.split(",")):
+    for n, repeat in itertools.product((int(x) for x in args.replicas.split(",")), range(args.repeat)):
         stage_bytes = 4 * num_flat(build_stage(config("noloco", n, args.hidden, 2).model, 0, 1, 0))
         rates = [float(x) for x in args.rates.split(",")]
         bursts = [None if x == "auto" else float(x) for x in args.bursts.split(",")]
         queues = [float(x) for x in args.queues.split(",")]
         stragglers = {"both": ("", args.straggle), "off": ("",), "on": (args.straggle,)}[args.stragglers]
         transports = args.transports.split(",")
-        for rate, burst, queue, straggle, transport in itertools.product(
-            rates, bursts, queues, stragglers, transports
+        caps = [float(x) for x in args.caps.split(",")]
+        for rate, burst, queue, straggle, transport, cap in itertools.product(
+            rates, bursts, queues, stragglers, transports, caps
         ):
             runs = {}
             for method in args.methods.split(","):  # side by side: the same N, rate and draws
-                cfg = config(method, n, args.hidden, args.inner_steps)
+                cfg = config(method, n, args.hidden, args.inner_steps, cap * rate)
                 run = measure(cfg, args.rounds, rate, straggle, args.keep, burst, queue, transport)
                 share = 1.0 if method == "noloco" else 2 * (n - 1) / n
                 run["floor_s"] = share * stage_bytes * 8 / (rate * 1e6)
                 run["ready_over_floor"] = run["ready_s"] / run["floor_s"]
                 runs[method] = run
                 print(
-                    f"N={n} {rate:g} Mbit/s {transport} burst {burst or 'auto'} queue {queue:g} ms "
+                    f"N={n} {rate:g} Mbit/s {transport} burst {burst or 'auto'} queue {queue:g} ms cap {cap:g} "
                     f"{'stragglers' if straggle else 'even      '} "
                     f"{method:6s}: "
                     f"sync {run['sync_s']:.2f} s, ready {run['ready_s']:.2f} s "
@@ -194,6 +207,8 @@ def main() -> None:
                 "burst_kbit": burst or default_burst_kbit(rate),
                 "queue_ms": queue,
                 "transport": transport,
+                "cap": cap,
+                "repeat": repeat,
                 "stragglers": straggle or None,
                 "stage_bytes": stage_bytes,
                 "runs": runs,
