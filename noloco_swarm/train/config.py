@@ -114,7 +114,9 @@ class PeerConfig:
     upload rate of this peer's link, about 93% of it: both partners send at once, and at full
     speed each one's data fills its link's queue and holds back its acknowledgements of the
     other's data, which slows the other down; just under the rate the queue stays empty
-    (docs/benchmarks.md, "Capping the exchange just under the link's rate")."""
+    (docs/benchmarks.md, "Capping the exchange just under the link's rate"). A cap so low that
+    sending would outlast half the exchange's deadline gives way to the pace that fits, with a
+    warning: a cap alone never fails an exchange."""
     heartbeat_ttl: float = 30.0
     """Seconds an announcement lives in the DHT; re-stored every third of it."""
     checkpoint_dir: str | None = None

@@ -155,3 +155,12 @@ def test_the_slower_of_cap_and_window_pace_wins(max_mbit: float, rate: float) ->
     pacer = exchange(0.5, 5, steps_seen=WARMUP, max_mbit=max_mbit).pacer(torch.zeros(1000))
     assert pacer is not None
     assert pacer.rate == pytest.approx(rate)
+
+
+def test_a_cap_too_low_for_the_deadline_gives_way(caplog: pytest.LogCaptureFixture) -> None:
+    """1 kbit/s would take 32 s for 4000 bytes; the exchange's deadline is 3 s, so the pace is
+    the one that sends them in half of it, and the peer says why."""
+    pacer = exchange(0.0, 0, steps_seen=0, deadline=3.0, max_mbit=0.001).pacer(torch.zeros(1000))
+    assert pacer is not None
+    assert pacer.rate == pytest.approx(4000 / 1.5)
+    assert "peer.exchange_max_mbit=0.001 would take 32 s" in caplog.text
