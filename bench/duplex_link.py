@@ -241,6 +241,8 @@ def main() -> None:
     if args.endpoint:
         asyncio.run(endpoint(args.endpoint, args.size_mib, args.streams))
         return
+    if not 0 < args.pace <= 1:
+        sys.exit(f"--pace is a share of the link rate, 0 < pace <= 1; got {args.pace}")
     args.modes = args.modes.split(",")
     if unknown := set(args.modes) - set(MODES):
         sys.exit(f"unknown modes {sorted(unknown)}; choose from {', '.join(MODES)}")

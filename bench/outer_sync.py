@@ -172,6 +172,8 @@ def main() -> None:
     Straggle.parse(args.straggle)  # refuse a malformed value before any run
     if unknown := set(args.transports.split(",")) - set(get_args(TransportKind)):
         sys.exit(f"unknown transports {sorted(unknown)}: choose from {', '.join(get_args(TransportKind))}")
+    if any(not 0 <= float(x) <= 1 for x in args.caps.split(",")):
+        sys.exit(f"--caps are shares of the link rate, each within 0..1 (0: no cap); got {args.caps}")
     rows = []
     for n, repeat in itertools.product((int(x) for x in args.replicas.split(",")), range(args.repeat)):
         stage_bytes = 4 * num_flat(build_stage(config("noloco", n, args.hidden, 2).model, 0, 1, 0))
