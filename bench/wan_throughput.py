@@ -48,8 +48,9 @@ VARIANTS = {
     "M=8 fp32": {"inner.microbatches": "8"},
     "M=8 bf16": {"inner.microbatches": "8", "wire.activations": "bf16"},
     "M=8 int8": {"inner.microbatches": "8", "wire.activations": "int8"},
-    # The new schedule as a whole: few microbatches (each one pays the layers' per-call cost on a
-    # CPU), int8 rows, and the outer exchange overlapped with half of the next period.
+    # The new schedule as a whole: few microbatches (on a CPU each one costs the peer its own
+    # handling: docs/benchmarks.md, "Where the microbatches' cost is"), int8 rows, and the outer
+    # exchange overlapped with half of the next period.
     "M=2 int8 overlap H/2": {
         "inner.microbatches": "2",
         "wire.activations": "int8",
@@ -71,7 +72,7 @@ VARIANTS = {
     },
     # Six microbatches, the ends still the smallest: a shorter fill and drain than 2,4,4,4,2
     # (the wall-clock model: 0.321 s per step against 0.342 s with one GPU per peer), for one
-    # more microbatch's per-call cost.
+    # more microbatch's handling in the peer.
     "M=6 2:3:3:3:3:2 int8 overlap H/2": {
         "inner.microbatches": "6",
         "inner.microbatch_sizes": "2,3,3,3,3,2/16",
