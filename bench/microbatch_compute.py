@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 
 import torch
+from wallclock_validation import testbed_config  # bench/ is the script's folder: on sys.path
 
-from noloco_swarm.cli.options import build_config
 from noloco_swarm.model import build_stage
 
 CUTS = {"16": [16], "4,4,4,4": [4] * 4, "2,4,4,4,2": [2, 4, 4, 4, 2], "16 x 1": [1] * 16}
@@ -34,10 +34,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)  # as a peer of a local or testbed swarm runs
-    assignments = {"num_stages": "2", "model.seq_len": "128", "inner.batch_size": "16"}
-    model = build_config("tiny", "noloco", assignments=assignments, env={}).model
-    stages = build_stage(model, 0, 2, 0), build_stage(model, 1, 2, 0)
     batch = 16
+    model = testbed_config(seq_len=128, batch_size=batch, inner_steps=50).model
+    stages = build_stage(model, 0, 2, 0), build_stage(model, 1, 2, 0)
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, model.vocab_size, (batch, model.seq_len), generator=generator)
     targets = torch.randint(0, model.vocab_size, (batch, model.seq_len), generator=generator)

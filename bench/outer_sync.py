@@ -170,19 +170,20 @@ def main() -> None:
     if not ok:
         sys.exit(f"outer_sync needs the namespace testbed: {why}")
     Straggle.parse(args.straggle)  # refuse a malformed value before any run
-    if unknown := set(args.transports.split(",")) - set(get_args(TransportKind)):
+    transports = args.transports.split(",")
+    if unknown := set(transports) - set(get_args(TransportKind)):
         sys.exit(f"unknown transports {sorted(unknown)}: choose from {', '.join(get_args(TransportKind))}")
-    if any(not 0 <= float(x) <= 1 for x in args.caps.split(",")):
+    caps = [float(x) for x in args.caps.split(",")]
+    if any(not 0 <= cap <= 1 for cap in caps):
         sys.exit(f"--caps are shares of the link rate, each within 0..1 (0: no cap); got {args.caps}")
+    rates = [float(x) for x in args.rates.split(",")]
+    bursts = [None if x == "auto" else float(x) for x in args.bursts.split(",")]
+    queues = [float(x) for x in args.queues.split(",")]
+    stragglers = {"both": ("", args.straggle), "off": ("",), "on": (args.straggle,)}[args.stragglers]
+    # The stage's weights: one stage of the model, whatever N (the replica count is not in it).
+    stage_bytes = 4 * num_flat(build_stage(config("noloco", 2, args.hidden, 2).model, 0, 1, 0))
     rows = []
     for n, repeat in itertools.product((int(x) for x in args.replicas.split(",")), range(args.repeat)):
-        stage_bytes = 4 * num_flat(build_stage(config("noloco", n, args.hidden, 2).model, 0, 1, 0))
-        rates = [float(x) for x in args.rates.split(",")]
-        bursts = [None if x == "auto" else float(x) for x in args.bursts.split(",")]
-        queues = [float(x) for x in args.queues.split(",")]
-        stragglers = {"both": ("", args.straggle), "off": ("",), "on": (args.straggle,)}[args.stragglers]
-        transports = args.transports.split(",")
-        caps = [float(x) for x in args.caps.split(",")]
         for rate, burst, queue, straggle, transport, cap in itertools.product(
             rates, bursts, queues, stragglers, transports, caps
         ):

@@ -159,14 +159,9 @@ class PeerConfig:
         if self.event_loop not in EVENT_LOOPS:
             raise ValueError(f"peer.event_loop must be uvloop or asyncio, got {self.event_loop!r}")
         parse_cpus(self.cpus)  # a malformed list is refused here, before any peer starts
-        if not 0 <= self.state_serve_rate < float("inf"):
-            raise ValueError(
-                f"peer.state_serve_rate must be >= 0 MiB/s (0: no cap), got {self.state_serve_rate}"
-            )
-        if not 0 <= self.exchange_max_mbit < float("inf"):
-            raise ValueError(
-                f"peer.exchange_max_mbit must be >= 0 Mbit/s (0: no cap), got {self.exchange_max_mbit}"
-            )
+        for name, unit in (("state_serve_rate", "MiB/s"), ("exchange_max_mbit", "Mbit/s")):  # caps
+            if not 0 <= getattr(self, name) < float("inf"):
+                raise ValueError(f"peer.{name} must be >= 0 {unit} (0: no cap), got {getattr(self, name)}")
         if not 0 <= self.exchange_pacing <= 1:
             raise ValueError(
                 f"peer.exchange_pacing must be within 0..1 of the overlap window (0: off), got {self.exchange_pacing}"
