@@ -180,7 +180,7 @@ def test_incoherent_wire_metas_are_refused_on_decode(
     good = m.ForwardHeader("run-1", 2, 117, 0, 3, (936, 937), m.TensorMeta(ACT, "float32"), TOK)
     body = m.msgpack.unpackb(m.encode(good))["b"]
     body["activations"] = m._to_wire(payload)
-    body["scale"] = m._to_wire(scale)
+    body["scale"] = None if scale is None else m._to_wire(scale)
     data = m.msgpack.packb({"v": m.PROTOCOL_VERSION, "t": "forward", "b": body})
     with pytest.raises(m.MessageError):
         m.decode(data)
