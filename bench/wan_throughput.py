@@ -134,6 +134,13 @@ def main() -> None:
     ap.add_argument(
         "--rounds", type=int, default=1, help="repeat everything; figures are the medians over rounds"
     )
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config value for every variant, the unshaped ones included (repeatable)",
+    )
     ap.add_argument("--keep", type=Path, default=None, help="keep each run's logs and events here")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -142,9 +149,14 @@ def main() -> None:
     unknown = {base(name) for name in names} - set(VARIANTS)
     if unknown:
         ap.error(f"unknown variants {sorted(unknown)}; known: {list(VARIANTS)}")
+    common = dict(kv.split("=", 1) for kv in args.set if "=" in kv)
+    if len(common) != len(args.set):
+        ap.error("--set takes KEY=VALUE")
     H = args.inner_steps
     cfgs = {
-        name: testbed_config(args.seq_len, args.batch_size, H, **settings(base(name), H, args.batch_size))
+        name: testbed_config(
+            args.seq_len, args.batch_size, H, **(common | settings(base(name), H, args.batch_size))
+        )
         for name in names
     }
     steps = 3 * H
@@ -229,6 +241,7 @@ def main() -> None:
                 for k, v in vars(args).items()
                 if k in ("seq_len", "batch_size", "inner_steps", "profiles", "rounds")
             },
+            "every_variant": common,
             "variants": {
                 name: settings(base(name), H, args.batch_size)
                 | ({"pinned": "true"} if name.endswith(PINNED) else {})
