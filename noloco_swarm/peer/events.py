@@ -237,7 +237,8 @@ class Dropped(Event):
 
     side "sender": rows this replica sent whose gradient never came back (`reasons`: why, per
     receiver that failed); side "receiver": rows this replica expected from `senders`, who sent
-    nothing in time.
+    nothing in time, and that no stand-in of theirs brought either (said once the step's rows
+    are collected).
     """
 
     KIND: ClassVar[str] = "dropped"

@@ -94,6 +94,7 @@ class StepCollector:
         self.closed = False  # collected: only resends of rows already in are accepted
         self.gone = set(gone)  # senders we stopped expecting
         self._gone_before = frozenset(gone)  # those gone before the step began
+        self.given_up: dict[int, list[Row]] = {}  # senders we stopped waiting for: the rows we expected
         self.expect(expected)
 
     def rows_from(self, sender: int) -> list[Row]:
@@ -159,9 +160,18 @@ class StepCollector:
     def drop_sender(self, sender: int) -> None:
         """Stop expecting rows from a sender that is gone; the step runs with the rest."""
         if sender not in self.arrivals:
+            self.given_up.setdefault(sender, self.rows_from(sender))
             self.gone.add(sender)
             self.expected = [x for x in self.expected if x.sender != sender]
             self._check_complete()
+
+    def never_came(self) -> dict[int, int]:
+        """Of the senders given up on, each one's count of expected rows that no arrival brought.
+        A stand-in of a sender given up on may still bring its rows (it learned of the death
+        first), so this is known only once the step is collected."""
+        came = {row for arrival in self.arrivals.values() for row in arrival.rows}
+        counts = {sender: sum(row not in came for row in rows) for sender, rows in self.given_up.items()}
+        return {sender: n for sender, n in counts.items() if n}
 
     def missing_senders(self) -> list[int]:
         """Senders we expect rows from and have not heard from."""
@@ -409,6 +419,7 @@ class InnerSteps:
             collector.abandon(f"step {t} was abandoned by the receiving replica")
             raise
         finally:
+            _say_never_came(self.ctx, collector)
             del self.collectors[(t, m)]
             collector.closed = True  # new rows for it that arrive from now on are too late
             self.consumed = (t, m)
@@ -455,15 +466,10 @@ class InnerSteps:
                 self._give_up_on(collector, lost)
 
     def _give_up_on(self, collector: StepCollector, senders: list[int]) -> None:
-        """Run the step without `senders`' rows, and record them as dropped."""
-        lost = sum(len(collector.rows_from(s)) for s in senders)
+        """Run the step without `senders`' rows; those no stand-in brings are recorded as dropped
+        once the step is collected (`_say_never_came`)."""
         for sender in senders:
             collector.drop_sender(sender)
-        self.ctx.events.emit(
-            events.Dropped(
-                step=collector.step, hop=self.ctx.stage - 1, samples=lost, side="receiver", senders=senders
-            )
-        )
 
     async def rpc_forward(
         self, peer_id: str, header: messages.Message, tensors: list[torch.Tensor]
@@ -571,6 +577,22 @@ def _rows_of(ctx: PeerContext, view: MembershipView, header: ForwardHeader) -> t
     if len(carried) > ctx.B * view.replica_counts()[0]:  # more than the step before had
         raise MessageError(f"{len(carried)} carried rows: step {header.step - 1} had fewer")
     return carried, positions
+
+
+def _say_never_came(ctx: PeerContext, collector: StepCollector) -> None:
+    """Once a step was collected (or abandoned): record the rows of the senders we gave up on
+    that did not come after all. (Said at the give-up, rows a stand-in of a dead sender brought a
+    moment later counted as dropped: seen under load, against no sender's loss.)"""
+    if never := collector.never_came():
+        ctx.events.emit(
+            events.Dropped(
+                step=collector.step,
+                hop=ctx.stage - 1,
+                samples=sum(never.values()),
+                side="receiver",
+                senders=sorted(never),
+            )
+        )
 
 
 def _say_unsent(ctx: PeerContext, collector: StepCollector) -> None:

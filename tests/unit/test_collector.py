@@ -156,3 +156,25 @@ def test_learning_of_a_stand_in_keeps_what_came_and_senders_given_up_on() -> Non
         assert collector.complete.is_set() and collector.missing_senders() == []
 
     asyncio.run(main())
+
+
+def test_rows_of_a_sender_given_up_on_count_as_dropped_only_if_no_stand_in_brings_them() -> None:
+    """A receiver that gives up on a dead sender may hear from its stand-in a moment later, with
+    the dead one's rows beside its own (the stand-in learned of the death first): those rows ran,
+    so they are not dropped. Only rows that never came count, known once the step is collected."""
+
+    async def main() -> None:
+        brought = StepCollector(0, expected())
+        brought.drop_sender(1)  # silent, probed, dead: sender 0 is still awaited
+        assert brought.never_came() == {1: 1} and not brought.complete.is_set()
+        stand_in = [*allowed(0), Row(2, 1)]  # sender 0's plan, routing around sender 1
+        brought.add(arrival(0, [0, 1, 2]), stand_in)
+        assert brought.complete.is_set() and brought.never_came() == {}
+
+        lost = StepCollector(0, expected())
+        lost.add(arrival(0, [0, 1]), allowed(0))
+        lost.drop_sender(1)
+        lost.drop_sender(0)  # it came already: nothing to give up on
+        assert lost.complete.is_set() and lost.never_came() == {1: 1}
+
+    asyncio.run(main())
