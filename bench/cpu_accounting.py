@@ -15,6 +15,8 @@ Each checkout in --trees runs in its own child process (its own `noloco_swarm`),
 over --reps, so builds are compared side by side on the same machine state.
 
     python bench/cpu_accounting.py --trees /path/to/old-checkout,. --out docs/results/cpu_accounting.json
+    # another schedule or setting: --set KEY=VALUE on top of the bench's config (repeatable)
+    python bench/cpu_accounting.py --set inner.microbatches=5 --set peer.release_memory=off
 """
 
 from __future__ import annotations
@@ -80,7 +82,7 @@ def by_part(peer_pids: list[int]) -> dict[str, float]:
     return dict(parts)
 
 
-def swarm_child(warm: int, window: float) -> dict[str, object]:
+def swarm_child(warm: int, window: float, config: dict[str, str]) -> dict[str, object]:
     """Runs in the tree under test: the swarm's core-ms per step by part."""
     import dataclasses
 
@@ -88,7 +90,7 @@ def swarm_child(warm: int, window: float) -> dict[str, object]:
     from noloco_swarm.cli.swarm import local_swarm
     from noloco_swarm.peer.events import Step, of_kind
 
-    cfg = build_config("tiny", "noloco", assignments=CONFIG, env={})
+    cfg = build_config("tiny", "noloco", assignments=config, env={})
     cfg = cfg.replace(peer=dataclasses.replace(cfg.peer, event_loop="uvloop"))
     with local_swarm(cfg, 100_000, step_timeout=120) as swarm:
         deadline = time.monotonic() + 600
@@ -105,7 +107,7 @@ def swarm_child(warm: int, window: float) -> dict[str, object]:
     return {"steps": steps, "seconds": window, "core_ms_per_step": per_step}
 
 
-def simulator_child(steps: int) -> dict[str, object]:
+def simulator_child(steps: int, config: dict[str, str]) -> dict[str, object]:
     """The simulator's core-ms per step, one thread (the tree's own simulator)."""
     import resource
 
@@ -116,7 +118,7 @@ def simulator_child(steps: int) -> dict[str, object]:
     from noloco_swarm.sim.run import data_batches
 
     torch.set_num_threads(1)
-    cfg = build_config("tiny", "noloco", assignments=CONFIG, env={})
+    cfg = build_config("tiny", "noloco", assignments=config, env={})
     sim = Simulator(cfg, data_batches(cfg))
     for _ in range(5):
         sim.inner_step()
@@ -128,9 +130,9 @@ def simulator_child(steps: int) -> dict[str, object]:
     return {"core_ms_per_step": 1000 * cpu / steps, "wall_ms_per_step": 1000 * wall / steps}
 
 
-def run_child(tree: Path, *args: str) -> subprocess.Popen[str]:
+def run_child(tree: Path, sets: list[str], *args: str) -> subprocess.Popen[str]:
     env = os.environ | {"PYTHONPATH": str(tree)}
-    argv = [sys.executable, str(Path(__file__).resolve()), "--child", *args]
+    argv = [sys.executable, str(Path(__file__).resolve()), *(f"--set={kv}" for kv in sets), "--child", *args]
     return subprocess.Popen(argv, cwd=tree, env=env, stdout=subprocess.PIPE, text=True)
 
 
@@ -149,15 +151,25 @@ def main() -> None:
     ap.add_argument("--window", type=float, default=20.0, help="seconds measured")
     ap.add_argument("--sim-steps", type=int, default=60)
     ap.add_argument("--contenders", type=int, default=4, help="simulators run at once for contention")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config value on top of the bench's (repeatable), for example inner.microbatches=5",
+    )
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    config = CONFIG | dict(kv.split("=", 1) for kv in args.set if "=" in kv)
+    if any("=" not in kv for kv in args.set):
+        ap.error("--set takes KEY=VALUE")
     if args.child:
         kind, *values = args.child
         if kind == "swarm":
-            print(json.dumps(swarm_child(int(values[0]), float(values[1]))))
+            print(json.dumps(swarm_child(int(values[0]), float(values[1]), config)))
         else:
-            print(json.dumps(simulator_child(int(values[0]))))
+            print(json.dumps(simulator_child(int(values[0]), config)))
         return
     trees = [Path(t).resolve() for t in args.trees.split(",")]
     here = Path(__file__).resolve().parents[1]
@@ -166,10 +178,12 @@ def main() -> None:
     for _ in range(args.reps):
         for tree in trees:
             swarms[str(tree)].append(
-                result_of(run_child(tree, "swarm", str(args.warm), str(args.window)))["core_ms_per_step"]
+                result_of(run_child(tree, args.set, "swarm", str(args.warm), str(args.window)))[
+                    "core_ms_per_step"
+                ]
             )
-        alone.append(result_of(run_child(here, "sim", str(args.sim_steps)))["core_ms_per_step"])
-        crowd = [run_child(here, "sim", str(args.sim_steps)) for _ in range(args.contenders)]
+        alone.append(result_of(run_child(here, args.set, "sim", str(args.sim_steps)))["core_ms_per_step"])
+        crowd = [run_child(here, args.set, "sim", str(args.sim_steps)) for _ in range(args.contenders)]
         contended.append(statistics.mean(result_of(p)["core_ms_per_step"] for p in crowd))
     sim = {"alone": statistics.median(alone), f"{args.contenders} at once": statistics.median(contended)}
     print(
@@ -198,7 +212,7 @@ def main() -> None:
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         command = "python bench/cpu_accounting.py " + " ".join(sys.argv[1:])
-        payload = {"command": command, "config": CONFIG, "simulator_core_ms_per_step": sim, "trees": result}
+        payload = {"command": command, "config": config, "simulator_core_ms_per_step": sim, "trees": result}
         args.out.write_text(json.dumps(payload, indent=2) + "\n")
 
 
