@@ -174,7 +174,7 @@ def _list(value: object, where: str) -> list[object]:
 
 def _sequence_of(hint: Any) -> Decoder:
     item = _decoder(hint)
-    exact = _EXACT.get(hint)  # a list of exactly this type (as msgpack gives it) needs no checks
+    exact = hint if hint in (int, float) else None  # items of exactly this type need no checks
 
     def decode(value: object, where: str) -> tuple[object, ...]:
         items = _list(value, where)
@@ -233,8 +233,6 @@ def _bytes(value: object, where: str) -> bytes:
 
 
 _SCALARS: dict[type, Decoder] = {bool: _bool, int: _int, float: _float, str: _str, bytes: _bytes}
-# Items msgpack gives as exactly these types pass as they are (strings still need their length check)
-_EXACT: dict[type, type] = {int: int, float: float}
 
 
 # ---------------------------------------------------------------------------------------------
