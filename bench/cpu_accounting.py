@@ -31,6 +31,8 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+from noloco_swarm.cli.options import ConfigError, parse_assignments
+
 CONFIG = {
     "num_stages": "2",
     "num_replicas": "2",
@@ -161,9 +163,10 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    config = CONFIG | dict(kv.split("=", 1) for kv in args.set if "=" in kv)
-    if any("=" not in kv for kv in args.set):
-        ap.error("--set takes KEY=VALUE")
+    try:  # each --set as `noloco --set` reads it
+        config = CONFIG | parse_assignments(";".join(args.set))
+    except ConfigError as e:
+        ap.error(f"--set: {e}")
     if args.child:
         kind, *values = args.child
         if kind == "swarm":

@@ -40,6 +40,7 @@ from pathlib import Path
 
 from wallclock_validation import measure, testbed_config  # bench/ is the script's folder: on sys.path
 
+from noloco_swarm.cli.options import ConfigError, parse_assignments
 from noloco_swarm.protocol import wire
 
 VARIANTS = {
@@ -149,9 +150,10 @@ def main() -> None:
     unknown = {base(name) for name in names} - set(VARIANTS)
     if unknown:
         ap.error(f"unknown variants {sorted(unknown)}; known: {list(VARIANTS)}")
-    common = dict(kv.split("=", 1) for kv in args.set if "=" in kv)
-    if len(common) != len(args.set):
-        ap.error("--set takes KEY=VALUE")
+    try:  # each --set as `noloco --set` reads it
+        common = parse_assignments(";".join(args.set))
+    except ConfigError as e:
+        ap.error(f"--set: {e}")
     H = args.inner_steps
     cfgs = {
         name: testbed_config(
