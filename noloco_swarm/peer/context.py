@@ -14,7 +14,6 @@ from noloco_swarm.peer.deadlines import Deadlines
 from noloco_swarm.peer.events import Events
 from noloco_swarm.peer.rounds import Rounds
 from noloco_swarm.peer.transport import Transport
-from noloco_swarm.protocol.clock import StepClock
 from noloco_swarm.protocol.membership import MembershipView
 from noloco_swarm.protocol.plan import StepPlan
 from noloco_swarm.train.config import RunConfig
@@ -33,7 +32,8 @@ class PeerContext:
     """Inner steps this replica has completed."""
 
     def __post_init__(self) -> None:
-        self.clock = StepClock(self.cfg.outer.inner_steps, self.B, self.cfg.inner.total_steps)
+        self.run_plan = self.cfg.run_plan()  # the same rules the simulator reads (protocol.plan.RunPlan)
+        self.clock = self.run_plan.clock
         self.deadlines = Deadlines(self.cfg.peer)
 
     @property
@@ -73,8 +73,4 @@ class PeerContext:
 
     def plan_at(self, t: int) -> StepPlan:
         """The step plan of inner step t's round (its replica counts)."""
-        counts, cfg = self.view_at(t).replica_counts(), self.cfg
-        inner = cfg.inner
-        return StepPlan.of(
-            counts, self.B, cfg.outer.random_routing, inner.microbatches, sizes=inner.microbatch_sizes
-        )
+        return self.run_plan.step_plan(self.view_at(t).replica_counts())

@@ -22,7 +22,6 @@ import torch
 from noloco_swarm.peer import events
 from noloco_swarm.peer.context import PeerContext
 from noloco_swarm.peer.exchange import ByteLedger, ExchangeBoard, OuterExchange
-from noloco_swarm.protocol.plan import outer_plan
 from noloco_swarm.protocol.plausible import SLICE
 
 
@@ -117,10 +116,10 @@ async def start_outer_step(
     that just closed, in the background. The replica may train on while it runs (overlap).
     `drift`: how far our slow weights moved alone since we last averaged (OuterSteps.drift);
     `paced`: our sending may be spread over the overlap window (OuterExchange.pacer)."""
-    t, o = ctx.step, ctx.cfg.outer
+    t = ctx.step
     view = ctx.view_at(t - 1)  # the round that just closed
     rank = view.rank_of(ctx.me)[1]
-    plan = outer_plan(o.method, o.group_size, len(view.stages[ctx.stage]), t, rank, ctx.cfg.group_draw_seed)
+    plan = ctx.run_plan.outer_plan(t, rank, len(view.stages[ctx.stage]))
     assert plan is not None, "only methods with an outer step get here"
     theta = await asyncio.to_thread(ctx.replica.theta)  # a copy: training may change the weights
     exchange = OuterExchange(ctx, board, plan, view.round, drift, paced=paced)
@@ -139,13 +138,10 @@ async def finish_outer_step(pending: PendingOuter) -> events.Outer:
     snapshot = pending.theta if ctx.cfg.outer.overlap_steps > 0 else None
 
     def apply() -> tuple[float | None, str]:  # one worker-thread hop for the boundary's float work
-        spread = None
-        if ctx.cfg.outer.method == "noloco":
-            if len(thetas) > 1:  # alone (a partner failed): nothing to compare with
-                spread = group_spread(thetas, exchange.plan.rank)
-            ctx.replica.apply_noloco(thetas, phis, snapshot=snapshot)
-        else:
-            ctx.replica.apply_diloco(thetas, snapshot=snapshot)
+        spread = None  # a NoLoCo pair's spread; alone (a partner failed), nothing to compare with
+        if exchange.plan.update == "noloco" and len(thetas) > 1:
+            spread = group_spread(thetas, exchange.plan.rank)
+        ctx.replica.apply_outer(exchange.plan, thetas, phis, snapshot=snapshot)
         return spread, ctx.replica.state_hash()  # comparable with the simulator
 
     spread, state_hash = await asyncio.to_thread(apply)

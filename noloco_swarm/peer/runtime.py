@@ -227,7 +227,7 @@ class Peer:
             directory = None if last else group.create_task(ctx.rounds.read_directory())
             if overlap:
                 await self._save(with_theta=True)
-            if ctx.cfg.outer.method in ("noloco", "diloco"):
+            if ctx.run_plan.update is not None:  # the method has an outer step
                 await self.outer.at_boundary(self.steps)
             if not overlap:
                 await self._save()

@@ -26,7 +26,11 @@ is checked against the simulator's weights:
   outer step     after inner step t = H, 2H, ... the replica averages with its group
                  (`outer_plan`): NoLoCo draws pairs, DiLoCo takes the whole stage and, with more
                  than two replicas, all-reduces in shards (`ShardLayout`). Within a group the lower
-                 rank calls the higher one; both name the exchange by `exchange_key`.
+                 rank calls the higher one; both name the exchange by `exchange_key`. The plan
+                 names the update to apply (`OuterPlan.update`); StageReplica.apply_outer applies it.
+  the run        `RunPlan` holds a config's rules (the clock, the step plan of a round's replica
+                 counts, the outer plan of a boundary); `RunConfig.run_plan()` builds it, and the
+                 simulator and the peer both ask it.
   joining        a newcomer enters `JOIN_MARGIN_ROUNDS` rounds after the furthest step it hears of.
   evaluation     fixed paths: path q is replica q of every stage, for q below the smallest count.
 
@@ -43,10 +47,16 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from noloco_swarm.protocol import gossip, routing
+from noloco_swarm.protocol.clock import StepClock
 
 # A joiner announces this many rounds after the furthest step it hears of, so that every member
 # has read its announcement before that boundary (peers read the DHT at slightly different times).
 JOIN_MARGIN_ROUNDS = 2
+
+# The outer updates (`OuterPlan.update`, protocol/outer.py): NoLoCo's step with the group, or
+# DiLoCo's over the whole stage, heavy-ball (the NoLoCo paper's baseline) or Nesterov (the DiLoCo
+# paper's). Methods without an outer step (allreduce, local) have none.
+UPDATES = ("noloco", "heavyball", "nesterov")
 
 
 @dataclass(frozen=True, order=True)
@@ -306,6 +316,8 @@ class OuterPlan:
     """The ranks that average together, this one included, ascending (the order means are reduced in)."""
     sharded: bool
     """All-reduce in shards (reduce-scatter, then all-gather) instead of whole-vector swaps."""
+    update: str
+    """The outer update to apply with the group's tensors: one of `UPDATES`."""
 
     @property
     def partners(self) -> tuple[int, ...]:
@@ -316,6 +328,18 @@ class OuterPlan:
         return self.rank < partner
 
 
+def outer_update(method: str, diloco_variant: str = "heavyball") -> str | None:
+    """The update (one of `UPDATES`) that `method`'s outer step applies; None for methods without
+    an outer step (allreduce averages gradients every step, local never averages)."""
+    if method == "noloco":
+        return "noloco"
+    if method == "diloco":
+        if diloco_variant not in UPDATES[1:]:
+            raise ValueError(f"unknown DiLoCo variant {diloco_variant!r}; use heavyball or nesterov")
+        return diloco_variant
+    return None
+
+
 def outer_plan(
     method: str,
     group_size: int,
@@ -323,6 +347,7 @@ def outer_plan(
     step: int,
     rank: int,
     draw_seed: int | None = None,
+    diloco_variant: str = "heavyball",
 ) -> OuterPlan | None:
     """The outer step after inner step `step` (a multiple of H); None for methods without one.
 
@@ -331,12 +356,61 @@ def outer_plan(
     """
     if not 0 <= rank < num_replicas:
         raise ValueError(f"rank {rank} is outside 0..{num_replicas - 1}")
-    if method == "noloco":
+    update = outer_update(method, diloco_variant)
+    if update == "noloco":
         group = tuple(sorted(gossip.group_of(num_replicas, step, group_size, rank, draw_seed)))
-        return OuterPlan(step, rank, group, sharded=False)
-    if method == "diloco":
-        return OuterPlan(step, rank, tuple(range(num_replicas)), sharded=num_replicas > 2)
+        return OuterPlan(step, rank, group, sharded=False, update=update)
+    if update is not None:
+        return OuterPlan(step, rank, tuple(range(num_replicas)), sharded=num_replicas > 2, update=update)
     return None
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """A run's rules, read once from its config (`RunConfig.run_plan()`): its clock, the step plan
+    of a round's replica counts, and the outer plan of a boundary. The simulator and the peer both
+    ask it, so neither chooses a route, a group or an update by method itself."""
+
+    clock: StepClock
+    """H, B and the run's length."""
+    random_routing: bool = True
+    microbatches: int = 1
+    sizes: tuple[int, ...] = ()
+    """As in StepPlan."""
+    method: str = "noloco"
+    group_size: int = 2
+    draw_seed: int | None = None
+    diloco_variant: str = "heavyball"
+    """As in outer_plan."""
+
+    def __post_init__(self) -> None:
+        outer_update(self.method, self.diloco_variant)  # an unknown variant fails here, not later
+
+    @property
+    def update(self) -> str | None:
+        """The update every outer step of the run applies; None: the method has no outer step."""
+        return outer_update(self.method, self.diloco_variant)
+
+    @property
+    def allreduces_gradients(self) -> bool:
+        """Gradients are averaged over the stage's replicas after every inner step (allreduce)."""
+        return self.method == "allreduce"
+
+    def outer_step_due(self, steps_taken: int) -> bool:
+        """True when an outer step follows inner step `steps_taken` (never without one)."""
+        return self.update is not None and self.clock.outer_step_due(steps_taken)
+
+    def step_plan(self, counts: Sequence[int], around: Iterable[tuple[int, int]] = ()) -> StepPlan:
+        """The inner-step plan of a round with `counts` replicas per stage."""
+        return StepPlan.of(
+            counts, self.clock.batch_size, self.random_routing, self.microbatches, around, self.sizes
+        )
+
+    def outer_plan(self, step: int, rank: int, num_replicas: int) -> OuterPlan | None:
+        """What replica `rank` of a stage of `num_replicas` does after inner step `step`."""
+        return outer_plan(
+            self.method, self.group_size, num_replicas, step, rank, self.draw_seed, self.diloco_variant
+        )
 
 
 def exchange_key(round_: int, step: int, phase: int = 0) -> tuple[int, ...]:

@@ -26,8 +26,7 @@ import torch
 
 from noloco_swarm.model import Stage, build_stage, flat_params, load_flat_params_
 from noloco_swarm.protocol import outer, wire
-from noloco_swarm.protocol.clock import StepClock
-from noloco_swarm.protocol.plan import StepPlan, eval_paths, outer_plan
+from noloco_swarm.protocol.plan import eval_paths
 from noloco_swarm.train.config import RunConfig
 from noloco_swarm.train.replica import StageReplica
 
@@ -54,14 +53,9 @@ class Simulator:
         self.cfg = cfg
         self.batches = batches
         self.device = torch.device(device)
-        self.clock = StepClock(cfg.outer.inner_steps, cfg.inner.batch_size, cfg.inner.total_steps)
-        self.plan = StepPlan.of(
-            cfg.replica_counts,
-            cfg.inner.batch_size,
-            cfg.outer.random_routing,
-            cfg.inner.microbatches,
-            sizes=cfg.inner.microbatch_sizes,
-        )
+        self.run_plan = cfg.run_plan()  # the same rules a peer reads (protocol.plan.RunPlan)
+        self.clock = self.run_plan.clock
+        self.plan = self.run_plan.step_plan(cfg.replica_counts)
         # Every replica starts from the same weights, derived from the run seed.
         self.replicas: list[list[StageReplica]] = []
         for s, count in enumerate(cfg.replica_counts):
@@ -161,7 +155,7 @@ class Simulator:
         cfg = self.cfg
         lr = self.replicas[0][0].lr_at(self.step)
         loss = self.forward_backward()
-        if cfg.outer.method == "allreduce":
+        if self.run_plan.allreduces_gradients:
             self._allreduce_gradients()
         for row in self.replicas:
             for replica in row:
@@ -171,7 +165,7 @@ class Simulator:
         applied = False
         if self.pending is not None and self.step == self.pending[0] + cfg.outer.overlap_steps:
             applied = self.finish()
-        if cfg.outer.method in ("noloco", "diloco") and self.clock.outer_step_due(self.step):
+        if self.run_plan.outer_step_due(self.step):
             if cfg.outer.overlap_steps == 0:
                 self.outer_step()
                 applied = True
@@ -209,7 +203,6 @@ class Simulator:
     def _apply_outer(self, boundary: int, all_thetas: list[list[torch.Tensor]], *, carry: bool) -> None:
         """The outer step of `boundary` from every replica's theta there. `carry`: overlapped, so
         each replica keeps the progress it made since its theta (StageReplica's snapshot)."""
-        o = self.cfg.outer
         self.spread_before_outer = _spread(all_thetas)
         for row, thetas in zip(self.replicas, all_thetas, strict=True):
             # Every member computes its step from the group's values as they were before the
@@ -217,14 +210,10 @@ class Simulator:
             # changes only in an outer step, so with overlap it is still the boundary's).
             phis = {d: r.phi for d, r in enumerate(row)}
             for d, replica in enumerate(row):
-                plan = outer_plan(o.method, o.group_size, len(row), boundary, d, self.cfg.group_draw_seed)
+                plan = self.run_plan.outer_plan(boundary, d, len(row))
                 assert plan is not None
-                group_thetas = {m: thetas[m] for m in plan.group}
-                snapshot = thetas[d] if carry else None
-                if o.method == "diloco":
-                    replica.apply_diloco(group_thetas, snapshot=snapshot)
-                else:
-                    replica.apply_noloco(group_thetas, {m: phis[m] for m in plan.group}, snapshot=snapshot)
+                group = {m: thetas[m] for m in plan.group}, {m: phis[m] for m in plan.group}
+                replica.apply_outer(plan, *group, snapshot=thetas[d] if carry else None)
         self.outer_steps += 1
 
     # ------------------------------------------------------------------ inspection

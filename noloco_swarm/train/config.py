@@ -17,7 +17,9 @@ from typing import Any, Literal
 
 from noloco_swarm.data.config import EMBEDDED, MAX_EMBEDDED_VOCAB, DataConfig
 from noloco_swarm.model.presets import ModelConfig, get_preset
+from noloco_swarm.protocol.clock import StepClock
 from noloco_swarm.protocol.config import InnerConfig, OuterConfig, WireConfig
+from noloco_swarm.protocol.plan import RunPlan
 
 EVENT_LOOPS = ("uvloop", "asyncio")
 
@@ -305,6 +307,21 @@ class RunConfig:
         """The seed of the NoLoCo group draw (protocol.gossip): None, the official step-only draw,
         unless `outer.seeded_groups` is on, then the run seed."""
         return self.seed if self.outer.seeded_groups else None
+
+    def run_plan(self) -> RunPlan:
+        """The run's rules (clock, step plans, outer plans): the one place they are read from the
+        config, for the simulator and the peer alike."""
+        inner, o = self.inner, self.outer
+        return RunPlan(
+            StepClock(o.inner_steps, inner.batch_size, inner.total_steps),
+            random_routing=o.random_routing,
+            microbatches=inner.microbatches,
+            sizes=inner.microbatch_sizes,
+            method=o.method,
+            group_size=o.group_size,
+            draw_seed=self.group_draw_seed,
+            diloco_variant=o.diloco_variant,
+        )
 
     @classmethod
     def create(

@@ -17,6 +17,7 @@ import torch
 from noloco_swarm.model import Stage, build_stage, flat_params, load_flat_params_, state_hash
 from noloco_swarm.protocol import outer
 from noloco_swarm.protocol.clock import lr_at
+from noloco_swarm.protocol.plan import OuterPlan
 from noloco_swarm.protocol.plausible import distance
 from noloco_swarm.train.config import RunConfig
 
@@ -73,6 +74,21 @@ class StageReplica:
         """The fast weights as one flat fp32 vector (a copy)."""
         return flat_params(self.module)
 
+    def apply_outer(
+        self,
+        plan: OuterPlan,
+        thetas: Mapping[int, torch.Tensor],
+        phis: Mapping[int, torch.Tensor] | None = None,
+        *,
+        snapshot: torch.Tensor | None = None,
+    ) -> None:
+        """The outer step `plan` names (`plan.update`) with the group's fast weights (and slow
+        weights, NoLoCo with gamma != beta only), keyed by rank; `snapshot` as for apply_noloco."""
+        if plan.update == "noloco":
+            self.apply_noloco(thetas, phis, snapshot=snapshot)
+        else:
+            self.apply_diloco(thetas, snapshot=snapshot, variant=plan.update)
+
     @torch.no_grad()
     def apply_noloco(
         self,
@@ -100,10 +116,14 @@ class StageReplica:
 
     @torch.no_grad()
     def apply_diloco(
-        self, thetas: Mapping[int, torch.Tensor], *, snapshot: torch.Tensor | None = None
+        self,
+        thetas: Mapping[int, torch.Tensor],
+        *,
+        snapshot: torch.Tensor | None = None,
+        variant: str | None = None,
     ) -> None:
-        """DiLoCo outer step (`outer.diloco_variant`) with every replica's fast weights, keyed by rank
-        (`snapshot`: as for `apply_noloco`)."""
+        """DiLoCo outer step (`variant`, default `outer.diloco_variant`) with every replica's fast
+        weights, keyed by rank (`snapshot`: as for `apply_noloco`)."""
         o = self.cfg.outer
         thetas = self._here(thetas)
         res = outer.diloco_step(
@@ -112,7 +132,7 @@ class StageReplica:
             thetas,
             lr=o.outer_lr,
             momentum_coef=o.outer_momentum,
-            variant=o.diloco_variant,
+            variant=variant or o.diloco_variant,
         )
         self._set(res, snapshot)
 

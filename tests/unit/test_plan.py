@@ -243,3 +243,28 @@ def test_routing_around_refuses_unknown_replicas() -> None:
     with pytest.raises(ValueError, match="cannot route around"):
         StepPlan.of((2, 2), 4, around=[(2, 0)])
     assert StepPlan.of((2, 2), 4).routing_around([]).around == frozenset()
+
+
+def test_the_run_plan_names_each_methods_update_and_builds_the_plans_from_the_config() -> None:
+    from noloco_swarm.train.config import RunConfig
+
+    for method, variant, update in [
+        ("noloco", "heavyball", "noloco"),
+        ("diloco", "heavyball", "heavyball"),
+        ("diloco", "nesterov", "nesterov"),
+        ("allreduce", "heavyball", None),
+        ("local", "heavyball", None),
+    ]:
+        cfg = RunConfig.create(method=method, outer={"diloco_variant": variant, "inner_steps": 5})
+        rules = cfg.run_plan()
+        assert rules.update == update and rules.allreduces_gradients == (method == "allreduce")
+        assert rules.outer_step_due(10) == (update is not None) and not rules.outer_step_due(7)
+        plan = rules.outer_plan(10, 1, 2)
+        assert (plan.update if plan else None) == update
+        assert plan == outer_plan(method, 2, 2, 10, 1, diloco_variant=variant)
+    cfg = RunConfig.create(inner={"batch_size": 4, "microbatches": 2, "microbatch_sizes": (1, 3)})
+    rules = cfg.run_plan()
+    assert (rules.clock.inner_steps, rules.clock.batch_size, rules.clock.total_steps) == (50, 4, 2000)
+    assert rules.step_plan((2, 3)) == StepPlan.of((2, 3), 4, True, 2, sizes=(1, 3))
+    with pytest.raises(ValueError, match="variant"):
+        outer_plan("diloco", 2, 2, 10, 0, diloco_variant="adam")
