@@ -149,11 +149,19 @@ class Straggle:
 
 
 _straggle = Straggle.parse(os.environ.get(STRAGGLE_ENV, ""))
+_phase_began = [time.monotonic()]  # when this process's current inner phase began
 
 
-async def straggle(started: float, seed: int, stage: int, rank: int, round_: int) -> None:
-    """At a boundary: wait until the inner phase that began at `started` (time.monotonic) has
-    lasted its drawn length; returns at once unless NOLOCO_STRAGGLE is set."""
+def phase_begins() -> None:
+    """The run loop's hook where an inner phase (a round's inner steps, or the rest of one after
+    a start or a join) begins; does nothing unless NOLOCO_STRAGGLE is set."""
     if _straggle is not None:
-        due = started + _straggle.seconds(seed, stage, rank, round_)
+        _phase_began[0] = time.monotonic()
+
+
+async def straggle(seed: int, stage: int, rank: int, round_: int) -> None:
+    """The run loop's hook at a boundary: wait until the inner phase that began at the last
+    `phase_begins` has lasted its drawn length; returns at once unless NOLOCO_STRAGGLE is set."""
+    if _straggle is not None:
+        due = _phase_began[0] + _straggle.seconds(seed, stage, rank, round_)
         await asyncio.sleep(max(0.0, due - time.monotonic()))

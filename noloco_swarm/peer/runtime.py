@@ -175,10 +175,12 @@ class Peer:
             # started: every member resumed from this step runs that exchange again.
             await self.outer.at_boundary(self.steps)
         self.resumed_pending = None
-        previous = phase = time.monotonic()
+        previous = time.monotonic()
+        failpoints.phase_begins()
         while ctx.step < self.steps:
             t = ctx.step
-            phase = time.monotonic() if ctx.clock.outer_step_due(t) else phase  # a round begins
+            if ctx.clock.outer_step_due(t):  # a round begins
+                failpoints.phase_begins()
             await look_if_stalled(ctx, t, previous)  # frozen, or cut off?
             previous = time.monotonic()
             start = time.perf_counter()
@@ -206,9 +208,7 @@ class Peer:
             await self.outer.finish(due_only=True)  # k steps after its boundary: wait if in flight
             if ctx.clock.outer_step_due(ctx.step):
                 previous = await look_if_stalled(ctx, t, previous)  # stalled before its exchange?
-                await failpoints.straggle(
-                    phase, ctx.cfg.seed, ctx.stage, ctx.rank_at(t), ctx.view_at(t).round
-                )
+                await failpoints.straggle(ctx.cfg.seed, ctx.stage, ctx.rank_at(t), ctx.view_at(t).round)
                 if await self._boundary():
                     return
         await self.outer.finish()  # the run ends before k steps are up: complete the exchange

@@ -80,11 +80,15 @@ def test_a_straggler_waits_out_the_rest_of_its_inner_phase(monkeypatch: pytest.M
         slept.append(seconds)
 
     monkeypatch.setattr(failpoints.asyncio, "sleep", sleep)
+    failpoints.phase_begins()
+    assert failpoints._phase_began[0] >= time.monotonic() - 1.0
     now = time.monotonic()
-    asyncio.run(failpoints.straggle(now - 1.0, 0, 0, 0, 0))  # began 1 s ago: about 2 s are left
-    asyncio.run(failpoints.straggle(now - 5.0, 0, 0, 0, 0))  # already longer than 3 s: no wait
+    monkeypatch.setattr(failpoints, "_phase_began", [now - 1.0])
+    asyncio.run(failpoints.straggle(0, 0, 0, 0))  # began 1 s ago: about 2 s are left
+    monkeypatch.setattr(failpoints, "_phase_began", [now - 5.0])
+    asyncio.run(failpoints.straggle(0, 0, 0, 0))  # already longer than 3 s: no wait
     assert 1.0 < slept[0] <= 2.0
     assert slept[1] == 0.0
     monkeypatch.setattr(failpoints, "_straggle", None)  # unset: never waits
-    asyncio.run(failpoints.straggle(now, 0, 0, 0, 0))
+    asyncio.run(failpoints.straggle(0, 0, 0, 0))
     assert len(slept) == 2
