@@ -14,8 +14,12 @@ import typing
 from typing import Any
 
 from noloco_swarm.cli.options import AUTO_KEYS, CHOICES, SECTIONS, TOP_LEVEL, Resolved, field_type
-from noloco_swarm.train.config import RunConfig
+from noloco_swarm.train.config import RunConfig, experimental
 
+EXPERIMENTAL_HEADING = (
+    "# experimental keys: lab tuning (model shape, microbatches, overlap, transport, deadlines, pacing, "
+    "memory, checks), defaults set by measurement (docs/config.md)"
+)
 CHOICE_DOCS = {
     "preset": "Model preset (tiny, small, medium, large): sets model.* and the inner schedule's defaults.",
     "method": "noloco, diloco, allreduce or local: sets outer.* to the method's paper defaults.",
@@ -52,8 +56,9 @@ def type_name(hint: Any) -> str:
     return "None" if hint is type(None) else getattr(hint, "__name__", str(hint))
 
 
-def describe_keys() -> str:
-    """`noloco keys`: one line per key: name, type, what it means."""
+def describe_keys(show_all: bool = False) -> str:
+    """`noloco keys`: one line per key a volunteer or organiser sets (name, type, meaning); with
+    `show_all`, the experimental keys too, under a heading of their own (train/config.py USER_KEYS)."""
     rows = [(key, "str", doc) for key, doc in CHOICE_DOCS.items()]
     top_docs = field_docs(RunConfig)
     rows += [(key, type_name(field_type(key)), top_docs.get(key, "")) for key in TOP_LEVEL]
@@ -67,7 +72,14 @@ def describe_keys() -> str:
             rows.append((key, type_name(field_type(key)), doc))
     width = max(len(k) for k, _, _ in rows) + 2
     kind = max(len(t) for _, t, _ in rows) + 2
-    return "\n".join(f"{k:<{width}}{t:<{kind}}{doc}".rstrip() for k, t, doc in rows)
+
+    def lines(chosen: list[tuple[str, str, str]]) -> list[str]:
+        return [f"{k:<{width}}{t:<{kind}}{doc}".rstrip() for k, t, doc in chosen]
+
+    out = lines([r for r in rows if not experimental(r[0])])
+    if show_all:
+        out += ["", EXPERIMENTAL_HEADING, *lines([r for r in rows if experimental(r[0])])]
+    return "\n".join(out)
 
 
 def toml_value(key: str, value: Any) -> str:

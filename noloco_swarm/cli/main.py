@@ -208,7 +208,8 @@ def parser() -> argparse.ArgumentParser:
     ticket.add_argument("--out", type=Path, required=True, help="where to write the ticket")
 
     sub.add_parser("presets", help="list model presets and their parameter counts")
-    sub.add_parser("keys", help="list every config key with its type and meaning")
+    keys = sub.add_parser("keys", help="list the config keys a volunteer or organiser sets")
+    keys.add_argument("--all", action="store_true", help="also list the experimental keys")
     return p
 
 
@@ -232,7 +233,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "keys":
             from noloco_swarm.cli.keys import describe_keys
 
-            print(describe_keys())
+            print(describe_keys(show_all=args.all))
             return 0
         commands = {
             "local": _local,
@@ -481,7 +482,7 @@ def _presets() -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from noloco_swarm.model.presets import PRESETS, count_parameters
+    from noloco_swarm.model.presets import PRESETS, SCHEDULES, count_parameters
 
     table = Table(title="model presets")
     for column in ("preset", "hidden", "ffn", "heads", "layers", "seq", "vocab", "parameters", "lr"):
@@ -496,7 +497,7 @@ def _presets() -> int:
             str(cfg.seq_len),
             f"{cfg.vocab_size:,}",
             f"{count_parameters(cfg):,}",
-            f"{cfg.lr:g}",
+            f"{SCHEDULES[name]['lr']:g}",
         )
     Console().print(table)
     return 0

@@ -25,7 +25,7 @@ from typing import Any
 from noloco_swarm.data.config import DataConfig
 from noloco_swarm.model.presets import ModelConfig
 from noloco_swarm.protocol.config import InnerConfig, OuterConfig, WireConfig
-from noloco_swarm.train.config import NetworkConfig, PeerConfig, RunConfig
+from noloco_swarm.train.config import REMOVED_KEYS, NetworkConfig, PeerConfig, RunConfig, removed_key
 
 SECTIONS: dict[str, type] = {
     "model": ModelConfig,
@@ -63,10 +63,12 @@ def field_type(key: str) -> Any:
     section, _, name = key.rpartition(".")
     cls = SECTIONS.get(section) if section else RunConfig
     hints = typing.get_type_hints(cls) if cls else {}
+    if key in REMOVED_KEYS:
+        raise ConfigError(removed_key(key))
     if name not in hints or (not section and name in SECTIONS):
         close = difflib.get_close_matches(key, valid_keys(), n=3, cutoff=0.8)
         hint = f"; did you mean {' or '.join(close)}?" if close else ""
-        raise ConfigError(f"unknown config key {key!r}{hint} (`noloco keys` lists every key)")
+        raise ConfigError(f"unknown config key {key!r}{hint} (`noloco keys --all` lists every key)")
     return hints[name]
 
 

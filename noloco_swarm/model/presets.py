@@ -16,7 +16,7 @@ LLAMA3_VOCAB: int = 128_002
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a Llama-style decoder plus the inner-optimiser defaults that go with it."""
+    """Shape of a Llama-style decoder (its inner schedule's defaults: `SCHEDULES`)."""
 
     name: str
     """Preset name, carried into the swarm manifest and logs."""
@@ -42,14 +42,6 @@ class ModelConfig:
     """Attention backend, "sdpa" or "eager"; both are made causal by the stage (see stage.py)."""
     autocast_bf16: bool = False
     """Run forward matmuls in bf16 under `torch.autocast`; weights, grads and loss stay fp32."""
-    lr: float = 1e-3
-    """Peak inner (AdamW) learning rate, reached after warm-up."""
-    min_lr: float = 1e-4
-    """Learning rate at the end of the cosine decay."""
-    warmup_steps: int = 1000
-    """Inner steps of linear warm-up from zero to `lr`."""
-    total_steps: int = 25_000
-    """Inner steps of the whole run; the cosine reaches `min_lr` here."""
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -68,24 +60,13 @@ class ModelConfig:
                 f"head dimension hidden_size/num_heads = {self.hidden_size // self.num_heads} is odd; "
                 "rotary embeddings rotate channel pairs, so choose sizes that give an even head dimension."
             )
-        for field in ("rms_norm_eps", "rope_theta", "init_std", "lr"):
+        for field in ("rms_norm_eps", "rope_theta", "init_std"):
             if not getattr(self, field) > 0:
                 raise ValueError(f"ModelConfig.{field} must be > 0, got {getattr(self, field)!r}.")
         if self.attn_implementation not in ATTN_IMPLEMENTATIONS:
             raise ValueError(
                 f"attn_implementation {self.attn_implementation!r} is not supported; "
                 f"use one of {', '.join(ATTN_IMPLEMENTATIONS)}."
-            )
-        if not 0 <= self.min_lr <= self.lr:
-            raise ValueError(f"min_lr {self.min_lr} must lie in [0, lr={self.lr}]; lower min_lr or raise lr.")
-        if self.warmup_steps < 0 or self.total_steps < 1:
-            raise ValueError(
-                f"need warmup_steps >= 0 and total_steps >= 1, got {self.warmup_steps} and {self.total_steps}."
-            )
-        if self.warmup_steps > self.total_steps:
-            raise ValueError(
-                f"warmup_steps {self.warmup_steps} exceeds total_steps {self.total_steps}; "
-                "shorten the warm-up or lengthen the run."
             )
 
     @property
@@ -109,10 +90,6 @@ PRESETS: dict[str, ModelConfig] = {
         num_heads=4,
         num_layers=4,
         seq_len=128,
-        lr=1e-3,
-        min_lr=1e-4,
-        warmup_steps=100,
-        total_steps=2000,
     ),
     "small": ModelConfig(
         name="small",
@@ -122,8 +99,6 @@ PRESETS: dict[str, ModelConfig] = {
         num_heads=12,
         num_layers=12,
         seq_len=1024,
-        lr=6e-4,
-        min_lr=6e-5,
     ),
     "medium": ModelConfig(
         name="medium",
@@ -133,8 +108,6 @@ PRESETS: dict[str, ModelConfig] = {
         num_heads=32,
         num_layers=24,
         seq_len=1024,
-        lr=2e-4,
-        min_lr=2e-5,
     ),
     "large": ModelConfig(
         name="large",
@@ -144,9 +117,18 @@ PRESETS: dict[str, ModelConfig] = {
         num_heads=32,
         num_layers=32,
         seq_len=1024,
-        lr=1.2e-4,
-        min_lr=1.2e-5,
     ),
+}
+
+
+# Each preset's inner schedule (`inner.lr`, `inner.min_lr`, `inner.warmup_steps`,
+# `inner.total_steps` default to it): the paper's peak rates for its shapes, with 1,000 warm-up
+# steps of 25,000; tiny's short run to match its size.
+SCHEDULES: dict[str, dict[str, float | int]] = {
+    "tiny": {"lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 100, "total_steps": 2000},
+    "small": {"lr": 6e-4, "min_lr": 6e-5, "warmup_steps": 1000, "total_steps": 25_000},
+    "medium": {"lr": 2e-4, "min_lr": 2e-5, "warmup_steps": 1000, "total_steps": 25_000},
+    "large": {"lr": 1.2e-4, "min_lr": 1.2e-5, "warmup_steps": 1000, "total_steps": 25_000},
 }
 
 

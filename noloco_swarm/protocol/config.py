@@ -42,9 +42,8 @@ class OuterConfig:
     inner_steps: int = 50
     """H: inner steps between outer steps (50 for NoLoCo, 100 for DiLoCo)."""
     group_size: int = 2
-    """n: replicas per NoLoCo group. When n does not divide the replica count D there are D // n groups
-    and the D % n left over join them one each, so some groups hold more than n (D=5, n=2: 3 and 2;
-    D=8, n=3: 4 and 4; D=5, n=3: one group of 5); D < n: one group of all (protocol/gossip.py)."""
+    """n: replicas per NoLoCo group; when n does not divide the replica count D, the D % n left over
+    join groups one each (D < n: one group of all; protocol/gossip.py)."""
     outer_momentum: float = 0.5
     """alpha: outer momentum (0.5 NoLoCo, 0.3 DiLoCo)."""
     outer_lr: float = 0.7
@@ -60,22 +59,15 @@ class OuterConfig:
     random_routing: bool = True
     """Per-sample random routes between stages; False keeps each replica's own chain (ablation)."""
     overlap_steps: int = 0
-    """k: inner steps the outer exchange overlaps. 0 blocks at the boundary (the paper). With k > 0
-    a replica snapshots theta at the boundary, trains k more inner steps while the exchange runs,
-    then applies the outer step to the snapshot and carries the k steps' progress over
-    (fast = new phi + (theta now - snapshot), protocol/outer.py `carry_over`). Needs k < H."""
+    """k: inner steps the outer exchange overlaps (0: it blocks at the boundary, as in the paper). The
+    step is applied k steps later to the boundary's snapshot, keeping the progress since
+    (protocol/outer.py `carry_over`); needs k < H."""
     plausible_factor: float = plausible.DEFAULT_FACTOR
-    """A received theta (phi, shard) is averaged in only if ||received - phi|| <= factor *
-    (||theta_own - phi|| + drift) + plausible_floor * ||phi|| (phi: this replica's slow weights;
-    drift: how far they moved in outer steps taken alone since it last averaged; finite and of our
-    shape and dtype too), else the member is left out of the step (protocol/plausible.py).
-    Honest partners needed at most factor 4 and a floor of 0.063 with the tiny preset
-    (bench/plausible_ratio.py, docs/membership.md); raise it, not lower it, if a healthy run
-    reports `rejected` events."""
+    """A received theta is averaged in only if its distance to our phi is at most factor x (our own
+    progress + drift) + plausible_floor x ||phi||, else its sender is left out of the step
+    (protocol/plausible.py). Raise it, never lower it, if a healthy run reports `rejected` events."""
     plausible_floor: float = plausible.DEFAULT_FLOOR
-    """Relative floor of that bound, a fraction of ||phi||: NoLoCo replicas' slow weights differ by
-    up to 0.063 of it beyond 4x our own progress in honest runs measured (8 replicas), which own
-    progress alone does not cover (a theta x 1000 is ~1000 ||phi|| away, x2 or -1 ~1-2 ||phi||)."""
+    """The floor of that bound, as a fraction of ||phi|| (docs/config.md)."""
     avoid_rounds: int = 3
     """Outer steps after a rejected one at which that member is avoided: not called, its calls
     refused at once; both sides step without each other. 0: judge every exchange afresh."""
@@ -164,13 +156,11 @@ class InnerConfig:
     grad_clip: float = 1.0
     """Per-stage gradient-norm clip (official: 1.0); 0 disables clipping."""
     microbatches: int = 1
-    """M: the batch crosses the pipeline as M microbatches of B/M samples (or of the sizes below),
-    each sent on as soon as it is computed; gradients accumulate and the optimizer steps once per
-    inner step."""
+    """M: the batch crosses the pipeline as M microbatches, each sent on as soon as it is computed;
+    gradients accumulate and the optimizer steps once per inner step."""
     microbatch_sizes: tuple[int, ...] = ()
-    """The M microbatches' sizes in batch order, summing to B (for example 2,6,6,2); empty: B/M
-    each. Smaller first and last microbatches shorten the two waits on the link that every step's
-    flush makes (the first rows to arrive, the last gradients to return). Same update either way."""
+    """The M microbatches' sizes in batch order, summing to B (e.g. 2,6,6,2; empty: B/M each).
+    Small first and last ones shorten a step's two waits on the link, with the same update."""
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
@@ -206,9 +196,8 @@ class WireConfig:
     """
 
     activations: WireFormat = "fp32"
-    """fp32 (exact), bf16 (half the bytes) or int8 (a quarter, plus a float32 scale per sample and
-    position); gradients travel back in the same format. `noloco join` defaults to bf16, the rest
-    to fp32; what each costs in perplexity: docs/benchmarks.md, "Activation wire formats"."""
+    """fp32 (exact), bf16 (half the bytes) or int8 (a quarter, plus a scale per row); gradients come
+    back in the same format. `noloco join` defaults to bf16, the rest to fp32 (docs/config.md)."""
 
     def __post_init__(self) -> None:
         if self.activations not in FORMATS:

@@ -5,6 +5,11 @@ Every front end fills this same tree: `noloco sim`, `noloco local` and `noloco j
 files and `NOLOCO_*` environment variables (see `noloco_swarm.cli.options`). The run's part of it
 is the swarm manifest's content: `RunConfig.manifest()` is what peers compare before joining a
 run; the `peer` and `network` sections say how one peer runs and are its own business.
+
+Two tiers of keys (`USER_KEYS`): the keys a volunteer or run organiser sets say what to train,
+on which data, with whom, where and with what records kept; every other key is experimental: lab
+tuning (model shape beyond the preset, microbatches, overlap, transport, deadlines, pacing, memory,
+checks) whose defaults were set by measurement (docs/config.md), listed only by `noloco keys --all`.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from noloco_swarm.data.config import EMBEDDED, MAX_EMBEDDED_VOCAB, DataConfig
-from noloco_swarm.model.presets import ModelConfig, get_preset
+from noloco_swarm.model.presets import SCHEDULES, ModelConfig, get_preset
 from noloco_swarm.protocol.clock import StepClock
 from noloco_swarm.protocol.config import InnerConfig, OuterConfig, WireConfig
 from noloco_swarm.protocol.plan import RunPlan
@@ -71,27 +76,25 @@ class PeerConfig:
     metrics: str | None = None
     """Append the peer's typed events as JSON lines to this file."""
     metrics_port: int | None = None
-    """Serve the peer's Prometheus metrics at http://metrics_host:PORT/metrics (None: no endpoint;
-    under `noloco local`, the first peer's port, the others' follow it)."""
+    """Serve the peer's Prometheus metrics at http://metrics_host:PORT/metrics (None: no endpoint).
+    Under `noloco local` this is the first peer's port, and the others' follow it."""
     metrics_host: str = "0.0.0.0"
     """The address the metrics endpoint listens on (127.0.0.1: this machine only)."""
     metrics_linger: float = 0.0
     """Seconds the metrics endpoint keeps serving after the peer finishes, so that the last scrape
-    sees its final values (the process stays up that long)."""
+    sees its final values."""
     device: str = "cpu"
     """Where this stage computes (cpu or cuda); tensors cross the network from the CPU."""
     deterministic: bool = False
-    """Only deterministic CUDA kernels (`torch.use_deterministic_algorithms`, warn-only, and a
-    fixed cuBLAS workspace), so that a GPU swarm can reproduce the simulator bit for bit on the
-    same GPU (scripts/gpu_check.sh); slower. Has no effect with device cpu."""
+    """Only deterministic CUDA kernels, so that a GPU swarm reproduces the simulator bit for bit on the
+    same GPU (scripts/gpu_check.sh), more slowly. No effect with device cpu."""
     step_timeout: float = 120.0
     """Seconds: deadline of one pipeline round trip or one collected batch."""
     exchange_timeout: float = 120.0
     """Seconds: deadline of an outer exchange with one partner (follows step_timeout unless set)."""
     deadline_factor: float = 8.0
-    """Once a few steps (one exchange) have run, the step (exchange) deadline is this many times
-    the longest recent one, within [min_deadline, step_timeout (exchange_timeout)]; 0: the
-    deadlines stay at step_timeout and exchange_timeout (peer/deadlines.py)."""
+    """Adapted deadlines: this many times the longest recent step (exchange), within
+    [min_deadline, step_timeout (exchange_timeout)]. 0 keeps them fixed (peer/deadlines.py)."""
     min_deadline: float = 10.0
     """Seconds: the shortest an adapted deadline gets."""
     start_timeout: float = 120.0
@@ -99,26 +102,16 @@ class PeerConfig:
     join_timeout: float = 280.0
     """Seconds: deadline for joining a running swarm (waiting for our round, fetching state)."""
     state_serve_rate: float = 0.0
-    """MiB/s at most that this peer sends its state to joiners at (0: no cap); caps a volunteer's
-    upload while it serves a joiner, which also downloads from the stage's other replicas."""
+    """MiB/s at most that this peer sends its state to joiners at, to spare a volunteer's upload
+    (0: no cap)."""
     exchange_pacing: float = 0.0
-    """With an overlapped outer step (outer.overlap_steps = k > 0): send our outer-exchange
-    tensors at a pace that spreads them over this share (0..1) of the k inner steps, their length
-    estimated from recent steps (but over at most half the exchange's deadline); 0 sends them as
-    fast as the link takes them. Give every peer of a swarm the same value: a partner that does not
-    pace and has seen only fast exchanges has a short exchange deadline, and may give up on a
-    paced exchange that outlasts it. On a link the pipeline's rows share, a full-speed exchange
-    fills the link's queue and the rows wait behind it; a paced one leaves them room
-    (docs/benchmarks.md, "Pacing the overlapped exchange")."""
+    """With an overlapped outer step (outer.overlap_steps = k > 0), spread the exchange's sending over
+    this share (0..1) of the k inner steps, leaving a shared link room for the rows; 0: full speed.
+    Give every peer of a swarm the same value (docs/config.md)."""
     exchange_max_mbit: float = 0.0
-    """Mbit/s at most that this peer sends its outer-exchange tensors at, blocking or overlapped
-    (0: no cap; with exchange_pacing, the slower of the two paces). Set it a little under the
-    upload rate of this peer's link, about 93% of it: both partners send at once, and at full
-    speed each one's data fills its link's queue and holds back its acknowledgements of the
-    other's data, which slows the other down; just under the rate the queue stays empty
-    (docs/benchmarks.md, "Capping the exchange just under the link's rate"). A cap so low that
-    sending would outlast half the exchange's deadline gives way to the pace that fits, with a
-    warning: a cap alone never fails an exchange."""
+    """Mbit/s at most that this peer sends its outer-exchange tensors at (0: no cap); about 93% of its
+    link's upload rate keeps the link's queue empty while both partners send (docs/config.md). A cap
+    that would outlast half the exchange's deadline gives way to one that fits, with a warning."""
     heartbeat_ttl: float = 30.0
     """Seconds an announcement lives in the DHT; re-stored every third of it."""
     checkpoint_dir: str | None = None
@@ -128,18 +121,13 @@ class PeerConfig:
     checkpoint_keep: int = 3
     """Checkpoints kept; older ones are deleted after each write."""
     release_memory: str = "map"
-    """How this peer process hands freed memory back to the system (glibc; a CPU peer's tensors
-    live in its heap). map: blocks of 1.125 MiB and more get their own mapping, returned when
-    freed, so the process tracks its live tensors instead of keeping heap fragments of step-sized
-    activations and gradients; trim: glibc's own placement, trimmed after every inner step
-    (malloc_trim); off: glibc's own behaviour. bench/peer_memory.py measures the three side by side
-    (docs/benchmarks.md: small preset, peak 1.34x, 1.5x and 1.85x of the 6 x 4 bytes state)."""
+    """How the peer process hands freed memory back to the system: map (large blocks get mappings of
+    their own, returned when freed), trim (malloc_trim after every inner step) or off (glibc's own)."""
     event_loop: str = "uvloop"
     """The peer's asyncio event loop: uvloop (libuv-based, the default) or asyncio (the standard one)."""
     cpus: str = ""
-    """The CPUs this peer process and its libp2p daemon run on, as a Linux CPU list (for example
-    0-3,8); empty: wherever the system schedules them. `noloco local` sets it itself, giving each
-    of its peers its own share of the machine's CPUs (`noloco local --no-pin`: none)."""
+    """The CPUs this peer process and its libp2p daemon run on, as a Linux CPU list such as 0-3,8
+    (empty: anywhere). `noloco local` gives each of its peers a share itself (--no-pin: none)."""
     ticket: str | None = None
     """Join ticket file for a closed run (from its organiser's `noloco ticket`; ~ is expanded)."""
 
@@ -228,6 +216,72 @@ class NetworkConfig:
 
 # Sections that say how one peer runs; every other key is the run's and goes into its manifest.
 LOCAL_SECTIONS = ("peer", "network")
+
+# The keys a volunteer or run organiser sets (`noloco keys`); every other key is experimental
+# (`noloco keys --all`). At most 40 (tests/sim/test_config_keys.py).
+USER_KEYS = (
+    # what to train, and how many replicas
+    "preset",
+    "method",
+    "num_stages",
+    "num_replicas",
+    "stage_replicas",
+    "seed",
+    "eval_every",
+    "authority",
+    "model.vocab_size",
+    # data
+    "data.source",
+    "data.dataset",
+    "data.tokenizer",
+    "data.data_files",
+    "data.val_data_files",
+    # batch and schedule
+    "inner.batch_size",
+    "inner.lr",
+    "inner.min_lr",
+    "inner.warmup_steps",
+    "inner.total_steps",
+    "outer.inner_steps",
+    "outer.group_size",
+    "outer.outer_momentum",
+    "outer.outer_lr",
+    "wire.activations",
+    # this peer: run, stage, device, records, checkpoints, admission
+    "peer.run_id",
+    "peer.stage",
+    "peer.device",
+    "peer.metrics",
+    "peer.metrics_port",
+    "peer.checkpoint_dir",
+    "peer.checkpoint_every",
+    "peer.checkpoint_keep",
+    "peer.ticket",
+    "peer.state_serve_rate",
+    # network addresses and identity
+    "network.initial_peers",
+    "network.host_maddrs",
+    "network.announce_maddrs",
+    "network.identity_path",
+    "network.use_auto_relay",
+)
+
+
+def experimental(key: str) -> bool:
+    """Whether `key` is a lab key, listed only by `noloco keys --all`."""
+    return key not in USER_KEYS
+
+
+# Keys that were removed, and the key that replaced each: a config file or --set that still names
+# one is refused with its replacement (options.field_type). The model.* schedule keys shadowed
+# inner.*, which alone set the schedule now (a preset's defaults: model/presets.py SCHEDULES).
+REMOVED_KEYS = {f"model.{name}": f"inner.{name}" for name in ("lr", "min_lr", "warmup_steps", "total_steps")}
+
+
+def removed_key(key: str) -> str:
+    """The refusal of a removed key, naming the key to use instead."""
+    return f"config key {key!r} was removed; use {REMOVED_KEYS[key]!r} instead (it sets the same value)"
+
 
 # Who runs a config: the in-process simulator (`noloco sim`, `noloco local --in-process`), one real
 # peer (`noloco join`), or `noloco local`, which starts real peers and names their run id, stages, CPUs,
@@ -343,13 +397,11 @@ class RunConfig:
         The inner schedule defaults to the preset's (lr, min_lr, warm-up, total steps) and the
         data window to the model's sequence length, so one override changes both ends.
         """
+        for name in model or {}:
+            if f"model.{name}" in REMOVED_KEYS:
+                raise ValueError(removed_key(f"model.{name}"))
         model_cfg = get_preset(preset, **(model or {}))
-        inner_defaults = {
-            "lr": model_cfg.lr,
-            "min_lr": model_cfg.min_lr,
-            "warmup_steps": model_cfg.warmup_steps,
-            "total_steps": model_cfg.total_steps,
-        }
+        inner_defaults = SCHEDULES[preset]
         fields = {"seq_len": model_cfg.seq_len, "vocab_size": model_cfg.vocab_size, **(data or {})}
         if fields.get("tokenizer", EMBEDDED) == EMBEDDED and fields["vocab_size"] > MAX_EMBEDDED_VOCAB:
             raise ValueError(

@@ -21,6 +21,7 @@ from noloco_swarm.cli.options import (
     valid_keys,
 )
 from noloco_swarm.cli.view import ReplicaStatus, RunStatus, render, sparkline
+from noloco_swarm.model.presets import SCHEDULES
 from tests.small import SMALL_RUN
 
 
@@ -41,7 +42,7 @@ def test_precedence_defaults_file_env_flags(tmp_path: Path) -> None:
 
 def test_derived_defaults_follow_the_preset() -> None:
     cfg = build_config(assignments={"model.seq_len": "64"}, env={})
-    assert cfg.data.seq_len == 64 and cfg.inner.lr == cfg.model.lr
+    assert cfg.data.seq_len == 64 and cfg.inner.lr == SCHEDULES["tiny"]["lr"]
     assert build_config("tiny", "diloco", env={}).outer.inner_steps == 100
 
 
@@ -166,6 +167,8 @@ def test_presets_and_keys_commands(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["presets"]) == 0
     assert "small" in capsys.readouterr().out
     assert main(["keys"]) == 0
+    assert "outer.group_size" in capsys.readouterr().out
+    assert main(["keys", "--all"]) == 0
     assert "outer.gamma" in capsys.readouterr().out
 
 

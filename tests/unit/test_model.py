@@ -29,6 +29,7 @@ from noloco_swarm.model import (
     split_layers,
     state_hash,
 )
+from noloco_swarm.model.presets import SCHEDULES
 from noloco_swarm.model.stage import to_llama_config
 
 SEED = 1234
@@ -124,10 +125,11 @@ def test_paper_presets_match_official_shapes(
 ) -> None:
     cfg = get_preset(name)
     assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_layers) == shape
-    assert (cfg.lr, cfg.min_lr) == (lr, min_lr)
+    schedule = SCHEDULES[name]
+    assert (schedule["lr"], schedule["min_lr"]) == (lr, min_lr)
     assert cfg.vocab_size == 128_002
     assert cfg.seq_len == 1024
-    assert (cfg.warmup_steps, cfg.total_steps) == (1000, 25_000)
+    assert (schedule["warmup_steps"], schedule["total_steps"]) == (1000, 25_000)
     assert (cfg.rms_norm_eps, cfg.rope_theta, cfg.init_std) == (1e-6, 1e4, 0.02)
     assert cfg.attn_implementation == "sdpa"
 
@@ -154,8 +156,6 @@ def test_get_preset_overrides_and_errors() -> None:
         ({"num_layers": -1}, "positive integer"),
         ({"hidden_size": 12, "num_heads": 4}, "odd"),
         ({"attn_implementation": "flash_attention_2"}, "use one of"),
-        ({"min_lr": 1.0}, "lower min_lr"),
-        ({"warmup_steps": 5000, "total_steps": 100}, "shorten the warm-up"),
         ({"rms_norm_eps": 0.0}, "must be > 0"),
     ],
 )
