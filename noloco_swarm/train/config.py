@@ -219,51 +219,17 @@ LOCAL_SECTIONS = ("peer", "network")
 
 # The keys a volunteer or run organiser sets (`noloco keys`); every other key is experimental
 # (`noloco keys --all`). At most 40 (tests/sim/test_config_keys.py).
-USER_KEYS = (
-    # what to train, and how many replicas
-    "preset",
-    "method",
-    "num_stages",
-    "num_replicas",
-    "stage_replicas",
-    "seed",
-    "eval_every",
-    "authority",
-    "model.vocab_size",
-    # data
-    "data.source",
-    "data.dataset",
-    "data.tokenizer",
-    "data.data_files",
-    "data.val_data_files",
-    # batch and schedule
-    "inner.batch_size",
-    "inner.lr",
-    "inner.min_lr",
-    "inner.warmup_steps",
-    "inner.total_steps",
-    "outer.inner_steps",
-    "outer.group_size",
-    "outer.outer_momentum",
-    "outer.outer_lr",
-    "wire.activations",
-    # this peer: run, stage, device, records, checkpoints, admission
-    "peer.run_id",
-    "peer.stage",
-    "peer.device",
-    "peer.metrics",
-    "peer.metrics_port",
-    "peer.checkpoint_dir",
-    "peer.checkpoint_every",
-    "peer.checkpoint_keep",
-    "peer.ticket",
-    "peer.state_serve_rate",
-    # network addresses and identity
-    "network.initial_peers",
-    "network.host_maddrs",
-    "network.announce_maddrs",
-    "network.identity_path",
-    "network.use_auto_relay",
+USER_KEYS = frozenset(
+    """
+    preset method num_stages num_replicas stage_replicas seed eval_every authority model.vocab_size
+    data.source data.dataset data.tokenizer data.data_files data.val_data_files
+    inner.batch_size inner.lr inner.min_lr inner.warmup_steps inner.total_steps
+    outer.inner_steps outer.group_size outer.outer_momentum outer.outer_lr wire.activations
+    peer.run_id peer.stage peer.device peer.metrics peer.metrics_port peer.state_serve_rate
+    peer.checkpoint_dir peer.checkpoint_every peer.checkpoint_keep peer.ticket
+    network.initial_peers network.host_maddrs network.announce_maddrs network.identity_path
+    network.use_auto_relay
+    """.split()  # noqa: SIM905 - a table, one topic a line
 )
 
 
