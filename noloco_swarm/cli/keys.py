@@ -13,8 +13,8 @@ import types
 import typing
 from typing import Any
 
-from noloco_swarm.cli.options import AUTO_KEYS, CHOICES, SECTIONS, TOP_LEVEL, Resolved, field_type
 from noloco_swarm.train.config import RunConfig
+from noloco_swarm.train.layering import AUTO_KEYS, CHOICES, SECTIONS, TOP_LEVEL, Resolved, field_type
 
 CHOICE_DOCS = {
     "preset": "Model preset (tiny, small, medium, large): sets model.* and the inner schedule's defaults.",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import socket
 
 from noloco_swarm.cli.doctor import config_check, listen_ports, memory_check, port_check
-from noloco_swarm.cli.options import build_config
+from noloco_swarm.train.layering import build_config
 from noloco_swarm.model.presets import count_parameters
 from noloco_swarm.train import memory
 

@@ -1,6 +1,6 @@
 """A whole swarm on this machine: a bootstrap DHT node and P x D `noloco join` peer processes.
 
-Used by `noloco local` and by the integration tests. Every peer runs in its own process group
+Used by `noloco local`, the benches and the integration tests. Every peer runs in its own process group
 (its p2pd inside it) and with a parent-death signal, so however this process ends, no peer or
 daemon outlives it: on exit each group gets SIGTERM, then SIGKILL.
 """
