@@ -31,8 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-from noloco_swarm.cli.options import build_config
-from noloco_swarm.cli.swarm import LocalSwarm, PeerProcess, local_swarm
+from noloco_swarm.harness.local import LocalSwarm, PeerProcess, local_swarm
 from noloco_swarm.peer.events import (
     Dropped,
     Final,
@@ -46,6 +45,7 @@ from noloco_swarm.peer.events import (
     StoodIn,
     of_kind,
 )
+from noloco_swarm.train.layering import build_config
 
 
 def config(args: argparse.Namespace):

@@ -5,8 +5,9 @@ A command that runs no model (the DHT bootstrap, the config tools, the launcher 
 For each checkout in --trees and each command, alternating over --reps, this runs the command
 with that checkout's `noloco_swarm` and reports its median wall time and CPU time (user + system,
 the command and what it started): `keys` and `--help` to their exit, `dht` until it has written
-its address file (it is then stopped), and the peer's imports (`import noloco_swarm.cli.join`,
-which builds a model: a control that should not move).
+its address file (it is then stopped), and the peer's imports (`import noloco_swarm.peer.launch`,
+which builds a model: a control that should not move). Each command runs the installed `noloco`
+entry point, as a volunteer does, under the chosen interpreter.
 
     python bench/cli_startup.py --trees /path/to/old-checkout,. --out docs/results/cli_startup.json
 """
@@ -17,6 +18,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -28,8 +30,16 @@ COMMANDS = {
     "keys": ["keys"],
     "--help": ["--help"],
     "dht (to its address)": ["dht", "--host-maddrs", "/ip4/127.0.0.1/tcp/0"],
-    "peer's imports (control)": ["-c", "import noloco_swarm.cli.join"],
+    "peer's imports (control)": ["-c", "import noloco_swarm.peer.launch"],
 }
+
+
+def entry_point(python: str) -> str:
+    """The `noloco` script installed beside `python` (or on PATH): what a volunteer runs."""
+    script = shutil.which("noloco", path=str(Path(python).parent)) or shutil.which("noloco")
+    if script is None:
+        raise SystemExit("no `noloco` entry point: install the package first (bash scripts/setup.sh)")
+    return script
 
 
 def children_cpu() -> float:
@@ -42,7 +52,7 @@ def run_once(tree: Path, args: list[str], python: str) -> tuple[float, float]:
     `tree`'s package."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
     with tempfile.TemporaryDirectory(prefix="noloco-startup-") as tmp:
-        argv = [python, *args] if args[0] == "-c" else [python, "-m", "noloco_swarm.cli.main", *args]
+        argv = [python, *args] if args[0] == "-c" else [python, entry_point(python), *args]
         address = Path(tmp) / "address"
         if args[0] == "dht":
             argv += ["--identity", str(Path(tmp) / "key"), "--address-file", str(address)]

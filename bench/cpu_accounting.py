@@ -31,7 +31,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from noloco_swarm.cli.options import ConfigError, parse_assignments
+from noloco_swarm.train.layering import ConfigError, parse_assignments
 
 CONFIG = {
     "num_stages": "2",
@@ -88,9 +88,9 @@ def swarm_child(warm: int, window: float, config: dict[str, str]) -> dict[str, o
     """Runs in the tree under test: the swarm's core-ms per step by part."""
     import dataclasses
 
-    from noloco_swarm.cli.options import build_config
-    from noloco_swarm.cli.swarm import local_swarm
+    from noloco_swarm.harness.local import local_swarm
     from noloco_swarm.peer.events import Step, of_kind
+    from noloco_swarm.train.layering import build_config
 
     cfg = build_config("tiny", "noloco", assignments=config, env={})
     cfg = cfg.replace(peer=dataclasses.replace(cfg.peer, event_loop="uvloop"))
@@ -115,9 +115,9 @@ def simulator_child(steps: int, config: dict[str, str]) -> dict[str, object]:
 
     import torch
 
-    from noloco_swarm.cli.options import build_config
     from noloco_swarm.sim.engine import Simulator
     from noloco_swarm.sim.run import data_batches
+    from noloco_swarm.train.layering import build_config
 
     torch.set_num_threads(1)
     cfg = build_config("tiny", "noloco", assignments=config, env={})

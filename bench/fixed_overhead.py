@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -108,7 +109,10 @@ def peer_trees(root: int) -> dict[str, list[dict[str, float]]]:
 
 
 def measure(tree: Path, after: float) -> dict[str, list[dict[str, float]]]:
-    argv = [sys.executable, "-m", "noloco_swarm.cli.main", "local", "--preset", "tiny", "--replicas", "2"]
+    noloco = shutil.which("noloco", path=str(Path(sys.executable).parent)) or shutil.which("noloco")
+    if noloco is None:
+        raise SystemExit("no `noloco` entry point: install the package first (bash scripts/setup.sh)")
+    argv = [sys.executable, noloco, "local", "--preset", "tiny", "--replicas", "2"]
     argv += ["--steps", "100000", "--plain"]
     env = os.environ | {"PYTHONPATH": str(tree)}
     proc = subprocess.Popen(argv, cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)

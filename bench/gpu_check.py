@@ -43,14 +43,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from noloco_swarm.cli.options import build_config
-from noloco_swarm.cli.swarm import local_swarm, wait
+from noloco_swarm.harness.local import local_swarm, wait
 from noloco_swarm.model import Stage
 from noloco_swarm.model.presets import get_preset
 from noloco_swarm.sim.engine import Simulator
 from noloco_swarm.sim.run import data_batches
 from noloco_swarm.train.config import RunConfig
 from noloco_swarm.train.cuda import CUBLAS_WORKSPACE, deterministic_cuda
+from noloco_swarm.train.layering import build_config
 from noloco_swarm.train.replica import StageReplica
 
 SKIP = "skipped: no CUDA device (torch.cuda.is_available() is False)"

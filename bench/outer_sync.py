@@ -47,15 +47,15 @@ from collections import defaultdict
 from pathlib import Path
 from typing import get_args
 
-from noloco_swarm.cli.options import build_config
-from noloco_swarm.cli.swarm import wait
-from noloco_swarm.cli.testbed import namespace_swarm, peer_host
+from noloco_swarm.harness.local import wait
+from noloco_swarm.harness.namespaces import namespace_swarm, peer_host
 from noloco_swarm.model import build_stage, num_flat
 from noloco_swarm.peer.events import Outer, of_kind
 from noloco_swarm.peer.failpoints import STRAGGLE_ENV, Straggle
 from noloco_swarm.testbed.bed import TransportKind, default_burst_kbit, namespaces_permitted
 from noloco_swarm.testbed.schedule import Shape
 from noloco_swarm.train.config import RunConfig
+from noloco_swarm.train.layering import build_config
 
 METHODS = ("noloco", "diloco")
 

@@ -29,10 +29,10 @@ import threading
 import time
 from pathlib import Path
 
-from noloco_swarm.cli.options import build_config
-from noloco_swarm.cli.swarm import local_swarm, wait
+from noloco_swarm.harness.local import local_swarm, wait
 from noloco_swarm.peer.events import Outer, Started, Step, of_kind
 from noloco_swarm.train.config import RunConfig
+from noloco_swarm.train.layering import build_config
 from noloco_swarm.train.memory import estimate
 
 MIB = 2**20

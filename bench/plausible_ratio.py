@@ -20,10 +20,10 @@ from __future__ import annotations
 import sys
 import time
 
-from noloco_swarm.cli.options import build_config
 from noloco_swarm.protocol import plausible
 from noloco_swarm.sim.engine import Simulator
 from noloco_swarm.sim.run import data_batches
+from noloco_swarm.train.layering import build_config
 
 FACTOR = plausible.DEFAULT_FACTOR
 

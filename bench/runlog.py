@@ -69,8 +69,8 @@ def simulate(job: Row, method: str, extra: Row, *, window_losses: bool = True) -
     import torch
 
     torch.set_num_threads(1)
-    from noloco_swarm.cli.options import build_config
     from noloco_swarm.sim.run import run_simulation
+    from noloco_swarm.train.layering import build_config
 
     assignments = {
         "num_replicas": job["replicas"],

@@ -17,10 +17,10 @@ import time
 
 import torch
 
-from noloco_swarm.cli.options import build_config
 from noloco_swarm.model import build_model
 from noloco_swarm.protocol.clock import lr_at
 from noloco_swarm.sim.engine import Simulator
+from noloco_swarm.train.layering import build_config
 
 
 def main() -> None:

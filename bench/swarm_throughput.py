@@ -33,12 +33,12 @@ from pathlib import Path
 
 import torch
 
-from noloco_swarm.cli.options import build_config
-from noloco_swarm.cli.swarm import local_swarm, wait
+from noloco_swarm.harness.local import local_swarm, wait
 from noloco_swarm.model import build_stage, num_flat
 from noloco_swarm.peer.events import Outer, of_kind
 from noloco_swarm.sim.engine import Simulator
 from noloco_swarm.sim.run import data_batches
+from noloco_swarm.train.layering import build_config
 
 
 def main() -> None:

@@ -100,8 +100,8 @@ def assignments(run: dict, warmup: int) -> tuple[str, dict[str, Any]]:
 
 
 def run_one(run: dict, warmup: int) -> dict:
-    from noloco_swarm.cli.options import build_config
     from noloco_swarm.sim.run import run_simulation
+    from noloco_swarm.train.layering import build_config
 
     base, a = assignments(run, warmup)
     cfg = build_config("tiny", base, assignments={k: str(v) for k, v in a.items()}, env={})

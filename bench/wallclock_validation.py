@@ -25,15 +25,15 @@ import sys
 import time
 from pathlib import Path
 
-from noloco_swarm.cli.options import build_config
-from noloco_swarm.cli.swarm import wait
-from noloco_swarm.cli.testbed import namespace_swarm, peer_host
+from noloco_swarm.harness.local import wait
+from noloco_swarm.harness.namespaces import namespace_swarm, peer_host
 from noloco_swarm.model.presets import count_stage_parameters
 from noloco_swarm.model.split import split_layers
 from noloco_swarm.peer.events import Outer, Step, of_kind
 from noloco_swarm.sim.wallclock import TCP_EFFICIENCY, Link, Schedule, StageCost, Swarm, simulate
 from noloco_swarm.testbed.schedule import Shape
 from noloco_swarm.train.config import RunConfig
+from noloco_swarm.train.layering import build_config
 
 
 def measure(

@@ -40,8 +40,8 @@ from pathlib import Path
 
 from wallclock_validation import measure, testbed_config  # bench/ is the script's folder: on sys.path
 
-from noloco_swarm.cli.options import ConfigError, parse_assignments
 from noloco_swarm.protocol import wire
+from noloco_swarm.train.layering import ConfigError, parse_assignments
 
 VARIANTS = {
     "today: M=1 fp32": {},

@@ -4,7 +4,7 @@
 #
 #   scripts/compose_testbed.sh [--steps N] [--slow stage1-b=4mbit] [--out DIR] ...
 #
-# Options go to noloco_swarm/cli/compose.py (--help lists them). It exits 0 when the run passed,
+# Options go to noloco_swarm/harness/compose.py (--help lists them). It exits 0 when the run passed,
 # 1 when a check failed, 2 on a hang, 3 when something it needs is missing (it says what to do).
 # Environment: NOLOCO_COMPOSE_CACHE (a folder that keeps the images between engines, as on CI),
 # NOLOCO_BASE_IMAGE (default python:3.11-slim; when it cannot be pulled, a Debian 12
@@ -20,7 +20,7 @@ STARTED_DOCKERD=""
 COMPOSE=()
 
 for arg in "$@"; do  # help needs no engine
-    case "$arg" in -h | --help) exec "${PYTHON:-python3}" -m noloco_swarm.cli.compose --help ;; esac
+    case "$arg" in -h | --help) exec "${PYTHON:-python3}" -m noloco_swarm.harness.compose --help ;; esac
 done
 
 say() { echo "compose_testbed: $*" >&2; }
@@ -136,5 +136,5 @@ if [ -n "$CACHE_TAR" ] && [ ! -s "$CACHE_TAR" ]; then
 fi
 
 # --- run, check, tear down (the helper takes the project down itself; the trap is the backstop)
-"$PY" -m noloco_swarm.cli.compose --compose "${COMPOSE[*]}" --image "$IMAGE" --project "$PROJECT" \
+"$PY" -m noloco_swarm.harness.compose --compose "${COMPOSE[*]}" --image "$IMAGE" --project "$PROJECT" \
     --command "scripts/compose_testbed.sh $*" "$@"

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, get_args
 
-from noloco_swarm.cli.options import (
+from noloco_swarm.testbed.bed import TransportKind
+from noloco_swarm.train.layering import (
     Layer,
     Resolved,
     load_file,
@@ -23,7 +24,6 @@ from noloco_swarm.cli.options import (
     parse_assignments,
     resolve,
 )
-from noloco_swarm.testbed.bed import TransportKind
 
 PRECEDENCE = "defaults < --config FILE < NOLOCO_SET < --set KEY=VALUE < named flags"
 

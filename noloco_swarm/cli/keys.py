@@ -13,8 +13,8 @@ import types
 import typing
 from typing import Any
 
-from noloco_swarm.cli.options import AUTO_KEYS, CHOICES, SECTIONS, TOP_LEVEL, Resolved, field_type
 from noloco_swarm.train.config import RunConfig, experimental
+from noloco_swarm.train.layering import AUTO_KEYS, CHOICES, SECTIONS, TOP_LEVEL, Resolved, field_type
 
 EXPERIMENTAL_HEADING = (
     "# experimental keys: lab tuning (model shape, microbatches, overlap, transport, deadlines, pacing, "

@@ -19,11 +19,11 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from noloco_swarm.cli.swarm import LocalSwarm, local_swarm, planned_cpus, wait
 from noloco_swarm.cli.view import ReplicaStatus, RunStatus, render
+from noloco_swarm.harness.local import LocalSwarm, local_swarm, planned_cpus, wait
 from noloco_swarm.model.state import num_flat
 from noloco_swarm.peer.events import Event, Final, Membership, Outer, Step, of_kind
-from noloco_swarm.protocol import gossip
+from noloco_swarm.protocol.plan import outer_plan
 from noloco_swarm.train.config import RunConfig, format_cpus
 
 if TYPE_CHECKING:  # the launcher of a networked swarm runs no model: it starts without transformers
@@ -56,16 +56,7 @@ class _Tracker:
         replicas = []
         for s in range(self.cfg.num_stages):
             for d in range(D):
-                partner = "-"
-                if self.cfg.outer.method == "noloco" and sim.outer_steps:
-                    last = sim.outer_steps * self.cfg.outer.inner_steps
-                    others = gossip.partners_of(
-                        D, last, self.cfg.outer.group_size, d, self.cfg.group_draw_seed
-                    )
-                    partner = ",".join(map(str, others)) or "(alone)"
-                elif self.cfg.outer.method == "diloco" and sim.outer_steps:
-                    partner = "all"
-                replicas.append(ReplicaStatus(stage=s, replica=d, partner=partner))
+                replicas.append(ReplicaStatus(stage=s, replica=d, partner=self.partner(sim, d)))
         recent = self.losses[-20:]
         self.status = RunStatus(
             title=f"local {self.cfg.num_stages} stages x {D} replicas, {self.cfg.model.name} preset",
@@ -84,6 +75,23 @@ class _Tracker:
             replicas=tuple(replicas),
             note="in-process swarm (the same routes, groups and outer steps as the networked peers)",
         )
+
+    def partner(self, sim: Simulator, replica: int) -> str:
+        """Whom `replica` averaged with at the last outer step, as the plan drew it ("all": DiLoCo)."""
+        outer = self.cfg.outer
+        last = sim.outer_steps * outer.inner_steps
+        plan = (
+            outer_plan(
+                outer.method, outer.group_size, self.cfg.num_replicas, last, replica, self.cfg.group_draw_seed
+            )
+            if sim.outer_steps
+            else None
+        )
+        if plan is None:
+            return "-"
+        if outer.method == "diloco":
+            return "all"
+        return ",".join(map(str, plan.partners)) or "(alone)"
 
     def on_eval(self, sim: Simulator, row: dict[str, float]) -> None:
         self.val_ppl, self.spread = row["val_ppl"], row["weight_spread"]

@@ -8,209 +8,10 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from noloco_swarm.cli.flags import (
-    PRECEDENCE,
-    add_metrics_port,
-    add_network,
-    add_peer,
-    add_pin,
-    add_run,
-    add_sources,
-    add_testbed,
-    resolve_args,
-)
-from noloco_swarm.cli.logs import LOG_FORMATS
-from noloco_swarm.cli.options import ConfigError, Layer, Resolved
+from noloco_swarm.cli.flags import resolve_args
+from noloco_swarm.cli.parser import DEFAULT_IDENTITY, SIM_METHODS, parser
 from noloco_swarm.train.config import Runner, parse_cpus
-
-DEFAULT_IDENTITY = Path("~/.config/noloco-swarm/dht.key")
-SIM_METHODS = "noloco,diloco,allreduce,local"
-
-EPILOG = f"""Every setting is a config key (`noloco keys` lists them), given in a TOML file (--config),
-in NOLOCO_SET="KEY=VALUE;KEY=VALUE" or as --set KEY=VALUE (repeatable); a named flag sets its key
-only when given. Precedence: {PRECEDENCE}. --print-config shows what a run will use."""
-
-
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="noloco", description=__doc__, epilog=EPILOG)
-    sub = p.add_subparsers(dest="command", required=True)
-
-    local = sub.add_parser(
-        "local",
-        help="train the tiny preset on the embedded corpus on this machine (the main job)",
-        description="A whole swarm on this machine: P stages x D replicas of the tiny preset, trained "
-        "on the embedded corpus with NoLoCo, with a live view and a final summary.",
-        epilog=EPILOG,
-    )
-    add_run(local, replicas=4, steps=200)
-    add_sources(local)
-    local.add_argument("--plain", action="store_true", help="print progress lines instead of the live view")
-    local.add_argument(
-        "--in-process",
-        action="store_true",
-        help="run the swarm inside this process (the simulator), no network",
-    )
-    local.add_argument("--keep", type=Path, default=None, help="keep peer logs and metrics in this folder")
-    add_pin(local, default=True)
-    local.add_argument(
-        "--plot",
-        action="store_true",
-        help="at the end, write the run's charts (noloco plot) to KEEP/plots, or runs/local-<time>/plots",
-    )
-    add_metrics_port(
-        local,
-        "serve each peer's Prometheus metrics: the first at PORT, the next at PORT+1, ... (default: off)",
-    )
-
-    join = sub.add_parser(
-        "join",
-        help="run one peer: host one stage of a run and train with the swarm",
-        description="Join a run through any live peer (--initial-peers), host one pipeline stage, train.",
-        epilog=EPILOG,
-    )
-    add_run(join, replicas=2, steps=300)
-    add_sources(join)
-    add_peer(join)
-    add_network(join, identity_default=None, peers_help="multiaddrs of live peers")
-    join.add_argument(
-        "--new-run", action="store_true", help="publish the run's manifest if it does not exist"
-    )
-    join.add_argument(
-        "--resume",
-        action="store_true",
-        help="continue from the newest checkpoint in --checkpoint-dir (a stopped swarm restarts "
-        "from it; a running one is joined as a late joiner)",
-    )
-    join.add_argument(
-        "--log-format",
-        choices=LOG_FORMATS,
-        default="text",
-        help="json: one JSON object per line on stderr, for systemd, Docker and log collectors (default: text)",
-    )
-    join.add_argument(
-        "--plain",
-        action="store_true",
-        help="no live panel on a terminal: only the peer's own lines (start, warnings, end)",
-    )
-    join.add_argument("--run-config", type=Path, default=None, help=argparse.SUPPRESS)  # from noloco local
-    join.add_argument("--die-with-parent", action="store_true", help=argparse.SUPPRESS)
-
-    testbed = sub.add_parser(
-        "testbed",
-        help="a local swarm with each peer in its own network namespace: shaped, cut, delayed links",
-        description="Like noloco local, but the bootstrap node and every peer run in their own network "
-        "namespace on one bridge (needs root), with links that can be shaped, cut and delayed.",
-        epilog=EPILOG,
-    )
-    add_run(testbed, replicas=2, steps=30)
-    add_sources(testbed)
-    add_testbed(testbed)
-    add_pin(testbed, default=False)
-
-    sim = sub.add_parser(
-        "sim",
-        help="compare methods in the in-process simulator; writes JSON, CSV and a PNG plot",
-        epilog=EPILOG,
-    )
-    add_run(sim, replicas=4, steps=300, method=False)
-    add_sources(sim)
-    sim.add_argument(
-        "--methods",
-        default=None,
-        help=f"comma-separated: noloco, diloco (heavy-ball), diloco-heavyball, diloco-nesterov, allreduce, "
-        f"local, noloco-fixed and local-fixed (random routing off) "
-        f"(default: the config's method if a source sets one, else {SIM_METHODS})",
-    )
-    sim.add_argument("--out", type=Path, default=None, help="output folder (default: runs/sim-<time>)")
-
-    dht = sub.add_parser(
-        "dht",
-        help="run a bootstrap node and print the --initial-peers address to share",
-        epilog=EPILOG,
-    )
-    add_sources(dht)
-    add_network(dht, identity_default=str(DEFAULT_IDENTITY), peers_help="other bootstrap nodes to join")
-    dht.add_argument(
-        "--address-file", type=Path, default=None, help="also write the --initial-peers address here"
-    )
-
-    status = sub.add_parser(
-        "status", help="a live view of a running swarm: every peer's stage, step and loss", epilog=EPILOG
-    )
-    add_sources(status)
-    add_network(status, identity_default=None, peers_help="multiaddrs of live peers (required)")
-    status.add_argument("--run-id", default=None, help="the run to show (required; key peer.run_id)")
-    status.add_argument("--once", action="store_true", help="print one snapshot and exit")
-    status.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
-    status.add_argument(
-        "--until-announced",
-        type=int,
-        default=0,
-        metavar="N",
-        help="look every --interval seconds until N peers are announced, then print that snapshot "
-        "and exit 0 (exit 1 with the last one after --wait seconds): wait for a swarm to form",
-    )
-    status.add_argument(
-        "--wait", type=float, default=60.0, help="seconds --until-announced waits at most (default 60)"
-    )
-
-    doctor = sub.add_parser(
-        "doctor",
-        help="preflight checks before joining: daemon, port, bootstrap peers, memory, versions",
-        description="Check that this machine can join a swarm: p2pd starts, the port is free, the "
-        "bootstrap peers answer, the run's manifest matches (with --run-id), the stage fits in memory, "
-        "the installed versions match. Each failure comes with a one-line fix; exit 0 only if all pass.",
-        epilog=EPILOG,
-    )
-    add_run(doctor, replicas=2, steps=300)
-    add_sources(doctor)
-    add_peer(doctor)
-    add_network(doctor, identity_default=None, peers_help="multiaddrs of the bootstrap peers to dial")
-    doctor.add_argument("--port", type=int, default=None, help="the TCP port noloco join will listen on")
-    doctor.add_argument(
-        "--memory-limit",
-        type=float,
-        default=None,
-        metavar="GIB",
-        help="memory this peer may use, if less than what is free (e.g. to leave room for other work)",
-    )
-    doctor.add_argument(
-        "--timeout", type=float, default=10.0, help="seconds to wait for each bootstrap peer (default: 10)"
-    )
-
-    plot = sub.add_parser(
-        "plot",
-        help="PNG charts of a run from its peers' event files (noloco local --keep DIR)",
-        description="Charts of loss, validation perplexity, tokens/s and bytes per peer, against steps and "
-        "wall-clock time, from the *.jsonl event files in RUN_DIR.",
-    )
-    plot.add_argument(
-        "run_dir", type=Path, metavar="RUN_DIR", help="a folder of *.jsonl event files, or one file"
-    )
-    plot.add_argument("--out", type=Path, default=None, help="output folder (default: RUN_DIR/plots)")
-
-    authority = sub.add_parser(
-        "authority",
-        help="make a closed run's authority key (the organiser's): only peers with its tickets serve",
-        description="Write a new authority key and print the `authority` line for the run's config.",
-    )
-    authority.add_argument("--out", type=Path, required=True, help="where to write the key (keep it private)")
-    ticket = sub.add_parser(
-        "ticket",
-        help="issue a join ticket of a closed run for one peer",
-        description="Sign a ticket that lets one peer id serve in a closed run until it expires.",
-    )
-    ticket.add_argument("--authority", type=Path, required=True, help="the run's authority key file")
-    ticket.add_argument("--run-id", required=True, help="the run the ticket admits to")
-    ticket.add_argument("--peer-id", default=None, help="the peer's id (or give --identity)")
-    ticket.add_argument("--identity", type=Path, default=None, help="the peer's identity key file")
-    ticket.add_argument("--hours", type=float, default=24.0 * 30, help="validity in hours (default: 720)")
-    ticket.add_argument("--out", type=Path, required=True, help="where to write the ticket")
-
-    sub.add_parser("presets", help="list model presets and their parameter counts")
-    keys = sub.add_parser("keys", help="list the config keys a volunteer or organiser sets")
-    keys.add_argument("--all", action="store_true", help="also list the experimental keys")
-    return p
+from noloco_swarm.train.layering import ConfigError, Layer, Resolved, UnknownKey
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -246,9 +47,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         }
         return commands[args.command](args)
     except ConfigError as e:
-        for line in str(e).splitlines():
+        for line in config_error(e).splitlines():
             print(f"noloco: config error: {line}", file=sys.stderr)
         return 2
+
+
+def config_error(e: ConfigError) -> str:
+    """The config layers' error in the CLI's words: an unknown key says where the keys are listed."""
+    return f"{e} (`noloco keys --all` lists every key)" if isinstance(e, UnknownKey) else str(e)
 
 
 def _refuse(resolved: Resolved, runner: Runner, *extra: str) -> None:

@@ -1,151 +1,22 @@
-"""`noloco testbed`: a local swarm with every peer, and the bootstrap node, in its own network namespace.
-
-The hosts share one bridge (`noloco_swarm.testbed`): `boot` runs `noloco dht`, host `s{stage}r{i}`
-runs replica i of that stage. Peers listen on their host's address only, so every byte between two
-peers crosses both their links, which can be shaped (`--shape s1r0=10mbit`), cut for a while
-(`--cut s1r0@30+20`: at 30 s after the peers started, for 20 s) and delayed (`--delay-ms` for every
-peer, `--delay s1r1=40` for one, by a user-space relay in the root namespace that each delayed peer
-announces instead of its own address). A shape and a delay per host make a link profile, such as
-one volunteer behind a slower, longer link than the others.
-Everything is torn down at exit, Ctrl-C included.
-"""
+"""`noloco testbed`: a local swarm with every peer in its own network namespace, with the fault schedule
+applied as it runs and one row of results per peer at the end (the swarm itself: harness/namespaces.py)."""
 
 from __future__ import annotations
 
-import sys
-import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
-from noloco_swarm.cli.swarm import LocalSwarm, Placement, local_swarm, wait
+from noloco_swarm.harness.local import LocalSwarm, wait
+from noloco_swarm.harness.namespaces import NamespaceSwarm, host_names, namespace_swarm, peer_host
 from noloco_swarm.peer.events import Final, of_kind
-from noloco_swarm.testbed import DelayRelay, Route, Testbed
+from noloco_swarm.testbed import Testbed
 from noloco_swarm.testbed.bed import CutMode, TransportKind
-from noloco_swarm.testbed.schedule import Shape, Timeline, check_delays
+from noloco_swarm.testbed.schedule import Shape, Timeline
 from noloco_swarm.train.config import RunConfig
-
-BOOT = "boot"
-PEER_PORT = 31337  # each peer is alone in its namespace, so one fixed port fits all (the relays need it)
-
-
-def peer_host(stage: int, replica: int) -> str:
-    return f"s{stage}r{replica}"
-
-
-def host_names(cfg: RunConfig) -> list[str]:
-    """The testbed's hosts for `cfg`: the bootstrap node, then one per replica of every stage."""
-    return [BOOT] + [peer_host(s, d) for s, count in enumerate(cfg.replica_counts) for d in range(count)]
-
-
-@dataclass
-class NamespaceSwarm:
-    """A running testbed swarm: the bed, the swarm and, per peer host, the delay relay's port."""
-
-    bed: Testbed
-    swarm: LocalSwarm
-    bootstrap: str
-    relay_ports: dict[str, int] = field(default_factory=dict)
-
-    def host_of(self, stage: int, replica: int) -> str:
-        return peer_host(stage, replica)
-
-
-def _start_bootstrap(bed: Testbed, workdir: Path, timeout: float = 60.0) -> str:
-    """`noloco dht` on host `boot`; returns its --initial-peers address."""
-    address_file, log = workdir / "boot.addr", workdir / "boot.log"
-    argv = [sys.executable, "-m", "noloco_swarm.cli.main", "dht", "--identity", str(workdir / "boot.key")]
-    argv += ["--host-maddrs", bed.hosts[BOOT].maddr(), "--address-file", str(address_file)]
-    with log.open("wb") as out:
-        proc = bed.popen(BOOT, argv, stdout=out, stderr=out)
-    deadline = time.monotonic() + timeout
-    while not address_file.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            tail = log.read_text(errors="replace")[-3000:]
-            raise RuntimeError(
-                f"the bootstrap node in namespace {bed.hosts[BOOT].netns} did not start:\n{tail}"
-            )
-        time.sleep(0.2)
-    return address_file.read_text().strip()
-
-
-@contextmanager
-def namespace_swarm(
-    cfg: RunConfig,
-    steps: int,
-    *,
-    step_timeout: float | None = None,
-    delay_ms: float = 0.0,
-    delays: Mapping[str, float] | None = None,
-    shapes: Sequence[Shape] = (),
-    workdir: Path | None = None,
-    threads: int = 1,
-    transport: TransportKind = "tcp",
-    pin: bool = False,
-) -> Iterator[NamespaceSwarm]:
-    """Build the testbed, start the bootstrap and the peers in it; yields while they run; always
-    ends every process and removes every namespace, link and relay it made. `pin`: each peer and
-    its p2pd run on their own share of this machine's CPUs, as under `noloco local`.
-
-    A link profile is `shapes` (a rate per host) and the one-way delays: `delay_ms` for every
-    peer's host, or per host in `delays` (a host it does not name gets `delay_ms`), so one peer
-    can sit behind a slower, longer link than the others. `transport`: what the peers listen on
-    (TCP, or QUIC; the delay relay carries TCP only, so QUIC takes no delay)."""
-    check_delays(transport, delay_ms, delays)
-    with ExitStack() as stack:
-        if workdir is None:
-            workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="noloco-testbed-")))
-        bed = stack.enter_context(Testbed(host_names(cfg)))
-        for shape in shapes:
-            if shape.host not in bed.hosts:
-                raise ValueError(f"--shape names host {shape.host!r}; the hosts are {', '.join(bed.hosts)}")
-            bed.shape(shape.host, shape.rate_mbit, burst_kbit=shape.burst_kbit, latency_ms=shape.queue_ms)
-        peers = [name for name in bed.hosts if name != BOOT]
-        unknown = set(delays or {}) - set(peers)
-        if unknown:
-            raise ValueError(
-                f"--delay names hosts {sorted(unknown)}; the peers' hosts are {', '.join(peers)}"
-            )
-        one_way = {h: (delays or {}).get(h, delay_ms) / 1000 for h in peers}
-        delayed = [h for h in peers if one_way[h] > 0]
-        ports: dict[str, int] = {}
-        if delayed:
-            routes = [
-                Route(bed.gateway, 0, bed.hosts[h].address, PEER_PORT, one_way[h], one_way[h])
-                for h in delayed
-            ]
-            relay = stack.enter_context(DelayRelay(routes))
-            ports = dict(zip(delayed, relay.ports, strict=True))
-
-        def place(stage: int | None, replica: int) -> Placement:
-            if stage is None:
-                raise ValueError("the testbed places peers by stage: --stage auto is not supported")
-            name = peer_host(stage, replica)
-            host = bed.hosts[name]
-            announce = (f"/ip4/{bed.gateway}/tcp/{ports[name]}",) if name in ports else ()
-            port = PEER_PORT if name in ports else 0
-            return Placement(tuple(bed.argv(name, [])), (host.maddr(port, transport),), announce)
-
-        bootstrap = _start_bootstrap(bed, workdir)
-        swarm = stack.enter_context(
-            local_swarm(
-                cfg,
-                steps,
-                workdir=workdir,
-                step_timeout=step_timeout,
-                threads=threads,
-                initial_peers=(bootstrap,),
-                place=place,
-                host_maddrs=(f"/ip4/{bed.gateway}/tcp/0",),
-                pin=pin,
-            )
-        )
-        yield NamespaceSwarm(bed, swarm, bootstrap, ports)
 
 
 def apply_due(bed: Testbed, timeline: Timeline, elapsed: float, mode: CutMode, log: Console | None) -> None:

@@ -2,7 +2,7 @@
 peer, network.
 
 Every front end fills this same tree: `noloco sim`, `noloco local` and `noloco join` flags, config
-files and `NOLOCO_*` environment variables (see `noloco_swarm.cli.options`). The run's part of it
+files and `NOLOCO_*` environment variables (see `noloco_swarm.train.layering`). The run's part of it
 is the swarm manifest's content: `RunConfig.manifest()` is what peers compare before joining a
 run; the `peer` and `network` sections say how one peer runs and are its own business.
 

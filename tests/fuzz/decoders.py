@@ -15,10 +15,10 @@ import msgpack
 import torch
 from hypothesis import strategies as st
 
-from noloco_swarm.cli import options
 from noloco_swarm.peer import checkpoint, events
 from noloco_swarm.protocol import chunks, wire
 from noloco_swarm.protocol import messages as m
+from noloco_swarm.train import layering
 from tests.fuzz.target import INTS, VALUES, Target, mutated_bytes
 
 ACT = m.TensorMeta((2, 16, 32), "float32")
@@ -316,7 +316,7 @@ def check_checkpoint(data: bytes) -> None:
             assert type(getattr(ckpt, f.name)).__name__ == f.type, f"{f.name} is {getattr(ckpt, f.name)!r}"
 
 
-KEYS = options.valid_keys()
+KEYS = layering.valid_keys()
 CONFIG_WORDS = st.sampled_from(
     ["1", "0", "-1", "1e400", "nan", "inf", "true", "none", "auto", "a,b", "1,2,3", ""]
 )
@@ -335,8 +335,8 @@ def noloco_set(draw: st.DrawFn) -> str:
 def check_noloco_set(text: str) -> None:
     """build_config from NOLOCO_SET: a RunConfig, or ConfigError that says what to change."""
     try:
-        options.build_config(env={"NOLOCO_SET": text})
-    except options.ConfigError as e:
+        layering.build_config(env={"NOLOCO_SET": text})
+    except layering.ConfigError as e:
         assert str(e)
 
 
@@ -377,8 +377,8 @@ def check_toml(data: bytes) -> None:
     """load_file then build_config: a RunConfig, or ConfigError."""
     with scratch_file("config.toml", data) as path:
         try:
-            options.resolve([options.Layer("file", options.load_file(path))])
-        except options.ConfigError as e:
+            layering.resolve([layering.Layer("file", layering.load_file(path))])
+        except layering.ConfigError as e:
             assert str(e)
 
 

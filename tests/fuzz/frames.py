@@ -17,7 +17,6 @@ from unittest import mock
 import torch
 from hypothesis import strategies as st
 
-from noloco_swarm.cli.options import build_config
 from noloco_swarm.peer import streams
 from noloco_swarm.peer.context import PeerContext
 from noloco_swarm.peer.donors import Snapshot
@@ -31,6 +30,7 @@ from noloco_swarm.peer.runtime import Peer
 from noloco_swarm.peer.transport import Transport
 from noloco_swarm.protocol import messages as m
 from noloco_swarm.protocol.membership import MembershipView
+from noloco_swarm.train.layering import build_config
 from tests.fuzz.decoders import EXAMPLES, HASH, message_bytes
 from tests.fuzz.target import INTS, Target, mutated_bytes
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from noloco_swarm.cli.compose import PEERS
+from noloco_swarm.harness.compose import PEERS
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from noloco_swarm.cli.swarm import local_swarm, wait
+from noloco_swarm.harness.local import local_swarm, wait
 from noloco_swarm.peer import checkpoint
 from noloco_swarm.peer.events import (
     Checkpointed,

@@ -107,7 +107,7 @@ def test_local_runs_each_peer_and_its_daemon_on_its_own_share_of_the_cpus(
 ) -> None:
     """`noloco local` pins each peer, every thread of it and its p2pd to the CPUs cpu_share gives
     its place in the start order (stage by stage), and says so; its own bootstrap node stays free."""
-    from noloco_swarm.cli.swarm import cpu_share
+    from noloco_swarm.harness.local import cpu_share
     from noloco_swarm.train.config import format_cpus
 
     allowed = sorted(os.sched_getaffinity(0))

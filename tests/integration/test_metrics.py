@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from noloco_swarm.cli.options import build_config
-from noloco_swarm.cli.swarm import local_swarm
+from noloco_swarm.harness.local import local_swarm
 from noloco_swarm.peer.events import Dropped, Final, Outer, Retried, Step, of_kind
+from noloco_swarm.train.layering import build_config
 
 pytestmark = pytest.mark.integration
 STEPS = 7  # H = 3: two outer steps

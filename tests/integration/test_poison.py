@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from noloco_swarm.cli.swarm import local_swarm, wait
+from noloco_swarm.harness.local import local_swarm, wait
 from noloco_swarm.peer.events import Membership, Outer, PeerGone, Rejected, Step, of_kind
 from noloco_swarm.sim.engine import Simulator
 from noloco_swarm.sim.run import data_batches

@@ -19,8 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from noloco_swarm.cli.options import build_config
-from noloco_swarm.cli.swarm import local_swarm, wait
+from noloco_swarm.harness.local import local_swarm, wait
 from noloco_swarm.model import num_flat
 from noloco_swarm.peer.events import (
     Carried,
@@ -51,6 +50,7 @@ from noloco_swarm.protocol.plan import StepPlan
 from noloco_swarm.sim.engine import Simulator
 from noloco_swarm.sim.run import data_batches
 from noloco_swarm.train.config import RunConfig
+from noloco_swarm.train.layering import build_config
 from tests.integration.helpers import (
     MADDR,
     alive,

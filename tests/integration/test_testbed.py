@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from noloco_swarm.cli.swarm import LocalSwarm, cpu_share, wait
-from noloco_swarm.cli.testbed import BOOT, namespace_swarm, peer_host
+from noloco_swarm.harness.local import LocalSwarm, cpu_share, wait
+from noloco_swarm.harness.namespaces import BOOT, namespace_swarm, peer_host
 from noloco_swarm.peer.events import Joined, Step, of_kind
 from noloco_swarm.testbed import Testbed, namespaces_permitted
 from noloco_swarm.testbed.bed import LINK, NAME, TransportKind, forward_rules, owned_names

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from hivemind.utils import get_dht_time
 
-from noloco_swarm.cli.swarm import local_swarm, wait
+from noloco_swarm.harness.local import local_swarm, wait
 from noloco_swarm.peer import identity, tickets
 from noloco_swarm.peer.directory import RunDirectory, gone_key, peers_key, signed_dht_kwargs
 from noloco_swarm.peer.events import (

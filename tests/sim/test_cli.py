@@ -12,7 +12,9 @@ import torch
 from rich.console import Console
 
 from noloco_swarm.cli.main import main
-from noloco_swarm.cli.options import (
+from noloco_swarm.cli.view import ReplicaStatus, RunStatus, render, sparkline
+from noloco_swarm.model.presets import SCHEDULES
+from noloco_swarm.train.layering import (
     ConfigError,
     build_config,
     coerce,
@@ -20,8 +22,6 @@ from noloco_swarm.cli.options import (
     parse_assignments,
     valid_keys,
 )
-from noloco_swarm.cli.view import ReplicaStatus, RunStatus, render, sparkline
-from noloco_swarm.model.presets import SCHEDULES
 from tests.small import SMALL_RUN
 
 
@@ -217,3 +217,20 @@ def test_sim_writes_json_csv_and_png(cache: Path, tmp_path: Path) -> None:
     rows = list(csv.DictReader((out / "results.csv").open()))
     assert [r["step"] for r in rows if r["method"] == "noloco"] == ["2", "4"]
     assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_sim_methods_name_both_baselines_and_both_ablations() -> None:
+    from noloco_swarm.cli.main import _sim_layer
+    from noloco_swarm.train.layering import Layer, resolve
+
+    def cfg(method: str):
+        return resolve([Layer("default", {"preset": "tiny"}, explicit=False), _sim_layer(method)]).cfg
+
+    assert (cfg("diloco").outer.diloco_variant, cfg("diloco").outer.outer_momentum) == ("heavyball", 0.3)
+    assert (cfg("diloco-nesterov").outer.diloco_variant, cfg("diloco-nesterov").outer.outer_momentum) == (
+        "nesterov",
+        0.9,
+    )
+    assert cfg("diloco-heavyball").outer.outer_momentum == 0.3
+    fixed = cfg("local-fixed").outer
+    assert (fixed.method, fixed.random_routing) == ("local", False)

@@ -8,14 +8,15 @@ resolve the parent's config; `--print-config` reads back as the same config; `no
 from __future__ import annotations
 
 import json
+import os
 import tomllib
 from pathlib import Path
 
 import pytest
 
 from noloco_swarm.cli.main import DEFAULT_IDENTITY, main
-from noloco_swarm.cli.options import Layer, resolve
-from noloco_swarm.cli.swarm import LOOPBACK, LocalSwarm
+from noloco_swarm.harness.local import LOOPBACK, LocalSwarm
+from noloco_swarm.train.layering import Layer, resolve
 from tests.sim.test_config_precedence import JOIN, flatten, printed, run
 
 
@@ -253,3 +254,15 @@ def test_keys_lists_every_key_with_its_type_and_meaning(capsys: pytest.CaptureFi
     )
     assert "int | None" in lines["peer.stage"]
     assert "The same key as method" in lines["outer.method"]
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="CPU affinity is Linux's")
+def test_a_peer_told_to_run_on_cpus_it_may_not_use_exits_2_before_it_starts(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("NOLOCO_SET", raising=False)
+    before = os.sched_getaffinity(0)
+    assert main(["join", "--run-id", "r", "--set", "peer.cpus=4095"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("noloco: config error: peer.cpus names CPUs [4095]"), err
+    assert os.sched_getaffinity(0) == before

@@ -10,8 +10,8 @@ import pytest
 
 from noloco_swarm.cli.keys import EXPERIMENTAL_HEADING, field_docs
 from noloco_swarm.cli.main import main
-from noloco_swarm.cli.options import SECTIONS, ConfigError, build_config, valid_keys
 from noloco_swarm.train.config import REMOVED_KEYS, USER_KEYS, RunConfig
+from noloco_swarm.train.layering import SECTIONS, ConfigError, build_config, valid_keys
 
 MAX_USER_KEYS = 40
 

@@ -8,11 +8,11 @@ import copy
 import pytest
 import torch
 
-from noloco_swarm.cli.options import build_config
 from noloco_swarm.model import flat_params
 from noloco_swarm.protocol import outer
 from noloco_swarm.sim.engine import Simulator
 from noloco_swarm.train.config import RunConfig
+from noloco_swarm.train.layering import build_config
 from tests.sim.test_simulator import synthetic
 
 CASES = [("noloco", None), ("noloco", 0.3), ("diloco", None)]

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import yaml
 
-from noloco_swarm.cli.compose import PEERS, judge, parse_proc_net_tcp
 from noloco_swarm.cli.main import parser
+from noloco_swarm.harness.compose import PEERS, judge, parse_proc_net_tcp
 from noloco_swarm.peer.events import Final, Step
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import socket
 
-from noloco_swarm.cli.doctor import config_check, listen_ports, memory_check, port_check
-from noloco_swarm.cli.options import build_config
+from noloco_swarm.cli.doctor_local import config_check, listen_ports, memory_check, port_check
 from noloco_swarm.model.presets import count_parameters
 from noloco_swarm.train import memory
+from noloco_swarm.train.layering import build_config
 
 
 def test_state_is_six_fp32_copies_of_the_stage() -> None:
@@ -69,7 +69,7 @@ def test_a_config_join_would_refuse_fails_the_config_check() -> None:
 
 
 def test_a_clock_off_the_bootstrap_s_beyond_the_ping_s_uncertainty_fails_with_a_fix() -> None:
-    from noloco_swarm.cli.doctor import CLOCK_TOLERANCE, clock_verdict
+    from noloco_swarm.cli.doctor_net import CLOCK_TOLERANCE, clock_verdict
 
     assert clock_verdict("clock", 0.3, 0.01).ok
     assert clock_verdict("clock", -CLOCK_TOLERANCE - 0.5, 1.0).ok  # the ping cannot tell

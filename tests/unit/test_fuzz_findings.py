@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from noloco_swarm.cli import options
 from noloco_swarm.peer import checkpoint
+from noloco_swarm.train import layering
 
 HASH = "ab" * 32
 
@@ -71,12 +71,12 @@ def test_a_corrupt_checkpoint_falls_back_to_an_older_one(tmp_path: Path) -> None
 def test_a_bad_config_file_is_a_config_error(tmp_path: Path, text: bytes) -> None:
     path = tmp_path / "config.toml"
     path.write_bytes(text)
-    with pytest.raises(options.ConfigError):
-        options.resolve([options.Layer("file", options.load_file(path))])
+    with pytest.raises(layering.ConfigError):
+        layering.resolve([layering.Layer("file", layering.load_file(path))])
 
 
 def test_a_run_config_that_is_not_utf8_is_a_config_error(tmp_path: Path) -> None:
     path = tmp_path / "run.json"
     path.write_bytes(b'{"a": "\xff"}')
-    with pytest.raises(options.ConfigError, match="cannot read run config"):
-        options.load_run_config(path)
+    with pytest.raises(layering.ConfigError, match="cannot read run config"):
+        layering.load_run_config(path)

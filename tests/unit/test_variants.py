@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from noloco_swarm.cli.options import ConfigError, build_config
 from noloco_swarm.protocol import gossip
 from noloco_swarm.protocol.config import OuterConfig
 from noloco_swarm.protocol.plan import outer_plan
+from noloco_swarm.train.layering import ConfigError, build_config
 
 
 def test_each_diloco_variant_brings_its_papers_momentum() -> None:
@@ -75,20 +75,3 @@ def test_group_sizes_when_n_does_not_divide_d(replicas: int, size: int, sizes: l
     # What the group_size docstring promises: D // n groups, the D % n left over spread over them.
     for step in (10, 20, 30):
         assert [len(g) for g in gossip.make_groups(replicas, step, size)] == sizes
-
-
-def test_sim_methods_name_both_baselines_and_both_ablations() -> None:
-    from noloco_swarm.cli.main import _sim_layer
-    from noloco_swarm.cli.options import Layer, resolve
-
-    def cfg(method: str):
-        return resolve([Layer("default", {"preset": "tiny"}, explicit=False), _sim_layer(method)]).cfg
-
-    assert (cfg("diloco").outer.diloco_variant, cfg("diloco").outer.outer_momentum) == ("heavyball", 0.3)
-    assert (cfg("diloco-nesterov").outer.diloco_variant, cfg("diloco-nesterov").outer.outer_momentum) == (
-        "nesterov",
-        0.9,
-    )
-    assert cfg("diloco-heavyball").outer.outer_momentum == 0.3
-    fixed = cfg("local-fixed").outer
-    assert (fixed.method, fixed.random_routing) == ("local", False)

@@ -9,12 +9,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from noloco_swarm.cli.options import ConfigError, build_config
 from noloco_swarm.model.presets import get_preset
 from noloco_swarm.peer.inner import checked_rows, decode_rows
 from noloco_swarm.protocol import messages as m
 from noloco_swarm.protocol import wire
 from noloco_swarm.protocol.config import WireConfig
+from noloco_swarm.train.layering import ConfigError, build_config
 
 F32_MAX = torch.finfo(torch.float32).max
 BF16_MAX = torch.finfo(torch.bfloat16).max

@@ -1,6 +1,6 @@
 """A whole swarm on this machine: a bootstrap DHT node and P x D `noloco join` peer processes.
 
-Used by `noloco local` and by the integration tests. Every peer runs in its own process group
+Used by `noloco local`, the benches and the integration tests. Every peer runs in its own process group
 (its p2pd inside it) and with a parent-death signal, so however this process ends, no peer or
 daemon outlives it: on exit each group gets SIGTERM, then SIGKILL.
 """
@@ -197,7 +197,7 @@ def cpu_share(cpus: list[int], peers: int, index: int) -> list[int]:
     every stage (which take turns along the pipeline). A peer added later shares the block or CPU
     of the peer `index` wraps round to. Pinned so, a peer and its p2pd hand each message over on
     one CPU: on 2 cores the 2x2 swarm of bench/swarm_throughput.py ran about 11% faster
-    (docs/benchmarks.md, "Swarm: the cost of real transport", session 26)."""
+    (docs/benchmarks.md, "Swarm: the cost of real transport"; 2026-12-04, 670e009)."""
     if not cpus or peers < 1:
         raise ValueError("cpu_share needs at least one CPU and one peer")
     size = len(cpus) // peers

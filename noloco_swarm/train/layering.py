@@ -5,7 +5,8 @@ Keys are dotted paths into `RunConfig` (`outer.inner_steps`, `peer.step_timeout`
 and the method's paper defaults (`model.name` and `outer.method` are the same two keys). Every
 source names keys the same way; a higher layer wins key by key, and a key that no layer sets
 keeps its default. Values are checked by the config's own validation, whose errors say what to
-change; a value that cannot be read names its key, its source and what to give instead.
+change; a value that cannot be read names its key, its source and what to give instead. The CLI
+(cli/flags.py) adds its named flags as the top layer; a bench calls `build_config` or `resolve`.
 """
 
 from __future__ import annotations
@@ -49,6 +50,10 @@ class ConfigError(ValueError):
     """A config key or value the user gave is wrong; the message says what to change."""
 
 
+class UnknownKey(ConfigError):
+    """A key that is no config key (the CLI adds where the keys are listed)."""
+
+
 def valid_keys() -> list[str]:
     keys = [*CHOICES, *sorted(TOP_LEVEL)]
     for section, cls in SECTIONS.items():
@@ -68,7 +73,7 @@ def field_type(key: str) -> Any:
     if name not in hints or (not section and name in SECTIONS):
         close = difflib.get_close_matches(key, valid_keys(), n=3, cutoff=0.8)
         hint = f"; did you mean {' or '.join(close)}?" if close else ""
-        raise ConfigError(f"unknown config key {key!r}{hint} (`noloco keys --all` lists every key)")
+        raise UnknownKey(f"unknown config key {key!r}{hint}")
     return hints[name]
 
 
@@ -152,7 +157,7 @@ def load_file(path: str | Path) -> dict[str, Any]:
 
 
 def load_run_config(path: str | Path) -> dict[str, Any]:
-    """The JSON of `RunConfig.manifest()` that `noloco local` hands its peers (dotted keys)."""
+    """The JSON of `RunConfig.manifest()` that a launcher hands its peers (dotted keys)."""
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -165,7 +170,7 @@ def load_run_config(path: str | Path) -> dict[str, Any]:
 @dataclass(frozen=True)
 class Layer:
     """One source of settings: its name (shown in messages), dotted key -> value, and whether a
-    user gave it (defaults, and the run config `noloco local` hands its peers, are not explicit)."""
+    user gave it (defaults, and the run config a launcher hands its peers, are not explicit)."""
 
     source: str
     values: Mapping[str, Any]
@@ -193,8 +198,8 @@ def resolve(layers: Sequence[Layer]) -> Resolved:
             key = ALIASES.get(raw_key, raw_key)
             try:
                 typed[key] = coerce(key, value)
-            except ConfigError as e:
-                raise ConfigError(f"{layer.source}: {e}") from None
+            except ConfigError as e:  # the same kind of error, naming the source
+                raise type(e)(f"{layer.source}: {e}") from None
             origin[key] = layer.source
             if layer.explicit:
                 explicit[key] = layer.source
