@@ -21,7 +21,9 @@ import torch
 
 from noloco_swarm.peer import events
 from noloco_swarm.peer.context import PeerContext
-from noloco_swarm.peer.exchange import ByteLedger, ExchangeBoard, OuterExchange
+from noloco_swarm.peer.exchange.board import ExchangeBoard
+from noloco_swarm.peer.exchange.ledger import ByteLedger
+from noloco_swarm.peer.exchange.runner import OuterExchange
 from noloco_swarm.protocol.plan import outer_plan
 from noloco_swarm.protocol.plausible import SLICE
 

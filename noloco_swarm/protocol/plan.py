@@ -43,10 +43,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from noloco_swarm.protocol import gossip, routing
-
-# A joiner announces this many rounds after the furthest step it hears of, so that every member
-# has read its announcement before that boundary (peers read the DHT at slightly different times).
-JOIN_MARGIN_ROUNDS = 2
+from noloco_swarm.protocol.membership import JOIN_MARGIN_ROUNDS
 
 
 @dataclass(frozen=True, order=True)

@@ -9,7 +9,7 @@ from rich.console import Console
 from noloco_swarm.cli.options import build_config
 from noloco_swarm.cli.panel import PeerPanel, PeerSnapshot, fold, render_peer
 from noloco_swarm.peer import events
-from noloco_swarm.peer.node import reachability_kind
+from noloco_swarm.peer.net.node import reachability_kind
 
 ME, PARTNER = (
     "12D3KooWme000000000000000000000000000000000abcdefgh",
