@@ -1,5 +1,5 @@
 """Fuzz targets where bytes come in from the network: the frame reader (preamble, envelope,
-announced tensors) and every RPC handler behind `Server.on_stream` (peer/serving.py), fed from an
+announced tensors) and every RPC handler behind `Server.on_stream` (peer/net/serving.py), fed from an
 asyncio.StreamReader in-process, with no daemon."""
 
 from __future__ import annotations

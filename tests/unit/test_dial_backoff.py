@@ -1,4 +1,4 @@
-"""peer/transport.py's reading of p2pd's dial errors: is a failed dial only our daemon's backoff?"""
+"""peer/net/transport.py's reading of p2pd's dial errors: is a failed dial only our daemon's backoff?"""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Identity keys (peer/identity.py) and join tickets (peer/tickets.py), without a network."""
+"""Identity keys (peer/net/identity.py) and join tickets (peer/tickets.py), without a network."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""peer/lifetime.py: an orphaned peer is gone in seconds, with its children, whatever hangs."""
+"""peer/net/lifetime.py: an orphaned peer is gone in seconds, with its children, whatever hangs."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""What each verb's request may carry, and the per-caller caps (peer/limits.py): pure checks."""
+"""What each verb's request may carry, and the per-caller caps (peer/net/limits.py): pure checks."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""peer/streams.py's finiteness check, which every received float tensor passes as it lands."""
+"""peer/net/streams.py's finiteness check, which every received float tensor passes as it lands."""
 
 from __future__ import annotations
 
