@@ -39,9 +39,9 @@ from pathlib import Path
 
 import torch
 
-from noloco_swarm.peer.streams import Pacer
-from noloco_swarm.peer.transport import Accepts, Transport, TransportConfig
-from noloco_swarm.protocol import messages
+from noloco_swarm.peer.net.streams import Pacer
+from noloco_swarm.peer.net.transport import Accepts, Transport, TransportConfig
+from noloco_swarm.protocol import codec, rpc
 from noloco_swarm.testbed.bed import Testbed, default_burst_kbit, namespaces_permitted
 
 MODES = (
@@ -89,11 +89,11 @@ class Endpoint:
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await self.accepted.put((reader, writer))
 
-    async def _sink(self, peer: str, header: messages.Message, tensors: list[torch.Tensor]) -> tuple:
+    async def _sink(self, peer: str, header: codec.Message, tensors: list[torch.Tensor]) -> tuple:
         self.received += tensors[0].numel() * 4
         if self.received >= len(self.data):
             self.arrived.set()
-        return messages.Ack(), []
+        return rpc.Ack(), []
 
     async def connect(self, tcp_maddr: str, quic_maddr: str, ip: str) -> None:
         self.other_ip = ip
@@ -123,7 +123,7 @@ class Endpoint:
     async def _send(self, kind: str, pace: Pacer | None) -> None:
         transport, peer = self.transports[kind], self.peers[kind]
         calls = [  # one pacer for all: the K calls together keep to its rate
-            transport.call(peer, SINK, messages.Ack(), [part.contiguous()], timeout=600, pace=pace)
+            transport.call(peer, SINK, rpc.Ack(), [part.contiguous()], timeout=600, pace=pace)
             for part in self.payload.chunk(self.streams)
         ]
         await asyncio.gather(*calls)

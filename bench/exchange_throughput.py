@@ -1,7 +1,7 @@
 """Moving one flat fp32 tensor A -> B over libp2p on loopback: our transport vs hivemind's usual path.
 
 Modes, alternated within each repetition over the same two p2pd daemons:
-  ours           noloco_swarm.peer.transport: envelope + raw parts read straight into one buffer
+  ours           noloco_swarm.peer.net.transport: envelope + raw parts read straight into one buffer
   pbparts        protobuf stream of runtime_pb2.Tensor parts, each copied into a preallocated buffer
   hivemind       serialize_torch_tensor + split_for_streaming -> combine_from_streaming + deserialize,
                  in hivemind's default 64 KiB chunks (hivemind.utils.streaming)
@@ -44,9 +44,9 @@ from hivemind.p2p import P2PContext, P2PHandlerError, PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.utils.streaming import STREAMING_CHUNK_SIZE_BYTES, combine_from_streaming, split_for_streaming
 
-from noloco_swarm.peer.lifetime import M_MMAP_THRESHOLD
-from noloco_swarm.peer.transport import Accepts, RemoteRefused, Transport, TransportConfig
-from noloco_swarm.protocol import messages
+from noloco_swarm.peer.net.lifetime import M_MMAP_THRESHOLD
+from noloco_swarm.peer.net.transport import Accepts, RemoteRefused, Transport, TransportConfig
+from noloco_swarm.protocol import codec, rpc
 
 FAILURES: dict[tuple[int, str], int] = {}
 MODES = ("ours", "pbparts", "hivemind", "hivemind_part")
@@ -103,12 +103,12 @@ async def serve(part_bytes: int, listen: str) -> None:
         summary = {"extra": rss.extra(), "cpu": rss.cpu(), "numel": tensor.numel()}
         return json.dumps(summary | {"sum": float(tensor[:1000].sum())})
 
-    async def reset(peer: str, header: messages.Message, tensors: list[torch.Tensor]) -> tuple:
+    async def reset(peer: str, header: codec.Message, tensors: list[torch.Tensor]) -> tuple:
         rss.reset()
-        return messages.Ack(), []
+        return rpc.Ack(), []
 
-    async def ours(peer: str, header: messages.Message, tensors: list[torch.Tensor]) -> tuple:
-        return messages.Ack(note=report(tensors[0])), []
+    async def ours(peer: str, header: codec.Message, tensors: list[torch.Tensor]) -> tuple:
+        return rpc.Ack(note=report(tensors[0])), []
 
     async def pbparts(parts: AsyncIterator[runtime_pb2.Tensor], _: P2PContext) -> runtime_pb2.ExpertUID:
         buffer, filled = None, 0
@@ -148,8 +148,8 @@ async def serve(part_bytes: int, listen: str) -> None:
 async def send(mode: str, transport: Transport, peer: str, tensor: torch.Tensor, part_bytes: int) -> str:
     """One transfer; returns the receiver's JSON report."""
     if mode == "ours":
-        reply, _ = await transport.call(peer, "rpc_bench", messages.Ack(), [tensor], timeout=600)
-        assert isinstance(reply, messages.Ack)
+        reply, _ = await transport.call(peer, "rpc_bench", rpc.Ack(), [tensor], timeout=600)
+        assert isinstance(reply, rpc.Ack)
         return reply.note
     if mode == "pbparts":
         data = memoryview(tensor.view(torch.uint8).numpy())
@@ -213,7 +213,7 @@ async def measure(
             tensor = torch.randn(size * MIB // 4)
             for rep in range(reps + 1):  # rep 0 warms up connections and allocators
                 for mode in modes if rep % 2 else reversed(modes):
-                    await transport.call(peer, "rpc_bench_reset", messages.Ack(), timeout=30)
+                    await transport.call(peer, "rpc_bench_reset", rpc.Ack(), timeout=30)
                     rss.reset()
                     start = time.perf_counter()
                     try:

@@ -48,8 +48,8 @@ from pathlib import Path
 import torch
 
 from noloco_swarm.peer.donors import Snapshot, download_state
-from noloco_swarm.peer.transport import Transport, TransportConfig
-from noloco_swarm.protocol import messages as m
+from noloco_swarm.peer.net.transport import Transport, TransportConfig
+from noloco_swarm.protocol import codec, rpc
 from noloco_swarm.protocol.membership import MembershipView
 from noloco_swarm.testbed.bed import Testbed, namespaces_permitted
 
@@ -79,11 +79,11 @@ async def serve(numel: int, seed: int, shared_moments: bool, listen: str) -> Non
     """A donor: serve one snapshot until stdin closes. Prints its address once ready."""
     snapshot = Snapshot.take(state(numel, seed, shared_moments), 6, "e" * 64, VIEW, 6)
 
-    async def manifest(peer: str, header: m.Message, _: list) -> tuple[m.Message, list]:
+    async def manifest(peer: str, header: codec.Message, _: list) -> tuple[codec.Message, list]:
         return snapshot.manifest(RUN, 0), []
 
-    async def chunk(peer: str, header: m.Message, _: list) -> tuple[m.Message, list]:
-        assert isinstance(header, m.ChunkRequest)
+    async def chunk(peer: str, header: codec.Message, _: list) -> tuple[codec.Message, list]:
+        assert isinstance(header, rpc.ChunkRequest)
         reply, tensor = snapshot.chunk(RUN, 0, header)
         return reply, [tensor]
 
@@ -103,7 +103,7 @@ def serve_hivemind(numel: int, listen: str) -> None:
     from hivemind.averaging import DecentralizedAverager
 
     dht = hivemind.DHT(host_maddrs=[listen], start=True)
-    tensors = [state(numel, 0)[k] for k in m.STATE_PARTS]
+    tensors = [state(numel, 0)[k] for k in rpc.STATE_PARTS]
     averager = DecentralizedAverager(tensors, dht, allow_state_sharing=True, **HIVEMIND_OPTIONS)
     try:
         print(json.dumps({"addresses": [str(a) for a in dht.get_visible_maddrs()]}), flush=True)
@@ -166,7 +166,7 @@ class Hivemind:
         self.handler = logging.FileHandler(self.log)
         logging.getLogger("hivemind.averaging.averager").addHandler(self.handler)
         self.dht = hivemind.DHT(host_maddrs=[listen], initial_peers=donor, start=True)
-        zeros = [torch.zeros_like(self.state[k]) for k in m.STATE_PARTS]
+        zeros = [torch.zeros_like(self.state[k]) for k in rpc.STATE_PARTS]
         self.joiner = DecentralizedAverager(zeros, self.dht, allow_state_sharing=False, **HIVEMIND_OPTIONS)
         deadline = time.monotonic() + 120
         while self.joiner.load_state_from_peers(timeout=60) is None:  # until the donor is announced
@@ -184,7 +184,7 @@ class Hivemind:
         seconds = time.perf_counter() - start
         assert loaded is not None, "hivemind's load_state_from_peers found no state"
         _, tensors = loaded
-        assert all(torch.equal(a, self.state[k]) for a, k in zip(tensors, m.STATE_PARTS, strict=True))
+        assert all(torch.equal(a, self.state[k]) for a, k in zip(tensors, rpc.STATE_PARTS, strict=True))
         return seconds
 
     def close(self) -> None:

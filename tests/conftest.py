@@ -50,6 +50,6 @@ def loop() -> Iterator[asyncio.AbstractEventLoop]:
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Sweep the daemon socket folders of processes the tests started that are gone (a killed
     peer or DHT process cannot remove its own; peers and local_swarm sweep them as they start)."""
-    from noloco_swarm.peer.lifetime import sweep_sockets
+    from noloco_swarm.peer.net.lifetime import sweep_sockets
 
     sweep_sockets()

@@ -5,7 +5,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from noloco_swarm.peer import identity, tickets
+from noloco_swarm.peer import tickets
+from noloco_swarm.peer.net import identity
 
 
 def run_authority(out: Path) -> int:

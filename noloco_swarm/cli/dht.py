@@ -8,8 +8,8 @@ from pathlib import Path
 
 from rich.console import Console
 
-from noloco_swarm.peer.dialback import offer_on_dht
-from noloco_swarm.peer.node import reachability, start_dht
+from noloco_swarm.peer.net.dialback import offer_on_dht
+from noloco_swarm.peer.net.node import reachability, start_dht
 from noloco_swarm.train.config import NetworkConfig
 
 

@@ -9,7 +9,7 @@ from the DHT.
 The clock is compared with each bootstrap peer's (the DHT time in its answer to a DHT ping, any
 hivemind node answers it): DHT records and join tickets expire by wall-clock time.
 
-Reachability from outside is checked by dial-back (peer/dialback.py): a daemon listening where
+Reachability from outside is checked by dial-back (peer/net/dialback.py): a daemon listening where
 `noloco join` would (the --port, or network.host_maddrs, announcing network.announce_maddrs) asks
 an answering `noloco dht` bootstrap to open a fresh connection to it. A bootstrap that does not
 offer it (a plain hivemind node) leaves this unchecked, and says so.
@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from noloco_swarm.cli.doctor_local import SETUP, Check
-from noloco_swarm.peer import dialback
-from noloco_swarm.peer.dialback import first_line
+from noloco_swarm.peer.net import dialback
+from noloco_swarm.peer.net.dialback import first_line
 from noloco_swarm.train.config import RunConfig
 
 HIVEMIND_PIN = "hivemind==1.1.12"
@@ -44,7 +44,7 @@ def p2pd_binary() -> Path:
 
 
 async def start_p2p():  # -> hivemind.P2P, typed loosely: hivemind is imported lazily
-    from noloco_swarm.peer import lifetime
+    from noloco_swarm.peer.net import lifetime
 
     return await lifetime.start_p2p(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
 
@@ -164,7 +164,7 @@ async def identity_check(path: str, initial_peers: Sequence[str]) -> Check:
     """Is a live node of the swarm already using the key in `path` (another copy of this peer)?"""
     from hivemind.p2p import P2P
 
-    from noloco_swarm.peer.lifetime import children_die_with_us
+    from noloco_swarm.peer.net.lifetime import children_die_with_us
 
     with children_die_with_us():
         taken = await P2P.is_identity_taken(
@@ -188,8 +188,8 @@ async def identity_check(path: str, initial_peers: Sequence[str]) -> Check:
 def manifest_check(cfg: RunConfig, timeout: float) -> Check:
     """Read the run's manifest through a client-mode DHT node and compare it with our config."""
     from noloco_swarm.peer.directory import manifest_key, signed_manifests
-    from noloco_swarm.peer.node import start_dht
-    from noloco_swarm.protocol import messages
+    from noloco_swarm.peer.net.node import start_dht
+    from noloco_swarm.protocol import records
     from noloco_swarm.train.config import NetworkConfig
 
     run_id = cfg.peer.run_id
@@ -213,7 +213,7 @@ def manifest_check(cfg: RunConfig, timeout: float) -> Check:
         )
     if not manifests:
         return Check(f"run {run_id}", True, "no manifest yet: the first peer starts it with --new-run")
-    mine = messages.RunManifest.create(run_id, cfg.manifest())
+    mine = records.RunManifest.create(run_id, cfg.manifest())
     if any(m.config_hash == mine.config_hash for m in manifests):
         return Check(f"run {run_id}", True, "your config matches the run's manifest")
     existing = manifests[0]
@@ -272,7 +272,7 @@ async def dialback_check(
     """Listen where `noloco join` would and ask the first bootstrap that offers it to dial us back."""
     from hivemind.utils.multiaddr import Multiaddr
 
-    from noloco_swarm.peer import lifetime
+    from noloco_swarm.peer.net import lifetime
 
     net = cfg.network
     listen = [f"/ip4/0.0.0.0/tcp/{port}"] if port else list(net.host_maddrs)

@@ -17,8 +17,8 @@ from noloco_swarm.cli.panel import PeerPanel
 from noloco_swarm.peer.events import Final, to_dict
 from noloco_swarm.peer.joining import RunEnding
 from noloco_swarm.peer.launch import run_on_loop, run_peer
-from noloco_swarm.peer.lifetime import exit_within, orphaned
-from noloco_swarm.peer.transport import Transport
+from noloco_swarm.peer.net.lifetime import exit_within, orphaned
+from noloco_swarm.peer.net.transport import Transport
 from noloco_swarm.train.config import RunConfig
 
 # Once the peer has shut down, its event loop must close (joining its worker threads) within this

@@ -156,7 +156,7 @@ def _join(args: argparse.Namespace) -> int:
     if args.print_config:
         return _print_config(resolved, "join")
     from noloco_swarm.cli.join import run_join
-    from noloco_swarm.peer.lifetime import die_with_parent, pin_to_cpus, release_memory
+    from noloco_swarm.peer.net.lifetime import die_with_parent, pin_to_cpus, release_memory
 
     if args.die_with_parent:
         die_with_parent()

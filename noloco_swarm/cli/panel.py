@@ -21,7 +21,7 @@ from rich.text import Text
 
 from noloco_swarm.cli.view import short_id, sparkline
 from noloco_swarm.peer import events
-from noloco_swarm.peer.node import reachability_kind
+from noloco_swarm.peer.net.node import reachability_kind
 from noloco_swarm.train.config import RunConfig
 
 ByteCounts = Callable[[], dict[str, dict[str, int]]]  # Transport.byte_counts

@@ -21,11 +21,11 @@ from rich.text import Text
 
 from noloco_swarm.cli.view import short_id
 from noloco_swarm.peer.directory import RunDirectory, signed_dht_kwargs
-from noloco_swarm.peer.lifetime import DHT
-from noloco_swarm.peer.rounds import ask_status
-from noloco_swarm.peer.streams import PeerUnavailable, RemoteRefused
-from noloco_swarm.peer.transport import Transport
-from noloco_swarm.protocol import messages
+from noloco_swarm.peer.liveness import ask_status
+from noloco_swarm.peer.net.lifetime import DHT
+from noloco_swarm.peer.net.streams import PeerUnavailable, RemoteRefused
+from noloco_swarm.peer.net.transport import Transport
+from noloco_swarm.protocol import codec, records, rpc
 from noloco_swarm.train.config import NetworkConfig
 
 STATUS_TIMEOUT = 3.0
@@ -47,7 +47,7 @@ class PeerRow:
     stage: int
     joined_round: int
     device: str
-    status: messages.PeerStatus | None = None
+    status: rpc.PeerStatus | None = None
     error: str = ""
 
 
@@ -124,12 +124,12 @@ async def look(transport: Transport, directory: RunDirectory) -> SwarmStatus:
     announced = {a.peer_id for a in readout.announcements}  # a stranger's reports count for nothing
     gone = await asyncio.to_thread(directory.read_gone, announced)
 
-    async def ask(a: messages.PeerAnnouncement) -> PeerRow:
+    async def ask(a: records.PeerAnnouncement) -> PeerRow:
         row = PeerRow(a.peer_id, a.stage, a.joined_round, a.device)
         try:
             await transport.connect(a.peer_id, a.addresses, timeout=STATUS_TIMEOUT)
             status = await ask_status(transport, a.peer_id, directory.run_id, STATUS_TIMEOUT)
-        except (PeerUnavailable, RemoteRefused, messages.MessageError) as e:
+        except (PeerUnavailable, RemoteRefused, codec.MessageError) as e:
             return replace(row, error=str(e))
         return replace(row, status=status)
 

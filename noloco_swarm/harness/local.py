@@ -20,12 +20,13 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from noloco_swarm.peer import identity, tickets
+from noloco_swarm.peer import tickets
 from noloco_swarm.peer.directory import RunDirectory
 from noloco_swarm.peer.events import Event, Final, of_kind, read
-from noloco_swarm.peer.lifetime import sweep_sockets
-from noloco_swarm.peer.node import start_dht
-from noloco_swarm.protocol.messages import RunManifest
+from noloco_swarm.peer.net import identity
+from noloco_swarm.peer.net.lifetime import sweep_sockets
+from noloco_swarm.peer.net.node import start_dht
+from noloco_swarm.protocol.records import RunManifest
 from noloco_swarm.train.config import NetworkConfig, RunConfig, format_cpus
 
 LOOPBACK = ("/ip4/127.0.0.1/tcp/0",)

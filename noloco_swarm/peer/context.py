@@ -12,8 +12,8 @@ import torch
 
 from noloco_swarm.peer.deadlines import Deadlines
 from noloco_swarm.peer.events import Events
-from noloco_swarm.peer.rounds import Rounds
-from noloco_swarm.peer.transport import Transport
+from noloco_swarm.peer.net.transport import Transport
+from noloco_swarm.peer.views import Rounds
 from noloco_swarm.protocol.membership import MembershipView
 from noloco_swarm.protocol.plan import StepPlan
 from noloco_swarm.train.config import RunConfig

@@ -4,7 +4,7 @@ A replica that is gone but still in the round's view (the swarm drops it from th
 boundaries after its death is reported) gets no rows: the step plan gives them to its stand-in
 (protocol.plan, `StepPlan.around`). A gone stage-0 replica has no rows to get: the stage-0 replica
 that stands in for it reads them from its shard. A sender routes around the replicas that failed
-it itself (`Rounds.dead`: next-stage replicas, and on stage 0 replicas of its own stage) and says
+it itself (`Liveness.dead`: next-stage replicas, and on stage 0 replicas of its own stage) and says
 so in its forward headers. A receiver believes what headers say for the round they were said in
 and the next, to know whose rows to wait for; it never routes around a replica only because it
 heard so, so that a wrong belief cannot spread from peer to peer. (A stage-1 receiver that saw a
@@ -32,7 +32,7 @@ class Detours:
 
     def __init__(self, me: str, stage: int, dead: dict[str, int]) -> None:
         self.me, self.stage = me, stage
-        self.dead = dead  # the peers that failed us (Rounds.dead, shared)
+        self.dead = dead  # the peers that failed us (Liveness.dead, shared)
         self.heard: dict[str, int] = {}  # peer id -> the last round a header said it is routed around
         self._checks: dict[str, asyncio.Task[None]] = {}  # reported peers being probed
         self._cleared: dict[str, float] = {}  # peer id -> when a probe found it alive (monotonic)
@@ -77,7 +77,7 @@ class Detours:
         around if we knew: replicas of the next stage (we send them rows) and, on stage 0, of
         ours (we stand in for them). A report decides views only a round after it was filed
         (evidence.py); a replica found dead now is routed around from our next step on, not once
-        its rows are lost or the views drop it. (`suspect`: Rounds.hearsay, which probes twice
+        its rows are lost or the views drop it. (`suspect`: Liveness.hearsay, which probes twice
         and marks the dead gone: any member's word and one lost probe must not evict a peer.)"""
         ours = {self.stage + 1, *([0] if self.stage == 0 else [])}
         members = view.members()
@@ -94,7 +94,7 @@ class Detours:
         suspect: Callable[[str, str], Awaitable[bool]],
     ) -> None:
         """A stage-1 replica (`by`) answered our rows saying that the stage-0 replicas at `ranks`
-        failed it: on stage 0, probe them in the background (`suspect`: Rounds.suspect, one
+        failed it: on stage 0, probe them in the background (`suspect`: Liveness.suspect, one
         probe: `by` waited on them and probed them itself, and we trust its rows as much) and
         stand in for the dead ones from our next step on. (Elsewhere, or for ranks `view` does
         not have, nothing happens.)"""

@@ -4,7 +4,7 @@ Keys (all under the run id, so runs never see each other's records):
   noloco/<run>/manifest  [owner mark]                    the RunManifest, by the peer that starts the run
   noloco/<run>/peers     [peer id + owner mark]          a PeerAnnouncement per peer, re-stored every heartbeat
   noloco/<run>/gone      [peer/reporter/round + mark]    a GoneReport: a member failed another in a round
-Every subkey ends with its writer's owner mark (peer/identity.py): DHT nodes store, and readers
+Every subkey ends with its writer's owner mark (peer/net/identity.py): DHT nodes store, and readers
 accept, a record only with that writer's signature, and a reader trusts a record only if it speaks
 for its writer (an announcement of the writer itself, a report by the writer). Nobody can forge,
 overwrite or replay with another expiry another peer's records; a stranger's records name only
@@ -34,17 +34,17 @@ from hivemind.dht.node import DHTNode
 from hivemind.p2p import PeerID
 from hivemind.utils import MPFuture, ValueWithExpiration, get_dht_time
 
-from noloco_swarm.peer.identity import Identity, owner_of
-from noloco_swarm.protocol import messages
+from noloco_swarm.peer.net.identity import Identity, owner_of
+from noloco_swarm.protocol import codec, records
 from noloco_swarm.protocol.membership import credible_gone
 
 if TYPE_CHECKING:
-    from noloco_swarm.peer.node import LoopDHT
+    from noloco_swarm.peer.net.node import LoopDHT
 
 # The manifest outlives any one peer (a run longer than a week re-publishes it).
 MANIFEST_TTL = 7 * 24 * 3600.0
 DEFAULT_HEARTBEAT_TTL = 30.0
-R = TypeVar("R", messages.PeerAnnouncement, messages.GoneReport)
+R = TypeVar("R", records.PeerAnnouncement, records.GoneReport)
 T = TypeVar("T")
 GONE_TTL = 3600.0  # long enough to outlast any announcement the gone peer left behind
 # A DHT call waits at most this long. hivemind's blocking get/store wait on a future that the DHT
@@ -73,7 +73,7 @@ def gone_key(run_id: str) -> str:
 class DirectoryReadout:
     """What one read of the peers key found."""
 
-    announcements: list[messages.PeerAnnouncement]
+    announcements: list[records.PeerAnnouncement]
     malformed: int  # records that failed to decode or named another run
 
 
@@ -94,19 +94,19 @@ class RunDirectory:
     ) -> None:
         if ttl <= 0:
             raise ValueError(f"ttl must be > 0, got {ttl}")
-        messages.RunManifest.create(run_id, {})  # validates the run id early, with a clear message
+        records.RunManifest.create(run_id, {})  # validates the run id early, with a clear message
         self.dht, self.run_id, self.ttl = dht, run_id, ttl
         self.identity = identity or getattr(dht, "identity", None)
 
     # ---------------------------------------------------------------- manifest
 
-    def manifests(self) -> list[tuple[str, messages.RunManifest]]:
+    def manifests(self) -> list[tuple[str, records.RunManifest]]:
         """(author, manifest) of every signed, well-formed manifest of this run, sorted by author.
         Several authors may have stored one (the peers that were started with --new-run)."""
         found = self._get(manifest_key(self.run_id))
         return signed_manifests(None if found is None else found.value, self.run_id)[0]
 
-    def fetch_manifest(self) -> messages.RunManifest | None:
+    def fetch_manifest(self) -> records.RunManifest | None:
         """The run's manifest, or None if nobody published one (or none is readable). When authors
         disagree, the config the most of them stored (the first author's on a tie): for display;
         a joiner checks its own config against every one (`join_manifest`)."""
@@ -117,13 +117,13 @@ class RunDirectory:
         best = max(votes.values())
         return next(m for _, m in found if votes[m.config_hash] == best)
 
-    def publish_manifest(self, manifest: messages.RunManifest) -> None:
+    def publish_manifest(self, manifest: records.RunManifest) -> None:
         if manifest.run_id != self.run_id:
             raise ValueError(f"manifest is for run {manifest.run_id!r}, this directory is {self.run_id!r}")
         ok = self._wait(
             self.dht.store(
                 manifest_key(self.run_id),
-                messages.encode(manifest),
+                codec.encode(manifest),
                 get_dht_time() + MANIFEST_TTL,
                 subkey=self._writer().mark,
                 return_future=True,
@@ -132,7 +132,7 @@ class RunDirectory:
         if not ok:
             raise RuntimeError("the DHT did not accept the manifest; is any DHT peer reachable?")
 
-    def join_manifest(self, mine: messages.RunManifest, *, new_run: bool) -> messages.RunManifest:
+    def join_manifest(self, mine: records.RunManifest, *, new_run: bool) -> records.RunManifest:
         """Check our config against the run's manifest; publish it first if we start the run.
 
         Accepted when any signed manifest of the run has our config: a stranger who stores
@@ -168,7 +168,7 @@ class RunDirectory:
 
     # ---------------------------------------------------------------- peers
 
-    def announce(self, announcement: messages.PeerAnnouncement) -> bool:
+    def announce(self, announcement: records.PeerAnnouncement) -> bool:
         """Store (or refresh) our announcement; call it every ttl/3 seconds as the heartbeat."""
         if announcement.run_id != self.run_id:
             raise ValueError("announcement names another run")
@@ -178,14 +178,14 @@ class RunDirectory:
 
     def read_peers(self) -> DirectoryReadout:
         """Every live, well-formed announcement of this run (subkey must equal the peer id)."""
-        return _readout(*self._records(self._get(peers_key(self.run_id)), messages.PeerAnnouncement))
+        return _readout(*self._records(self._get(peers_key(self.run_id)), records.PeerAnnouncement))
 
     def read_both(self) -> tuple[DirectoryReadout, list[tuple[str, str, int]]]:
         """`read_peers()` and `read_reports()` in one DHT lookup, as every boundary reads them:
         one traversal of the DHT for both keys instead of one each."""
         keys = (peers_key(self.run_id), gone_key(self.run_id))
         found = self._wait(self.dht.run_coroutine(functools.partial(_get_latest, keys), return_future=True))
-        peers = _readout(*self._records(found.get(keys[0]), messages.PeerAnnouncement))
+        peers = _readout(*self._records(found.get(keys[0]), records.PeerAnnouncement))
         return peers, self._reports(found.get(keys[1]))
 
     def rebootstrap(self, peer_ids: Sequence[str]) -> int:
@@ -195,12 +195,12 @@ class RunDirectory:
         ping = functools.partial(_ping_entry_points, tuple(peer_ids))  # runs where the DHT node runs
         return self._wait(self.dht.run_coroutine(ping, return_future=True))
 
-    def _store(self, key: str, record: messages.PeerAnnouncement | messages.GoneReport, ttl: float) -> bool:
+    def _store(self, key: str, record: records.PeerAnnouncement | records.GoneReport, ttl: float) -> bool:
         """Store `record` under its subkey with our owner mark: the DHT signs it with our key."""
         subkey, expiration = self._writer().owned(subkey_of(record)), get_dht_time() + ttl
         return bool(
             self._wait(
-                self.dht.store(key, messages.encode(record), expiration, subkey=subkey, return_future=True)
+                self.dht.store(key, codec.encode(record), expiration, subkey=subkey, return_future=True)
             )
         )
 
@@ -226,8 +226,8 @@ class RunDirectory:
         for subkey, item in found.value.items():
             owned = owner_of(subkey)
             try:
-                record = messages.decode(item.value, cls)
-            except messages.MessageError:
+                record = codec.decode(item.value, cls)
+            except codec.MessageError:
                 bad += 1
                 continue
             if owned is None or record.run_id != self.run_id or owned != (subkey_of(record), author(record)):
@@ -238,7 +238,7 @@ class RunDirectory:
 
     # ---------------------------------------------------------------- failures
 
-    def report_gone(self, report: messages.GoneReport) -> bool:
+    def report_gone(self, report: records.GoneReport) -> bool:
         """Tell the swarm a member failed us, so that everyone drops it at the next boundary."""
         if report.run_id != self.run_id:
             raise ValueError("report names another run")
@@ -262,11 +262,11 @@ class RunDirectory:
         return self._reports(self._get(gone_key(self.run_id)))
 
     def _reports(self, found: ValueWithExpiration | None) -> list[tuple[str, str, int]]:
-        reports, _ = self._records(found, messages.GoneReport)
+        reports, _ = self._records(found, records.GoneReport)
         return [(r.peer_id, r.reporter, r.round) for r in reports]
 
 
-def _readout(announcements: list[messages.PeerAnnouncement], malformed: int) -> DirectoryReadout:
+def _readout(announcements: list[records.PeerAnnouncement], malformed: int) -> DirectoryReadout:
     return DirectoryReadout(sorted(announcements, key=lambda a: a.peer_id), malformed)
 
 
@@ -286,7 +286,7 @@ async def _ping_entry_points(peer_ids: tuple[str, ...], _: DHT, node: DHTNode) -
 
 def signed_manifests(
     value: object, run_id: str
-) -> tuple[list[tuple[str, messages.RunManifest]], messages.MessageError | None]:
+) -> tuple[list[tuple[str, records.RunManifest]], codec.MessageError | None]:
     """(author, manifest) of every signed, well-formed manifest of `run_id` in the DHT's value of
     its manifest key, sorted by author; and why the last of the signed others could not be used
     (a manifest of another protocol version, or of another run), for `noloco doctor` to name."""
@@ -296,20 +296,20 @@ def signed_manifests(
         if owned is None or owned[0] != "":
             continue
         try:
-            manifest = messages.decode(item.value, messages.RunManifest)
-        except messages.MessageError as e:
+            manifest = codec.decode(item.value, records.RunManifest)
+        except codec.MessageError as e:
             unreadable = e
             continue
         if manifest.run_id != run_id:
-            unreadable = messages.MessageError(f"it names run {manifest.run_id!r}")
+            unreadable = codec.MessageError(f"it names run {manifest.run_id!r}")
             continue
         out.append((owned[1], manifest))
     return sorted(out, key=lambda pair: pair[0]), unreadable
 
 
-def author(record: messages.PeerAnnouncement | messages.GoneReport) -> str:
+def author(record: records.PeerAnnouncement | records.GoneReport) -> str:
     """The peer a record speaks for, who alone may write it: the announced peer, or the reporter."""
-    return record.reporter if isinstance(record, messages.GoneReport) else record.peer_id
+    return record.reporter if isinstance(record, records.GoneReport) else record.peer_id
 
 
 def signed_dht_kwargs(identity: Identity | None) -> dict[str, object]:
@@ -318,10 +318,10 @@ def signed_dht_kwargs(identity: Identity | None) -> dict[str, object]:
     return {"record_validators": [identity.validator() if identity else RSASignatureValidator()]}
 
 
-def subkey_of(record: messages.PeerAnnouncement | messages.GoneReport) -> str:
+def subkey_of(record: records.PeerAnnouncement | records.GoneReport) -> str:
     """The DHT subkey a record is stored under (before its writer's owner mark): one per peer for
     announcements (a heartbeat replaces the last), one per reporter and round for gone reports
     (none replaces another)."""
-    if isinstance(record, messages.GoneReport):
+    if isinstance(record, records.GoneReport):
         return f"{record.peer_id}/{record.reporter}/{record.round}"
     return record.peer_id

@@ -22,20 +22,13 @@ from dataclasses import dataclass, field
 import torch
 
 from noloco_swarm.peer import events
-from noloco_swarm.peer.streams import PeerUnavailable, RemoteRefused
-from noloco_swarm.peer.transport import Transport
+from noloco_swarm.peer.net.streams import PeerUnavailable, RemoteRefused
+from noloco_swarm.peer.net.transport import Transport
 from noloco_swarm.protocol import chunks as chunking
 from noloco_swarm.protocol.chunks import ChunkPlan
+from noloco_swarm.protocol.codec import MessageError, TensorMeta
 from noloco_swarm.protocol.membership import MembershipView
-from noloco_swarm.protocol.messages import (
-    STATE_PARTS,
-    ChunkRequest,
-    MessageError,
-    StateChunk,
-    StateManifest,
-    StateRequest,
-    TensorMeta,
-)
+from noloco_swarm.protocol.rpc import STATE_PARTS, ChunkRequest, StateChunk, StateManifest, StateRequest
 
 logger = logging.getLogger(__name__)
 IN_FLIGHT = 2  # chunk requests open per donor: one travels while the next is being served

@@ -14,13 +14,15 @@ import torch
 
 from noloco_swarm.data.stream import validation_windows
 from noloco_swarm.peer.context import PeerContext
-from noloco_swarm.peer.inner import InnerSteps, check_sender, checked_rows
-from noloco_swarm.peer.limits import Accepts
-from noloco_swarm.peer.streams import PeerUnavailable, RemoteRefused
-from noloco_swarm.protocol import messages
+from noloco_swarm.peer.inner import InnerSteps
+from noloco_swarm.peer.net.limits import Accepts
+from noloco_swarm.peer.net.streams import PeerUnavailable, RemoteRefused
+from noloco_swarm.peer.rows import check_sender, checked_rows
+from noloco_swarm.protocol import codec
+from noloco_swarm.protocol.codec import MessageError, TensorMeta
 from noloco_swarm.protocol.membership import MembershipView
-from noloco_swarm.protocol.messages import EvalHeader, EvalReply, MessageError, TensorMeta
 from noloco_swarm.protocol.plan import eval_paths
+from noloco_swarm.protocol.rpc import EvalHeader, EvalReply
 
 logger = logging.getLogger(__name__)
 EVAL_BATCH = 16
@@ -101,8 +103,8 @@ class Evaluation:
         return list(reply.losses)
 
     async def rpc_eval(
-        self, peer_id: str, header: messages.Message, tensors: list[torch.Tensor]
-    ) -> tuple[messages.Message, list[torch.Tensor]]:
+        self, peer_id: str, header: codec.Message, tensors: list[torch.Tensor]
+    ) -> tuple[codec.Message, list[torch.Tensor]]:
         """Validation rows along fixed path `header.rank`; answered with per-sample losses."""
         ctx = self.ctx
         if not isinstance(header, EvalHeader):

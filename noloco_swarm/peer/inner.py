@@ -27,24 +27,33 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 
 import torch
 
 from noloco_swarm.data.stream import train_batches
 from noloco_swarm.peer import events
 from noloco_swarm.peer.carry import Carry
+from noloco_swarm.peer.collector import Arrival, Placement, StepCollector, answer
 from noloco_swarm.peer.context import PeerContext
-from noloco_swarm.peer.limits import ROW_MARGIN, Accepts
-from noloco_swarm.peer.rounds import PROBE_PERIOD, PeerExcluded, raise_if_left_behind
+from noloco_swarm.peer.liveness import PROBE_PERIOD
+from noloco_swarm.peer.net.limits import ROW_MARGIN, Accepts
+from noloco_swarm.peer.rows import (
+    backward_reply,
+    check_sender,
+    checked_rows,
+    decode_rows,
+    gone_senders,
+    rows_of,
+    senders_plan,
+)
 from noloco_swarm.peer.sending import RowSender
-from noloco_swarm.peer.streams import Refused
-from noloco_swarm.protocol import messages, plausible, routing, wire
-from noloco_swarm.protocol.membership import MembershipView
-from noloco_swarm.protocol.messages import BackwardHeader, ForwardHeader, MessageError, PeerStatus, TensorMeta
-from noloco_swarm.protocol.plan import Incoming, Row, StepPlan
+from noloco_swarm.peer.views import PeerExcluded, raise_if_left_behind
+from noloco_swarm.protocol import codec, plausible, routing
+from noloco_swarm.protocol.codec import MessageError
+from noloco_swarm.protocol.plan import Incoming, Row
 from noloco_swarm.protocol.plausible import Implausible
+from noloco_swarm.protocol.rpc import ForwardHeader, PeerStatus
 
 Slot = tuple[int, int]  # (inner step, microbatch)
 # A receiver holds rows for at most this many steps, its current one included: a sender may run
@@ -54,183 +63,6 @@ STEPS_AHEAD = 8
 # A receiver keeps the rows (and answers) of this many steps before its last collected one, for
 # senders whose stream broke before our answer reached them and that send the same rows again.
 RESENDS_KEPT = 2
-
-
-@dataclass
-class Arrival:
-    """One forward request's rows, waiting for the batch to run and its gradients to return."""
-
-    sender: int
-    positions: list[int]
-    activations: torch.Tensor
-    tokens: torch.Tensor
-    # its rows' input gradients and losses, and which of its rows were lost further on
-    result: asyncio.Future[tuple[torch.Tensor, list[float], tuple[int, ...]]] = field(
-        default_factory=asyncio.Future
-    )
-    rows: list[Row] = field(default_factory=list)  # which rows of the plan these are (set by add)
-    # sample indices of the rows of the step before that come first (peer/carry.py)
-    carried: list[int] = field(default_factory=list)
-
-
-Placement = list[tuple[Arrival, list[int]]]  # each arrival, and the rows of the batch its rows took
-
-
-class StepCollector:
-    """Rows for one inner step of one receiving replica; complete when every expected sender's
-    rows are in.
-
-    Each sender sends its rows for the step in one request: the ones the plan routes to us, and
-    those of the replicas it routes around that we stand in for (its header says which). The
-    batch runs every row that came in (position, origin) order, so arrival order never changes
-    the result; on a healthy swarm these are exactly the plan's rows."""
-
-    def __init__(
-        self, step: int, expected: tuple[Incoming, ...], microbatch: int = 0, gone: Iterable[int] = ()
-    ) -> None:
-        self.step, self.microbatch = step, microbatch
-        self.arrivals: dict[int, Arrival] = {}
-        self.complete = asyncio.Event()
-        self.closed = False  # collected: only resends of rows already in are accepted
-        self.gone = set(gone)  # senders we stopped expecting
-        self._gone_before = frozenset(gone)  # those gone before the step began
-        self.given_up: dict[int, list[Row]] = {}  # senders we stopped waiting for: the rows we expected
-        self.expect(expected)
-
-    def rows_from(self, sender: int) -> list[Row]:
-        return [x.row for x in self.expected if x.sender == sender]
-
-    def expect(self, expected: tuple[Incoming, ...]) -> None:
-        """Expect these rows (in the order the batch runs them) from every sender not gone; called
-        again when we learn that a replica is routed around: what came stays."""
-        self.expected = [x for x in expected if x.sender not in self.gone]
-        # rows from senders gone before the step began, that no stand-in of theirs brings: lost
-        self.unsent = [x for x in expected if x.sender in self._gone_before]
-        self._check_complete()
-
-    def add(self, arrival: Arrival, allowed: list[Row]) -> Arrival:
-        """Accept one sender's rows and return the arrival whose result answers them. `allowed`:
-        the rows the plan, as the sender's header describes it, routes from it to us.
-
-        A sender whose stream broke before our answer sends the same rows again, before or after
-        the step was collected: it then waits for the first arrival's result. Rows the plan does
-        not route to us from this sender, different rows for the same step, or new rows once
-        collected are refused, and so are rows another sender brought already. (A sender may
-        send fewer rows than `allowed`: rows lost on an earlier hop.)"""
-        rows = _matched(arrival.positions, allowed)
-        if rows is None:
-            raise MessageError(
-                f"sender {arrival.sender} sent positions {arrival.positions}, the plan gives "
-                f"{[row.position for row in allowed]}"
-            )
-        first = self.arrivals.get(arrival.sender)
-        if first is not None:
-            if not (
-                first.positions == arrival.positions
-                and first.carried == arrival.carried
-                and torch.equal(first.activations, arrival.activations)
-                and torch.equal(first.tokens, arrival.tokens)
-            ):
-                raise MessageError(f"sender {arrival.sender} sent other rows for step {self.step}")
-            return first
-        if self.closed:  # without this sender: gave up on it, thought it gone, or had a stand-in
-            how = (
-                "having marked their sender gone"
-                if arrival.sender in self._gone_before
-                else "without them"
-                if arrival.sender in self.gone
-                else "from a stand-in of their sender"
-            )
-            raise MessageError(
-                f"rows for step {self.step} (microbatch {self.microbatch}) came after this replica "
-                f"had collected them ({how})"
-            )
-        # Two senders with one row: a stage-0 replica believed gone (and stood in for) that runs.
-        taken = {row for other in self.arrivals.values() for row in other.rows} & set(rows)
-        if taken:
-            raise MessageError(
-                f"rows {sorted((r.position, r.origin) for r in taken)} of step {self.step} already "
-                "came from another sender"
-            )
-        arrival.rows = rows
-        self.arrivals[arrival.sender] = arrival
-        self._check_complete()
-        return arrival
-
-    def drop_sender(self, sender: int) -> None:
-        """Stop expecting rows from a sender that is gone; the step runs with the rest."""
-        if sender not in self.arrivals:
-            self.given_up.setdefault(sender, self.rows_from(sender))
-            self.gone.add(sender)
-            self.expected = [x for x in self.expected if x.sender != sender]
-            self._check_complete()
-
-    def never_came(self) -> dict[int, int]:
-        """Of the senders given up on, each one's count of expected rows that no arrival brought.
-        A stand-in of a sender given up on may still bring its rows (it learned of the death
-        first), so this is known only once the step is collected."""
-        came = {row for arrival in self.arrivals.values() for row in arrival.rows}
-        counts = {sender: sum(row not in came for row in rows) for sender, rows in self.given_up.items()}
-        return {sender: n for sender, n in counts.items() if n}
-
-    def missing_senders(self) -> list[int]:
-        """Senders we expect rows from and have not heard from."""
-        return sorted({x.sender for x in self.expected} - set(self.arrivals))
-
-    def batch(self) -> tuple[torch.Tensor, torch.Tensor, Placement, list[Row], list[int]]:
-        """Inputs and targets of every row that came: the carried rows in (sample, sender) order,
-        then this step's in (position, origin) order; where each arrival's rows landed; this
-        step's rows and the carried rows' sample indices, in that order."""
-        carried = sorted(
-            (k, arrival.sender, j)
-            for arrival in self.arrivals.values()
-            for j, k in enumerate(arrival.carried)
-        )
-        order = sorted(
-            (row, arrival.sender, len(arrival.carried) + j)
-            for arrival in self.arrivals.values()
-            for j, row in enumerate(arrival.rows)
-        )
-        acts, toks, rows = [], [], {}
-        for k, (_, sender, j) in enumerate([*carried, *order]):
-            arrival = self.arrivals[sender]
-            rows.setdefault(sender, []).append(k)  # an arrival's carried rows land before its others
-            acts.append(arrival.activations[j])
-            toks.append(arrival.tokens[j])
-        placement = [(self.arrivals[s], r) for s, r in sorted(rows.items())]
-        return (
-            torch.stack(acts),
-            torch.stack(toks),
-            placement,
-            [row for row, _, _ in order],
-            [k for k, _, _ in carried],
-        )
-
-    def abandon(self, reason: str) -> None:
-        """This step will not run here: refuse every sender still waiting for its gradients, now
-        (they get an answer that says why, not a stream closed in their face)."""
-        for arrival in self.arrivals.values():
-            if not arrival.result.done():
-                arrival.result.set_exception(Refused("abandoned", reason))
-                arrival.result.exception()  # retrieved: the caller may have given up already
-
-    def _check_complete(self) -> None:
-        if {x.sender for x in self.expected} <= set(self.arrivals):
-            self.complete.set()
-
-
-def _matched(positions: list[int], allowed: list[Row]) -> list[Row] | None:
-    """The rows of `allowed` (in order) whose positions are `positions`, taken in order; None if
-    `positions` is not such a subsequence (or is empty)."""
-    rows, k = [], 0
-    for position in positions:
-        while k < len(allowed) and allowed[k].position != position:
-            k += 1
-        if k == len(allowed):
-            return None
-        rows.append(allowed[k])
-        k += 1
-    return rows or None
 
 
 class InnerSteps:
@@ -389,7 +221,7 @@ class InnerSteps:
                                 return sample_losses.detach()
 
                             got = [float(v) for v in await asyncio.to_thread(last)]
-                            _answer(x, placement, got, frozenset())
+                            answer(x, placement, got, frozenset())
                             losses += got
                         else:
                             out = await asyncio.to_thread(ctx.replica.module, x)
@@ -399,7 +231,7 @@ class InnerSteps:
                     for placement, x, out, sending in running:
                         returned = await sending
                         await asyncio.to_thread(out.backward, returned.grad)
-                        _answer(x, placement, returned.losses, returned.lost)
+                        answer(x, placement, returned.losses, returned.lost)
                         losses += returned.kept_losses()
             except* PeerExcluded as excluded:  # we fell behind (seen while collecting): rejoin
                 raise excluded.exceptions[0] from None
@@ -472,8 +304,8 @@ class InnerSteps:
             collector.drop_sender(sender)
 
     async def rpc_forward(
-        self, peer_id: str, header: messages.Message, tensors: list[torch.Tensor]
-    ) -> tuple[messages.Message, list[torch.Tensor]]:
+        self, peer_id: str, header: codec.Message, tensors: list[torch.Tensor]
+    ) -> tuple[codec.Message, list[torch.Tensor]]:
         """Rows routed to us by a replica of the previous stage; answered with their gradients."""
         ctx = self.ctx
         if not isinstance(header, ForwardHeader):
@@ -489,12 +321,12 @@ class InnerSteps:
                 f"views of round {header.round} differ (theirs {header.view}, ours {view.digest()})"
             )
         check_sender(ctx, peer_id, view, header.run_id, header.hop, header.sender_rank)
-        plan = _senders_plan(ctx, view, header)
+        plan = senders_plan(ctx, view, header)
         if ctx.rounds.detours.hear(view, plan.around):
             self._expect_again()
         # Decoded before the step checks, so that no await falls between them and the collector.
         decoded = await asyncio.to_thread(decode_rows, ctx, tensors[:-1], header.activations)
-        carried, positions = _rows_of(ctx, view, header)
+        carried, positions = rows_of(ctx, view, header)
         acts, toks = checked_rows(ctx, [decoded, tensors[-1]])
         rows = Arrival(header.sender_rank, positions, acts, toks, carried=carried)
         # A microbatch already collected takes only a resend of rows it holds (a broken stream).
@@ -524,7 +356,7 @@ class InnerSteps:
         # not cancel the other's answer. A resend after the answer gets it at once.
         grad, losses, lost = await asyncio.wait_for(asyncio.shield(arrival.result), ctx.deadlines.step * 2)
         rank = view.rank_of(ctx.me)[1]
-        return backward_reply(ctx, header, rank, grad, losses, _gone_senders(ctx, view), lost)
+        return backward_reply(ctx, header, rank, grad, losses, gone_senders(ctx, view), lost)
 
 
 Part = tuple[torch.Tensor, torch.Tensor, list[Row], torch.Tensor]  # inputs, targets, rows, windows
@@ -565,20 +397,6 @@ async def _through_the_pipeline(
     return losses
 
 
-def _rows_of(ctx: PeerContext, view: MembershipView, header: ForwardHeader) -> tuple[list[int], list[int]]:
-    """The sample indices of a request's carried rows (rows of the step before: peer/carry.py),
-    and the batch positions of its rows of this step."""
-    carried, planned = list(header.samples[: header.carried]), header.samples[header.carried :]
-    positions = [k - header.step * ctx.B for k in planned]
-    if not positions or not all(0 <= i < ctx.B for i in positions):
-        raise MessageError(f"samples {list(planned)} are not rows of step {header.step}")
-    if not all(0 <= k - (header.step - 1) * ctx.B < ctx.B for k in carried):
-        raise MessageError(f"carried samples {carried} are not rows of step {header.step - 1}")
-    if len(carried) > ctx.B * view.replica_counts()[0]:  # more than the step before had
-        raise MessageError(f"{len(carried)} carried rows: step {header.step - 1} had fewer")
-    return carried, positions
-
-
 def _say_never_came(ctx: PeerContext, collector: StepCollector) -> None:
     """Once a step was collected (or abandoned): record the rows of the senders we gave up on
     that did not come after all. (Said at the give-up, rows a stand-in of a dead sender brought a
@@ -608,98 +426,3 @@ def _say_unsent(ctx: PeerContext, collector: StepCollector) -> None:
                 senders=senders,
             )
         )
-
-
-def _answer(x: torch.Tensor, placement: Placement, losses: list[float], lost: frozenset[int]) -> None:
-    """Answer every arrival of a batch that ran with its rows' input gradients and losses (one per
-    row of the batch), naming its rows that were lost further on (`lost`: rows of the batch)."""
-    assert x.grad is not None
-    x_grad = x.grad.cpu()  # replies leave from the CPU
-    for arrival, rows in placement:
-        if not arrival.result.done():  # the sender may have given up on us meanwhile
-            gone = tuple(i for i, r in enumerate(rows) if r in lost)
-            arrival.result.set_result((x_grad[rows].contiguous(), [losses[r] for r in rows], gone))
-
-
-def _gone_senders(ctx: PeerContext, view: MembershipView) -> tuple[int, ...]:
-    """On stage 1: the ranks of stage 0 that failed us, said in our answers (stage 0 stands in
-    for them from its next step: peer/detours.py). Elsewhere nobody acts on it: ()."""
-    if ctx.stage != 1:
-        return ()
-    return tuple(r for r, peer in enumerate(view.stages[0]) if peer in ctx.rounds.dead)
-
-
-def _senders_plan(ctx: PeerContext, view: MembershipView, header: ForwardHeader) -> StepPlan:
-    """The plan the sender of `header` follows: the round's, routing around the replicas of our
-    stage it says it routes around, and with it standing in for those of its own stage it names."""
-    places = {(header.hop, r) for r in header.stands_in_for} | {(ctx.stage, r) for r in header.routes_around}
-    try:
-        return ctx.plan_at(header.step).routing_around(places)
-    except ValueError as e:
-        raise MessageError(f"the sender routes around replicas this round does not have: {e}") from e
-
-
-def backward_reply(
-    ctx: PeerContext,
-    header: ForwardHeader,
-    rank: int,
-    grad: torch.Tensor,
-    losses: list[float],
-    gone: tuple[int, ...] = (),
-    lost: tuple[int, ...] = (),
-) -> tuple[BackwardHeader, list[torch.Tensor]]:
-    """The answer to `header`'s rows: their gradients in the run's wire format, their losses, the
-    ranks of the sender's stage that failed us (`gone`: stage 0 stands in for them), and which of
-    the rows a later stage lost (`lost`)."""
-    grads = wire.encode(grad, ctx.cfg.wire.activations)
-    reply = BackwardHeader(
-        run_id=header.run_id,
-        round=header.round,
-        step=header.step,
-        hop=header.hop,
-        sender_rank=rank,
-        samples=header.samples,
-        grad=TensorMeta.of(grads[0]),
-        losses=tuple(losses),
-        scale=TensorMeta.of(grads[1]) if len(grads) > 1 else None,
-        gone=gone,
-        lost=lost,
-    )
-    return reply, grads
-
-
-def decode_rows(ctx: PeerContext, parts: list[torch.Tensor], payload: TensorMeta) -> torch.Tensor:
-    """Float32 activations from their wire tensors, in the run's format (`wire.activations`) only.
-
-    (The transport already checked their floats for NaN/inf.)"""
-    fmt = ctx.cfg.wire.activations
-    if payload.dtype != messages.WIRE_DTYPES[fmt]:
-        raise MessageError(f"rows came as {payload.dtype}; this run sends activations as {fmt}")
-    return wire.decode(parts, fmt, check_finite=False)
-
-
-def checked_rows(ctx: PeerContext, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Activations and token ids from another peer, checked against this model before use.
-
-    (The transport already checked them against the header's metas and for NaN/inf.)"""
-    model = ctx.cfg.model
-    if len(tensors) != 2:
-        raise MessageError(f"expected activations and token ids, got {len(tensors)} tensors")
-    acts, toks = tensors
-    if acts.dtype != torch.float32 or acts.shape[1:] != (model.seq_len, model.hidden_size):
-        raise MessageError(f"activations {acts.dtype} {tuple(acts.shape)} do not fit this model")
-    if toks.dtype != torch.int64 or int(toks.min()) < 0 or int(toks.max()) >= model.vocab_size:
-        raise MessageError("token ids must be int64 within the vocabulary")
-    return acts, toks
-
-
-def check_sender(
-    ctx: PeerContext, peer_id: str, view: MembershipView, run_id: str, hop: int, rank: int
-) -> None:
-    """The request must come from the peer `view` puts at (hop, rank), for our stage."""
-    if run_id != ctx.run_id or hop != ctx.stage - 1:
-        raise MessageError(
-            f"request for run {run_id!r} hop {hop}; this is stage {ctx.stage} of {ctx.run_id!r}"
-        )
-    if not 0 <= rank < len(view.stages[hop]) or view.peer_at(hop, rank) != peer_id:
-        raise MessageError(f"peer {peer_id} is not replica {rank} of stage {hop} in round {view.round}")

@@ -26,18 +26,19 @@ from hivemind.utils.multiaddr import Multiaddr
 from noloco_swarm.peer import events
 from noloco_swarm.peer.context import PeerContext
 from noloco_swarm.peer.donors import DONOR_ERRORS, MIB, Snapshot, download_state
-from noloco_swarm.peer.exchange import ByteLedger
-from noloco_swarm.peer.rounds import DHT_ERRORS, PROBE_TIMEOUT, ask_status
-from noloco_swarm.peer.streams import Pacer
-from noloco_swarm.peer.transport import Transport
-from noloco_swarm.protocol import messages
+from noloco_swarm.peer.exchange.ledger import ByteLedger
+from noloco_swarm.peer.liveness import DHT_ERRORS, PROBE_TIMEOUT, ask_status
+from noloco_swarm.peer.net.streams import Pacer
+from noloco_swarm.peer.net.transport import Transport
+from noloco_swarm.protocol import codec, records, rpc
 from noloco_swarm.protocol.clock import StepClock
-from noloco_swarm.protocol.membership import MembershipView
-from noloco_swarm.protocol.messages import MessageError, StateManifest
-from noloco_swarm.protocol.plan import JOIN_MARGIN_ROUNDS, join_round
+from noloco_swarm.protocol.codec import MessageError
+from noloco_swarm.protocol.membership import JOIN_RETRY_ROUNDS, MembershipView, donor_serves
+from noloco_swarm.protocol.plan import join_round
+from noloco_swarm.protocol.rpc import StateManifest
 
 logger = logging.getLogger(__name__)
-R = TypeVar("R", messages.StateRequest, messages.ChunkRequest)
+R = TypeVar("R", rpc.StateRequest, rpc.ChunkRequest)
 
 
 class RunEnding(RuntimeError):
@@ -45,21 +46,22 @@ class RunEnding(RuntimeError):
 
 
 async def furthest_step(
-    transport: Transport, run_id: str, others: list[messages.PeerAnnouncement], timeout: float
+    transport: Transport, run_id: str, others: list[records.PeerAnnouncement], timeout: float
 ) -> int | None:
     """The furthest inner step any of `others` reports, asked directly (their announcements' step
     is only as fresh as their last heartbeat); None if none of them answered."""
     answers = await asyncio.gather(
         *(ask_status(transport, a.peer_id, run_id, timeout) for a in others), return_exceptions=True
     )
-    steps = [x.step for x in answers if isinstance(x, messages.PeerStatus)]
+    steps = [x.step for x in answers if isinstance(x, rpc.PeerStatus)]
     return max(steps) if steps else None
 
 
 def pick_join_round(furthest: int, clock: StepClock, end_step: int, later: int = 0) -> int:
-    """The round to join at: two (plus `later`, at most one more: donors refuse rounds further
-    ahead) after the furthest step of the swarm. Raises RunEnding if the run is over by then."""
-    target = join_round(furthest, clock.inner_steps) + min(later, 1)
+    """The round to join at: JOIN_MARGIN_ROUNDS (plus `later`, at most JOIN_RETRY_ROUNDS more:
+    donors refuse rounds further ahead) after the furthest step of the swarm. Raises RunEnding if
+    the run is over by then."""
+    target = join_round(furthest, clock.inner_steps) + min(later, JOIN_RETRY_ROUNDS)
     if clock.round_start(target) >= end_step:
         raise RunEnding(
             f"the run ends at step {end_step}, before round {target} (step {clock.round_start(target)}) "
@@ -68,14 +70,12 @@ def pick_join_round(furthest: int, clock: StepClock, end_step: int, later: int =
     return target
 
 
-def servers_for(others: list[messages.PeerAnnouncement], stage: int, round_: int) -> list[str]:
+def servers_for(others: list[records.PeerAnnouncement], stage: int, round_: int) -> list[str]:
     """Peers of `stage` that were members before `round_` (they hold its state)."""
     return [a.peer_id for a in others if a.stage == stage and a.joined_round < round_]
 
 
-def check_request(
-    header: messages.Message, run_id: str, stage: int, kind: type[R] = messages.StateRequest
-) -> R:
+def check_request(header: codec.Message, run_id: str, stage: int, kind: type[R] = rpc.StateRequest) -> R:
     if not isinstance(header, kind):
         raise MessageError(f"expected a {kind.TAG} request")
     if header.run_id != run_id or header.stage != stage:
@@ -169,7 +169,7 @@ class Joining:
                     target,
                     start,
                 )
-                later = 1  # the swarm outpaces our announcements: aim one round further
+                later = JOIN_RETRY_ROUNDS  # the swarm outpaces our announcements: aim one round further
                 continue
             ctx.events.emit(events.Joining(round=target, step=start))
             logger.warning("joining the running swarm at round %d (step %d)", target, start)
@@ -254,12 +254,12 @@ class Joining:
         logger.warning("%d of %d entry points answered", answered, len(ids))
 
     async def rpc_fetch_state(
-        self, peer_id: str, header: messages.Message, tensors: list[torch.Tensor]
-    ) -> tuple[messages.Message, list[torch.Tensor]]:
+        self, peer_id: str, header: codec.Message, tensors: list[torch.Tensor]
+    ) -> tuple[codec.Message, list[torch.Tensor]]:
         """A peer joining our stage at a round boundary asks for the manifest of our state there."""
         ctx = self.ctx
         request = check_request(header, ctx.run_id, ctx.stage)
-        if request.round > ctx.clock.round_of(ctx.step) + JOIN_MARGIN_ROUNDS + 2:  # see pick_join_round
+        if not donor_serves(ctx.clock.round_of(ctx.step), request.round):  # see pick_join_round
             raise MessageError(f"round {request.round} is too far ahead (this peer is at step {ctx.step})")
         wait = min(ctx.cfg.peer.join_timeout, ctx.transport.config.serve_timeout - 5.0)
         view = await ctx.rounds.wait(request.round, timeout=wait)
@@ -269,11 +269,11 @@ class Joining:
         return snapshot.manifest(ctx.run_id, ctx.stage), []
 
     async def rpc_fetch_chunk(
-        self, peer_id: str, header: messages.Message, tensors: list[torch.Tensor]
-    ) -> tuple[messages.Message, list[torch.Tensor]]:
+        self, peer_id: str, header: codec.Message, tensors: list[torch.Tensor]
+    ) -> tuple[codec.Message, list[torch.Tensor]]:
         """A joiner that holds our manifest downloads one chunk of that snapshot."""
         ctx = self.ctx
-        request = check_request(header, ctx.run_id, ctx.stage, messages.ChunkRequest)
+        request = check_request(header, ctx.run_id, ctx.stage, rpc.ChunkRequest)
         reply, tensor = self._admitted(peer_id, request.round).chunk(ctx.run_id, ctx.stage, request)
         nbytes = tensor.numel() * tensor.element_size()
         await self.pacer.wait(nbytes)

@@ -13,15 +13,16 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
-from noloco_swarm.peer import checkpoint, events, identity, tickets
+from noloco_swarm.peer import checkpoint, events, tickets
 from noloco_swarm.peer.directory import RunDirectory
-from noloco_swarm.peer.limits import caps_for
-from noloco_swarm.peer.node import LoopDHT, reachability
-from noloco_swarm.peer.rounds import ask_status_at
+from noloco_swarm.peer.liveness import ask_status_at
+from noloco_swarm.peer.net import identity
+from noloco_swarm.peer.net.limits import caps_for
+from noloco_swarm.peer.net.node import LoopDHT, reachability
+from noloco_swarm.peer.net.streams import PeerUnavailable, RemoteRefused
+from noloco_swarm.peer.net.transport import Transport
 from noloco_swarm.peer.runtime import Peer
-from noloco_swarm.peer.streams import PeerUnavailable, RemoteRefused
-from noloco_swarm.peer.transport import Transport
-from noloco_swarm.protocol import messages
+from noloco_swarm.protocol import codec, records
 from noloco_swarm.protocol.membership import MembershipView
 from noloco_swarm.train.config import RunConfig
 
@@ -84,7 +85,7 @@ async def run_peer(
         # libp2p identity and one p2pd per peer (node.py: LoopDHT).
         dht = await LoopDHT.create(transport.p2p, net.initial_peers, me)
         directory = RunDirectory(dht, opts.run_id, ttl=opts.heartbeat_ttl, identity=me)
-        manifest = messages.RunManifest.create(opts.run_id, cfg.manifest())
+        manifest = records.RunManifest.create(opts.run_id, cfg.manifest())
         await _join_manifest(directory, manifest, new_run, opts.start_timeout)
         ticket = own_ticket(cfg, transport.peer_id) if cfg.authority else b""
         stage = opts.stage
@@ -141,7 +142,7 @@ def own_ticket(cfg: RunConfig, peer_id: str) -> bytes:
         tickets.check(ticket, cfg.authority, run_id, peer_id, time.time())
     except tickets.TicketError as e:
         raise ValueError(f"{path}: {e}; ask the run's organiser for a new ticket") from e
-    return messages.encode(ticket)
+    return codec.encode(ticket)
 
 
 def _prometheus(cfg: RunConfig, transport: Transport) -> events.Sink:
@@ -185,7 +186,7 @@ async def _run_until_left(
 
 
 async def _join_manifest(
-    directory: RunDirectory, manifest: messages.RunManifest, new_run: bool, timeout: float
+    directory: RunDirectory, manifest: records.RunManifest, new_run: bool, timeout: float
 ) -> None:
     """Check the run's manifest; a joiner that arrives before the starter waits for it."""
     deadline = time.monotonic() + timeout
@@ -211,12 +212,12 @@ async def _least_served_stage(transport: Transport, directory: RunDirectory, cfg
         if a.stage < cfg.num_stages and not any(r >= a.joined_round for r in gone.get(a.peer_id, ()))
     ]
 
-    async def answers(a: messages.PeerAnnouncement) -> bool:
+    async def answers(a: records.PeerAnnouncement) -> bool:
         try:
             await ask_status_at(transport, a.peer_id, a.addresses, directory.run_id)
         except RemoteRefused:
             return True  # it refused: it runs
-        except (PeerUnavailable, messages.MessageError):
+        except (PeerUnavailable, codec.MessageError):
             return False
         return True
 

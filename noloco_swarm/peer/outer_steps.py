@@ -1,7 +1,7 @@
 """The outer step in the run loop: started at each boundary, applied at once or k steps later.
 
 `OuterSteps` is the loop's room for the outer verb: at a boundary it starts the exchange with the
-round's group (exchange.py's `OuterExchange`), and applies the outer step with the group's
+round's group (exchange/runner.py's `OuterExchange`), and applies the outer step with the group's
 tensors (the same StageReplica code as the simulator). With `outer.overlap_steps` = k > 0 the
 exchange of boundary t runs as a task it owns (`PendingOuter`) while the replica trains inner
 steps t+1 .. t+k; after step t+k the loop waits for whatever is still in flight (a partner that
@@ -21,7 +21,9 @@ import torch
 
 from noloco_swarm.peer import events
 from noloco_swarm.peer.context import PeerContext
-from noloco_swarm.peer.exchange import ByteLedger, ExchangeBoard, OuterExchange
+from noloco_swarm.peer.exchange.board import ExchangeBoard
+from noloco_swarm.peer.exchange.ledger import ByteLedger
+from noloco_swarm.peer.exchange.runner import OuterExchange
 from noloco_swarm.protocol.plausible import SLICE
 
 

@@ -25,9 +25,9 @@ from pathlib import Path
 from noloco_swarm.peer import checkpoint, events
 from noloco_swarm.peer.checkpoint import Checkpoint
 from noloco_swarm.peer.context import PeerContext
-from noloco_swarm.peer.rounds import ask_status_at
-from noloco_swarm.peer.streams import PeerUnavailable, RemoteRefused
-from noloco_swarm.protocol import messages
+from noloco_swarm.peer.liveness import ask_status_at
+from noloco_swarm.peer.net.streams import PeerUnavailable, RemoteRefused
+from noloco_swarm.protocol import codec, rpc
 from noloco_swarm.protocol.membership import MembershipView
 
 logger = logging.getLogger(__name__)
@@ -151,15 +151,15 @@ class Resume:
             raise RuntimeError(f"checkpoint of step {ckpt.step} in {self.directory} fails its hash check")
         ctx.step = ckpt.step
 
-    async def _members(self, others: list[str]) -> dict[str, messages.PeerStatus]:
+    async def _members(self, others: list[str]) -> dict[str, rpc.PeerStatus]:
         """The answer of each member that answers (a resuming one reports its checkpoint's step)."""
         ctx = self.ctx
         addresses = {a.peer_id: a.addresses for a in await asyncio.to_thread(ctx.rounds.read_peers)}
 
-        async def ask(peer: str) -> messages.PeerStatus | None:
+        async def ask(peer: str) -> rpc.PeerStatus | None:
             try:
                 return await ask_status_at(ctx.transport, peer, addresses.get(peer, ()), ctx.run_id)
-            except (PeerUnavailable, RemoteRefused, messages.MessageError):
+            except (PeerUnavailable, RemoteRefused, codec.MessageError):
                 return None
 
         async with asyncio.TaskGroup() as group:

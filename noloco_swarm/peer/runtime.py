@@ -5,9 +5,10 @@ keeps serving other peers' requests while this peer computes. Each protocol verb
 owns its state, and this file only sequences them:
 
   inner.py       every inner step: stage-0 data, rows sent on and collected (rpc_forward)
-  exchange.py    every H steps: one OuterExchange with the round's group (rpc_exchange)
+  exchange/      every H steps: one OuterExchange with the round's group (rpc_exchange)
   outer_steps.py the outer step at each boundary, applied at once or k steps later (overlap)
-  rounds.py      the frozen view of each round, liveness probes and gone reports
+  views.py       the frozen view of each round
+  liveness.py    probes of peers that failed us, and gone reports
   joining.py     entering a running swarm, and serving state to joiners (rpc_fetch_state)
   resume.py      checkpoints at boundaries, and a stopped swarm coming back from them
   evaluation.py  the end-of-run validation along fixed paths (rpc_eval)
@@ -32,17 +33,19 @@ from noloco_swarm.peer.checkpoint import Checkpoint
 from noloco_swarm.peer.context import PeerContext
 from noloco_swarm.peer.directory import RunDirectory
 from noloco_swarm.peer.evaluation import Evaluation
-from noloco_swarm.peer.exchange import ByteLedger, ExchangeBoard
+from noloco_swarm.peer.exchange.board import ExchangeBoard
+from noloco_swarm.peer.exchange.ledger import ByteLedger
 from noloco_swarm.peer.inner import InnerSteps
 from noloco_swarm.peer.joining import Joining
-from noloco_swarm.peer.lifetime import trim_heap
+from noloco_swarm.peer.liveness import DHT_ERRORS
+from noloco_swarm.peer.net.lifetime import trim_heap
+from noloco_swarm.peer.net.transport import Transport
 from noloco_swarm.peer.outer_steps import OuterSteps
 from noloco_swarm.peer.resume import Resume, SwarmMovedOn
-from noloco_swarm.peer.rounds import DHT_ERRORS, Directory, PeerExcluded, Rounds, raise_if_left_behind
 from noloco_swarm.peer.tickets import Gate
-from noloco_swarm.peer.transport import Transport
-from noloco_swarm.protocol import messages
-from noloco_swarm.protocol.messages import MessageError
+from noloco_swarm.peer.views import Directory, PeerExcluded, Rounds, raise_if_left_behind
+from noloco_swarm.protocol import codec, records, rpc
+from noloco_swarm.protocol.codec import MessageError
 from noloco_swarm.train.config import RunConfig
 from noloco_swarm.train.replica import StageReplica
 
@@ -285,10 +288,10 @@ class Peer:
 
     # ------------------------------------------------------------------ presence
 
-    def announcement(self) -> messages.PeerAnnouncement:
+    def announcement(self) -> records.PeerAnnouncement:
         """Our heartbeat record, with the round we (re)joined at and our progress."""
         ctx = self.ctx
-        return messages.PeerAnnouncement(
+        return records.PeerAnnouncement(
             ctx.run_id,
             ctx.me,
             ctx.stage,
@@ -323,16 +326,16 @@ class Peer:
                 logger.warning("heartbeat: the DHT did not store our announcement; retrying")
 
     async def rpc_status(
-        self, peer_id: str, header: messages.Message, tensors: list[Any]
-    ) -> tuple[messages.Message, list[Any]]:
+        self, peer_id: str, header: codec.Message, tensors: list[Any]
+    ) -> tuple[codec.Message, list[Any]]:
         """Where this peer is: for joiners choosing their round, for probes, and for `noloco status`."""
         ctx = self.ctx
-        if not isinstance(header, messages.StatusRequest) or header.run_id != ctx.run_id:
+        if not isinstance(header, rpc.StatusRequest) or header.run_id != ctx.run_id:
             raise MessageError(f"expected a status request for run {ctx.run_id!r}")
         view = ctx.rounds.latest()
         rank = view.rank_of(ctx.me)[1] if view is not None and ctx.me in view.members() else 0
         loss = self.last_loss if self.last_loss is not None and math.isfinite(self.last_loss) else None
-        status = messages.PeerStatus(
+        status = rpc.PeerStatus(
             ctx.run_id,
             ctx.me,
             ctx.stage,
@@ -363,10 +366,10 @@ async def check_not_left_behind(ctx: PeerContext, t: int) -> None:
     or it waited on someone who was): if the others are already two rounds past ours, they
     have trained on without us and we are out of their views, or soon will be. Rejoin now,
     instead of sending them rows for steps they left long ago. Otherwise the steps they said
-    they are at (`Rounds.passed`) spare them our rows and weights of steps they passed."""
+    they are at (`Liveness.passed`) spare them our rows and weights of steps they passed."""
     view = ctx.view_at(t)
     others = sorted(view.members() - {ctx.me} - set(ctx.rounds.dead))
     async with asyncio.TaskGroup() as group:
         probes = [group.create_task(ctx.rounds.probe(p)) for p in others]
-    steps = [s.step for probe in probes if isinstance(s := probe.result(), messages.PeerStatus)]
+    steps = [s.step for probe in probes if isinstance(s := probe.result(), rpc.PeerStatus)]
     raise_if_left_behind(t, view.round, ctx.clock, steps)

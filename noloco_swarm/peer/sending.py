@@ -26,12 +26,13 @@ import torch
 
 from noloco_swarm.peer import carry, events
 from noloco_swarm.peer.context import PeerContext
-from noloco_swarm.peer.streams import PeerUnavailable, RemoteRefused, StreamClosed, StreamTruncated
+from noloco_swarm.peer.net.streams import PeerUnavailable, RemoteRefused, StreamClosed, StreamTruncated
 from noloco_swarm.protocol import plausible, routing, wire
+from noloco_swarm.protocol.codec import MessageError, TensorMeta
 from noloco_swarm.protocol.membership import MembershipView
-from noloco_swarm.protocol.messages import BackwardHeader, ForwardHeader, MessageError, TensorMeta
 from noloco_swarm.protocol.plan import Row
 from noloco_swarm.protocol.plausible import Implausible
+from noloco_swarm.protocol.rpc import BackwardHeader, ForwardHeader
 
 logger = logging.getLogger(__name__)
 # batch rows, their gradients, losses, and which of them (indices into the rows) were lost further on

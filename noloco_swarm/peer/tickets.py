@@ -22,8 +22,8 @@ from pathlib import Path
 from cryptography.exceptions import UnsupportedAlgorithm
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 
-from noloco_swarm.peer.streams import Refused
-from noloco_swarm.protocol import messages
+from noloco_swarm.peer.net.streams import Refused
+from noloco_swarm.protocol import codec, records
 
 OPEN_VERBS = ("rpc_status",)  # served to anyone, ticket or not
 REFRESH_PERIOD = 2.0  # seconds: an unknown caller re-reads the directory at most this often
@@ -38,13 +38,13 @@ def public_key_text(key: RSAPrivateKey) -> str:
     return key.get_public_key().to_bytes().decode()
 
 
-def issue(authority: RSAPrivateKey, run_id: str, peer_id: str, expires: float) -> messages.JoinTicket:
+def issue(authority: RSAPrivateKey, run_id: str, peer_id: str, expires: float) -> records.JoinTicket:
     """A ticket letting `peer_id` serve in `run_id` until `expires` (unix seconds)."""
-    unsigned = messages.JoinTicket(run_id, peer_id, expires)
-    return messages.JoinTicket(run_id, peer_id, expires, authority.sign(unsigned.signed_bytes()))
+    unsigned = records.JoinTicket(run_id, peer_id, expires)
+    return records.JoinTicket(run_id, peer_id, expires, authority.sign(unsigned.signed_bytes()))
 
 
-def check(ticket: messages.JoinTicket, authority: str, run_id: str, peer_id: str, now: float) -> None:
+def check(ticket: records.JoinTicket, authority: str, run_id: str, peer_id: str, now: float) -> None:
     """Raise TicketError unless `ticket` lets `peer_id` serve in `run_id` at time `now`."""
     if ticket.run_id != run_id:
         raise TicketError(f"the ticket is for run {ticket.run_id!r}, not {run_id!r}")
@@ -70,16 +70,16 @@ def _public_key(text: str) -> RSAPublicKey:
     return RSAPublicKey.from_bytes(text.strip().encode())  # ValueError unless an OpenSSH RSA key
 
 
-def read(path: str | Path) -> messages.JoinTicket:
+def read(path: str | Path) -> records.JoinTicket:
     """The ticket in `path` (as `noloco ticket` writes it); TicketError if it is not one."""
     try:
-        return messages.decode(Path(path).read_bytes(), messages.JoinTicket)
-    except (OSError, messages.MessageError) as e:
+        return codec.decode(Path(path).read_bytes(), records.JoinTicket)
+    except (OSError, codec.MessageError) as e:
         raise TicketError(f"{path} is not a join ticket: {e}") from e
 
 
-def write(ticket: messages.JoinTicket, path: str | Path) -> None:
-    Path(path).write_bytes(messages.encode(ticket))
+def write(ticket: records.JoinTicket, path: str | Path) -> None:
+    Path(path).write_bytes(codec.encode(ticket))
 
 
 class Gate:
@@ -102,12 +102,12 @@ class Gate:
         self._lock = asyncio.Lock()
         self._last_refresh = -float("inf")
 
-    def admit_announced(self, announcement: messages.PeerAnnouncement) -> bool:
+    def admit_announced(self, announcement: records.PeerAnnouncement) -> bool:
         """Check the ticket in `announcement`; True (and its peer admitted) if it is valid."""
         try:
-            ticket = messages.decode(announcement.ticket, messages.JoinTicket)
+            ticket = codec.decode(announcement.ticket, records.JoinTicket)
             check(ticket, self.authority, self.run_id, announcement.peer_id, self._clock())
-        except (messages.MessageError, TicketError):
+        except (codec.MessageError, TicketError):
             return False
         self.expires[announcement.peer_id] = max(self.expires.get(announcement.peer_id, 0.0), ticket.expires)
         return True
@@ -115,7 +115,7 @@ class Gate:
     def admits(self, peer_id: str) -> bool:
         return self.expires.get(peer_id, 0.0) > self._clock()
 
-    async def check(self, peer_id: str, verb: str, header: messages.Message) -> None:
+    async def check(self, peer_id: str, verb: str, header: codec.Message) -> None:
         """Raise Refused('no_ticket') unless `peer_id` may call `verb` here."""
         if verb in OPEN_VERBS or self.admits(peer_id):
             return

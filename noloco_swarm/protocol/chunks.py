@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import blake3
 import torch
 
-from noloco_swarm.protocol.messages import STATE_PARTS, StateManifest
+from noloco_swarm.protocol.rpc import STATE_PARTS, StateManifest
 
 MAX_CHUNK_BYTES = 4 << 20
 MIN_CHUNK_BYTES = 256 << 10

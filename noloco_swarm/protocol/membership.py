@@ -3,6 +3,9 @@
 Peers announce (peer id, stage) in the DHT with an expiry. At each outer-round boundary every peer
 builds this view from the live announcements; routes and groups then address replicas by rank, so
 peers that saw the same announcements derive the same decisions without further messages.
+
+Every margin, in rounds, that decides when a peer enters, leaves or is left behind is in the
+table below, once; tests/unit/test_membership_margins.py ties them together.
 """
 
 from __future__ import annotations
@@ -10,6 +13,24 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+
+# ---------------------------------------------------------------- the margins, in rounds
+# A joiner enters this many rounds after the round of the furthest step it hears of, so that every
+# member has read its announcement before that boundary (peers read the DHT at different times).
+JOIN_MARGIN_ROUNDS = 2
+# A joiner whose announcement the swarm outpaced aims at most this many rounds further.
+JOIN_RETRY_ROUNDS = 1
+# A member is left behind (out of the views, or soon) once another member is this many rounds past
+# its round: one round apart is normal (a replica trains on until it needs our outer exchange).
+LEFT_BEHIND_ROUNDS = 2
+# A donor serves state for rounds at most this far past its own: a joiner's margin and retry,
+# counted from a furthest member that may be a round ahead of the donor without leaving it behind.
+DONOR_WINDOW_ROUNDS = JOIN_MARGIN_ROUNDS + JOIN_RETRY_ROUNDS + LEFT_BEHIND_ROUNDS - 1
+# A gone report of round r drops its peer from the view of round r + REPORT_LAG_ROUNDS: one
+# boundary late, so that every member has read the report by then (as with joiners).
+REPORT_LAG_ROUNDS = 2
+# Views a peer keeps: a request may name the round before ours or the next one.
+KEEP_ROUNDS = 3
 
 
 @dataclass(frozen=True)
@@ -124,7 +145,7 @@ def next_view(
         listed.setdefault(item.peer, item)
 
     def reported(peer: str, joined_round: int) -> bool:
-        return any(joined_round <= r < current.round for r in gone.get(peer, ()))
+        return any(joined_round <= r <= nxt - REPORT_LAG_ROUNDS for r in gone.get(peer, ()))
 
     pairs = []
     for stage, peers in enumerate(current.stages):
@@ -140,6 +161,22 @@ def next_view(
         if joins_now and 0 <= item.stage < current.num_stages and not reported(item.peer, item.joined_round):
             pairs.append((item.peer, item.stage))
     return MembershipView.from_announcements(nxt, current.num_stages, pairs)
+
+
+def founders(listings: Iterable[Listing], num_stages: int) -> MembershipView:
+    """The view of round 0: the peers listed with `joined_round` 0 (stages outside the run ignored)."""
+    pairs = [(x.peer, x.stage) for x in listings if x.joined_round == 0 and x.stage < num_stages]
+    return MembershipView.from_announcements(0, num_stages, pairs)
+
+
+def round_zero_complete(founders: MembershipView, counts: Sequence[int]) -> bool:
+    """Every stage has its `counts[s]` founders: round 0 freezes, and a newcomer joins a later round."""
+    return all(c >= n for c, n in zip(founders.replica_counts(), counts, strict=True))
+
+
+def donor_serves(donor_round: int, round_: int) -> bool:
+    """Does a donor in `donor_round` serve a joiner's request for the state of `round_`?"""
+    return round_ <= donor_round + DONOR_WINDOW_ROUNDS
 
 
 def credible_gone(reports: Iterable[tuple[str, str, int]]) -> dict[str, set[int]]:

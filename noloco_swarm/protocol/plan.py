@@ -48,10 +48,7 @@ from dataclasses import dataclass
 
 from noloco_swarm.protocol import gossip, routing
 from noloco_swarm.protocol.clock import StepClock
-
-# A joiner announces this many rounds after the furthest step it hears of, so that every member
-# has read its announcement before that boundary (peers read the DHT at slightly different times).
-JOIN_MARGIN_ROUNDS = 2
+from noloco_swarm.protocol.membership import JOIN_MARGIN_ROUNDS
 
 # The outer updates (`OuterPlan.update`, protocol/outer.py): NoLoCo's step with the group, or
 # DiLoCo's over the whole stage, heavy-ball (the NoLoCo paper's baseline) or Nesterov (the DiLoCo

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from noloco_swarm.protocol.messages import MessageError
+from noloco_swarm.protocol.codec import MessageError
 
 REASONS = ("nonfinite", "shape", "dtype", "distance", "rms")
 # Measured between honest replicas (module docstring, bench/plausible_ratio.py): the largest

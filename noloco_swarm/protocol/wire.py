@@ -29,7 +29,7 @@ from typing import Literal
 
 import torch
 
-from noloco_swarm.protocol.messages import WIRE_DTYPES, MessageError, TensorMeta
+from noloco_swarm.protocol.codec import WIRE_DTYPES, MessageError, TensorMeta
 
 WireFormat = Literal["fp32", "bf16", "int8"]
 FORMATS: tuple[str, ...] = tuple(WIRE_DTYPES)

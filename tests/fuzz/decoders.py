@@ -16,47 +16,48 @@ import torch
 from hypothesis import strategies as st
 
 from noloco_swarm.peer import checkpoint, events
-from noloco_swarm.protocol import chunks, wire
-from noloco_swarm.protocol import messages as m
+from noloco_swarm.protocol import chunks, codec, records, rpc, wire
 from noloco_swarm.train import layering
 from tests.fuzz.target import INTS, VALUES, Target, mutated_bytes
 
-ACT = m.TensorMeta((2, 16, 32), "float32")
-TOK = m.TensorMeta((2, 16), "int64")
-Q8 = m.TensorMeta((2, 16, 32), "int8")
-SCALE = m.TensorMeta((2, 16), "float32")
+ACT = codec.TensorMeta((2, 16, 32), "float32")
+TOK = codec.TensorMeta((2, 16), "int64")
+Q8 = codec.TensorMeta((2, 16, 32), "int8")
+SCALE = codec.TensorMeta((2, 16), "float32")
 HASH = "ab" * 32
 
 # One valid instance of every message class (two where an optional part changes the checks).
-EXAMPLES: list[m.Message] = [
-    m.RunManifest.create("run-1", {"model.preset": "tiny", "outer.inner_steps": 50}),
-    m.PeerAnnouncement("run-1", "12D3KooWabc", 1, 4, ("/ip4/127.0.0.1/tcp/4001",), "cuda", 9),
-    m.PeerAnnouncement("run-1", "12D3KooWabc", 1, 4, (), "cpu", 9, b"\x83\xa1v\x02"),
-    m.GoneReport("run-1", "12D3KooWabc", "12D3KooWdef", 3),
-    m.JoinTicket("run-1", "12D3KooWabc", 1.8e9, b"c2lnbmF0dXJl"),
-    m.ForwardHeader("run-1", 2, 117, 0, 3, (936, 937), ACT, TOK, "v" * 8),
-    m.ForwardHeader("run-1", 2, 117, 0, 3, (936, 937), Q8, TOK, "", SCALE),
-    m.BackwardHeader("run-1", 2, 117, 0, 1, (936, 937), ACT, (3.5, 4.25)),
-    m.BackwardHeader("run-1", 2, 117, 0, 1, (936, 937), Q8, (), SCALE),
-    m.ExchangeHeader("run-1", 2, 150, 1, 0, ("theta", "phi"), m.TensorMeta((1000,), "float32"), 1 << 20),
-    m.StateRequest("run-1", 1, 7),
-    m.StateManifest("run-1", 1, 7, 70, (("a", "b"), ("c",)), 70, HASH, 9, 4, (HASH,) * 12),
-    m.ChunkRequest("run-1", 1, 7, HASH, 11),
-    m.StateChunk("run-1", 1, 7, HASH, 11, m.TensorMeta((4,), "float32")),
-    m.StatusRequest("run-1"),
-    m.PeerStatus("run-1", "12D3KooWabc", 0, 71, 7, 1, 7, 9088, 4.5, True, 70),
-    m.ErrorReply("busy", "try again next round"),
-    m.Ack("received"),
-    m.Envelope("rpc_forward", b"\x81\xa1v\x02", (ACT, TOK)),
-    m.EvalHeader("run-1", 40, 0, 1, 3, ACT, TOK),
-    m.EvalReply((3.5, 4.0)),
+EXAMPLES: list[codec.Message] = [
+    records.RunManifest.create("run-1", {"model.preset": "tiny", "outer.inner_steps": 50}),
+    records.PeerAnnouncement("run-1", "12D3KooWabc", 1, 4, ("/ip4/127.0.0.1/tcp/4001",), "cuda", 9),
+    records.PeerAnnouncement("run-1", "12D3KooWabc", 1, 4, (), "cpu", 9, b"\x83\xa1v\x02"),
+    records.GoneReport("run-1", "12D3KooWabc", "12D3KooWdef", 3),
+    records.JoinTicket("run-1", "12D3KooWabc", 1.8e9, b"c2lnbmF0dXJl"),
+    rpc.ForwardHeader("run-1", 2, 117, 0, 3, (936, 937), ACT, TOK, "v" * 8),
+    rpc.ForwardHeader("run-1", 2, 117, 0, 3, (936, 937), Q8, TOK, "", SCALE),
+    rpc.BackwardHeader("run-1", 2, 117, 0, 1, (936, 937), ACT, (3.5, 4.25)),
+    rpc.BackwardHeader("run-1", 2, 117, 0, 1, (936, 937), Q8, (), SCALE),
+    rpc.ExchangeHeader(
+        "run-1", 2, 150, 1, 0, ("theta", "phi"), codec.TensorMeta((1000,), "float32"), 1 << 20
+    ),
+    rpc.StateRequest("run-1", 1, 7),
+    rpc.StateManifest("run-1", 1, 7, 70, (("a", "b"), ("c",)), 70, HASH, 9, 4, (HASH,) * 12),
+    rpc.ChunkRequest("run-1", 1, 7, HASH, 11),
+    rpc.StateChunk("run-1", 1, 7, HASH, 11, codec.TensorMeta((4,), "float32")),
+    rpc.StatusRequest("run-1"),
+    rpc.PeerStatus("run-1", "12D3KooWabc", 0, 71, 7, 1, 7, 9088, 4.5, True, 70),
+    rpc.ErrorReply("busy", "try again next round"),
+    rpc.Ack("received"),
+    rpc.Envelope("rpc_forward", b"\x81\xa1v\x02", (ACT, TOK)),
+    rpc.EvalHeader("run-1", 40, 0, 1, 3, ACT, TOK),
+    rpc.EvalReply((3.5, 4.0)),
 ]
 TAGS = sorted({type(e).TAG for e in EXAMPLES})
-assert set(TAGS) == set(m._REGISTRY), "every message class needs an example here"
+assert set(TAGS) == set(codec._REGISTRY), "every message class needs an example here"
 
 
-def body_of(message: m.Message) -> dict[str, Any]:
-    return msgpack.unpackb(m.encode(message))["b"]
+def body_of(message: codec.Message) -> dict[str, Any]:
+    return msgpack.unpackb(codec.encode(message))["b"]
 
 
 @st.composite
@@ -73,9 +74,9 @@ def message_bytes(draw: st.DrawFn, tag: str) -> bytes:
     elif how == "add":
         body[draw(st.text(max_size=8))] = draw(VALUES)
     if how == "bytes":
-        return draw(mutated_bytes(m.encode(base)))
+        return draw(mutated_bytes(codec.encode(base)))
     wrapper = {
-        "v": draw(VALUES) if how == "version" else m.PROTOCOL_VERSION,
+        "v": draw(VALUES) if how == "version" else codec.PROTOCOL_VERSION,
         "t": draw(st.sampled_from(TAGS)) if how == "tag" else tag,
         "b": body,
     }
@@ -85,11 +86,11 @@ def message_bytes(draw: st.DrawFn, tag: str) -> bytes:
 def check_decode(data: bytes) -> None:
     """decode: a valid message that round-trips, or MessageError."""
     try:
-        message = m.decode(data)
-    except m.MessageError:
+        message = codec.decode(data)
+    except codec.MessageError:
         return
-    assert isinstance(message, m.Message)
-    assert m.decode(m.encode(message), type(message)) == message
+    assert isinstance(message, codec.Message)
+    assert codec.decode(codec.encode(message), type(message)) == message
 
 
 def message_target(tag: str) -> Target:
@@ -105,14 +106,14 @@ def message_target(tag: str) -> Target:
 # -- tensors -------------------------------------------------------------------------------------
 
 SMALL_METAS = st.builds(
-    m.TensorMeta,
+    codec.TensorMeta,
     shape=st.lists(st.integers(0, 5), max_size=3).map(tuple),
-    dtype=st.sampled_from(sorted(m._DTYPES)),
+    dtype=st.sampled_from(sorted(codec._DTYPES)),
 )
 
 
 @st.composite
-def tensor_payloads(draw: st.DrawFn) -> tuple[m.TensorMeta, bytes, bool]:
+def tensor_payloads(draw: st.DrawFn) -> tuple[codec.TensorMeta, bytes, bool]:
     meta = draw(SMALL_METAS)
     size = draw(st.one_of(st.just(meta.nbytes), st.integers(0, meta.nbytes + 16)))
     filler = draw(st.sampled_from([b"\x00", b"\xff", b"\x7f\x80\x00\x00", b"\x01\x02"]))
@@ -120,14 +121,14 @@ def tensor_payloads(draw: st.DrawFn) -> tuple[m.TensorMeta, bytes, bool]:
     return meta, payload, draw(st.booleans())
 
 
-def check_decode_tensor(args: tuple[m.TensorMeta, bytes, bool]) -> None:
+def check_decode_tensor(args: tuple[codec.TensorMeta, bytes, bool]) -> None:
     """decode_tensor: a tensor of the meta's shape and dtype (finite if asked), or MessageError."""
     meta, payload, finite = args
     try:
-        tensor = m.decode_tensor(meta, payload, finite=finite)
-    except m.MessageError:
+        tensor = codec.decode_tensor(meta, payload, finite=finite)
+    except codec.MessageError:
         return
-    assert m.TensorMeta.of(tensor) == meta
+    assert codec.TensorMeta.of(tensor) == meta
     if finite and tensor.is_floating_point():
         assert bool(torch.isfinite(tensor).all())
 
@@ -179,7 +180,7 @@ def check_wire_decode(args: tuple[list[torch.Tensor], str, tuple[int, ...] | Non
     parts, fmt, shape, check_finite = args
     try:
         out = wire.decode(parts, fmt, shape, check_finite=check_finite)
-    except m.MessageError:
+    except codec.MessageError:
         return
     except ValueError:
         assert fmt not in wire.FORMATS, "ValueError for a valid format"
@@ -197,14 +198,14 @@ DIGESTS = ["0" * 64, "1" * 64, "2" * 64]
 
 
 @st.composite
-def chunk_plans(draw: st.DrawFn) -> tuple[dict[str, m.StateManifest], list[str], list[tuple[Any, ...]]]:
+def chunk_plans(draw: st.DrawFn) -> tuple[dict[str, rpc.StateManifest], list[str], list[tuple[Any, ...]]]:
     """Manifests from 1-3 donors (layouts and hashes that agree or not), then what the donors do."""
     manifests = {}
     for donor in draw(st.lists(st.sampled_from("abc"), min_size=1, max_size=3, unique=True)):
         numel, elements = draw(st.integers(1, 12)), draw(st.integers(1, 6))
         count = len(chunks.layout(numel, elements))
         hashes = tuple(draw(st.lists(st.sampled_from(DIGESTS), min_size=count, max_size=count)))
-        manifests[donor] = m.StateManifest(
+        manifests[donor] = rpc.StateManifest(
             "run-1", 0, 1, 10, (("a", "b", "c"),), 10, HASH, numel, elements, hashes
         )
     preference = draw(st.permutations([*manifests, "ghost"]))
@@ -223,7 +224,7 @@ def chunk_plans(draw: st.DrawFn) -> tuple[dict[str, m.StateManifest], list[str],
     return manifests, preference, ops
 
 
-def check_chunk_plan(args: tuple[dict[str, m.StateManifest], list[str], list[tuple[Any, ...]]]) -> None:
+def check_chunk_plan(args: tuple[dict[str, rpc.StateManifest], list[str], list[tuple[Any, ...]]]) -> None:
     """ChunkPlan: any sequence of donor answers (any index, any hash) keeps it consistent: what it
     holds matches the target's manifest, and it finishes only with every chunk held."""
     manifests, preference, ops = args

@@ -1,5 +1,5 @@
 """Fuzz targets where bytes come in from the network: the frame reader (preamble, envelope,
-announced tensors) and every RPC handler behind `Server.on_stream` (peer/serving.py), fed from an
+announced tensors) and every RPC handler behind `Server.on_stream` (peer/net/serving.py), fed from an
 asyncio.StreamReader in-process, with no daemon."""
 
 from __future__ import annotations
@@ -17,18 +17,19 @@ from unittest import mock
 import torch
 from hypothesis import strategies as st
 
-from noloco_swarm.peer import streams
 from noloco_swarm.peer.context import PeerContext
 from noloco_swarm.peer.donors import Snapshot
 from noloco_swarm.peer.evaluation import Evaluation
 from noloco_swarm.peer.events import Events
-from noloco_swarm.peer.exchange import ByteLedger, ExchangeBoard
+from noloco_swarm.peer.exchange.board import ExchangeBoard
+from noloco_swarm.peer.exchange.ledger import ByteLedger
 from noloco_swarm.peer.inner import InnerSteps
 from noloco_swarm.peer.joining import Joining
-from noloco_swarm.peer.rounds import Rounds
+from noloco_swarm.peer.net import streams
+from noloco_swarm.peer.net.transport import Transport
 from noloco_swarm.peer.runtime import Peer
-from noloco_swarm.peer.transport import Transport
-from noloco_swarm.protocol import messages as m
+from noloco_swarm.peer.views import Rounds
+from noloco_swarm.protocol import codec, rpc
 from noloco_swarm.protocol.membership import MembershipView
 from noloco_swarm.train.layering import build_config
 from tests.fuzz.decoders import EXAMPLES, HASH, message_bytes
@@ -44,14 +45,16 @@ T = TypeVar("T")
 # TensorMeta's own limit: 128 GiB of int64).
 METAS = st.one_of(
     st.builds(
-        m.TensorMeta, st.lists(st.integers(0, 40), max_size=3).map(tuple), st.sampled_from(sorted(m._DTYPES))
+        codec.TensorMeta,
+        st.lists(st.integers(0, 40), max_size=3).map(tuple),
+        st.sampled_from(sorted(codec._DTYPES)),
     ),
     st.sampled_from(
         [
-            m.TensorMeta((1 << 34,), "int64"),
-            m.TensorMeta((1 << 17, 1 << 17), "float32"),
-            m.TensorMeta((MAX_FRAME // 4 + 1,), "float32"),
-            m.TensorMeta((MAX_FRAME // 4,), "float32"),
+            codec.TensorMeta((1 << 34,), "int64"),
+            codec.TensorMeta((1 << 17, 1 << 17), "float32"),
+            codec.TensorMeta((MAX_FRAME // 4 + 1,), "float32"),
+            codec.TensorMeta((MAX_FRAME // 4,), "float32"),
         ]
     ),
 )
@@ -72,17 +75,17 @@ def _often(draw: st.DrawFn, percent: int) -> bool:
 
 
 @st.composite
-def frame_bytes(draw: st.DrawFn, verbs: tuple[str, ...], headers: list[m.Message]) -> bytes:
+def frame_bytes(draw: st.DrawFn, verbs: tuple[str, ...], headers: list[codec.Message]) -> bytes:
     """One frame: magic, length, envelope (a header as its verb's handler expects it, or another
     verb's, or a mutated one; its declared tensors or others, huge ones included), payload (valid
     values, NaN, garbage; short or long); or its bytes edited. Mostly valid, so that the handlers
     behind the reader see requests that pass the frame's checks."""
     header = draw(st.sampled_from(headers))
     verb = VERB_OF.get(header.TAG, "reply") if _often(draw, 70) else draw(st.sampled_from(verbs))
-    encoded_header = m.encode(header) if _often(draw, 75) else draw(message_bytes(header.TAG))
+    encoded_header = codec.encode(header) if _often(draw, 75) else draw(message_bytes(header.TAG))
     declared = streams.declared_tensors(header) or ()
     metas = declared if _often(draw, 75) else tuple(draw(st.lists(METAS, max_size=3)))
-    envelope = m.encode(m.Envelope(verb, encoded_header, metas))
+    envelope = codec.encode(rpc.Envelope(verb, encoded_header, metas))
     length = len(envelope) if _often(draw, 85) else draw(INTS) % 2**32
     wanted = min(sum(meta.nbytes for meta in metas), 1 << 16)
     size = wanted if _often(draw, 75) else draw(st.integers(0, wanted + 64))
@@ -143,7 +146,7 @@ def run_fed(data: bytes, cuts: list[int], consume: Callable[[asyncio.StreamReade
 
 async def read_frame(
     reader: asyncio.StreamReader, max_bytes: int
-) -> tuple[m.Envelope, m.Message, list[torch.Tensor]]:
+) -> tuple[rpc.Envelope, codec.Message, list[torch.Tensor]]:
     counts = streams.ByteCounts()
     envelope = await streams.read_envelope(reader, counts)
     header = streams.open_envelope(envelope, max_bytes)
@@ -160,7 +163,7 @@ def check_frame(args: tuple[bytes, list[int]]) -> None:
         with allocations() as sizes:
             try:
                 envelope, header, tensors = run_fed(data, cuts, lambda r: read_frame(r, MAX_FRAME))
-            except (m.MessageError, streams.StreamClosed):
+            except (codec.MessageError, streams.StreamClosed):
                 return
             finally:
                 peak = tracemalloc.get_traced_memory()[1]
@@ -168,7 +171,7 @@ def check_frame(args: tuple[bytes, list[int]]) -> None:
                 assert peak <= (1 << 20) + 8 * len(data), f"peak Python allocation {peak} bytes"
     finally:
         tracemalloc.stop()
-    assert tuple(m.TensorMeta.of(t) for t in tensors) == envelope.tensors
+    assert tuple(codec.TensorMeta.of(t) for t in tensors) == envelope.tensors
     declared = streams.declared_tensors(header)
     assert declared is None or declared == envelope.tensors
     assert all(bool(torch.isfinite(t).all()) for t in tensors if t.is_floating_point())
@@ -233,7 +236,7 @@ def rig() -> tuple[Transport, PeerContext]:
     evaluation = Evaluation(ctx, inner)
     evaluation.trained.set()
     joining = Joining(ctx, ByteLedger(transport), announce=lambda: asyncio.sleep(0, True))
-    parts = {p: torch.arange(10, dtype=torch.float32) for p in m.STATE_PARTS}
+    parts = {p: torch.arange(10, dtype=torch.float32) for p in rpc.STATE_PARTS}
     joining.snapshots[0] = Snapshot.take(parts, 3, HASH, VIEW, 4, chunk_bytes=16)
     status = SimpleNamespace(
         ctx=ctx,
@@ -250,24 +253,28 @@ def rig() -> tuple[Transport, PeerContext]:
 
 
 @functools.cache
-def _requests() -> list[m.Message]:
+def _requests() -> list[codec.Message]:
     """Requests every handler would serve, as a caller of the rig's view sends them."""
     transport, ctx = rig()
     cfg, digest = ctx.cfg, VIEW.digest()
-    acts = m.TensorMeta((2, 4, cfg.model.hidden_size), "float32")
-    tokens = m.TensorMeta((2, 4), "int64")
+    acts = codec.TensorMeta((2, 4, cfg.model.hidden_size), "float32")
+    tokens = codec.TensorMeta((2, 4), "int64")
     joining = transport._server.handlers["rpc_fetch_chunk"].__self__  # type: ignore[attr-defined]
     served, other = joining.snapshots[0].digest, "cd" * 32
     return [
-        m.ForwardHeader(cfg.peer.run_id, 0, 4, 0, 0, (8, 9), acts, tokens, digest),
-        m.ForwardHeader(cfg.peer.run_id, 0, 5, 0, 0, (10, 11), acts, tokens, digest),
-        m.EvalHeader(cfg.peer.run_id, 4, 0, 0, 0, acts, tokens),
-        m.StateRequest(cfg.peer.run_id, 1, 0),
-        m.ChunkRequest(cfg.peer.run_id, 1, 0, served, 3),
-        m.ChunkRequest(cfg.peer.run_id, 1, 0, other, 0),
-        m.StatusRequest(cfg.peer.run_id),
-        m.ExchangeHeader(cfg.peer.run_id, 0, 4, 1, 0, ("theta",), m.TensorMeta((8,), "float32"), 1 << 20),
-        m.ExchangeHeader(cfg.peer.run_id, 0, 8, 1, 0, ("theta",), m.TensorMeta((8,), "float32"), 1 << 20),
+        rpc.ForwardHeader(cfg.peer.run_id, 0, 4, 0, 0, (8, 9), acts, tokens, digest),
+        rpc.ForwardHeader(cfg.peer.run_id, 0, 5, 0, 0, (10, 11), acts, tokens, digest),
+        rpc.EvalHeader(cfg.peer.run_id, 4, 0, 0, 0, acts, tokens),
+        rpc.StateRequest(cfg.peer.run_id, 1, 0),
+        rpc.ChunkRequest(cfg.peer.run_id, 1, 0, served, 3),
+        rpc.ChunkRequest(cfg.peer.run_id, 1, 0, other, 0),
+        rpc.StatusRequest(cfg.peer.run_id),
+        rpc.ExchangeHeader(
+            cfg.peer.run_id, 0, 4, 1, 0, ("theta",), codec.TensorMeta((8,), "float32"), 1 << 20
+        ),
+        rpc.ExchangeHeader(
+            cfg.peer.run_id, 0, 8, 1, 0, ("theta",), codec.TensorMeta((8,), "float32"), 1 << 20
+        ),
     ]
 
 
@@ -288,7 +295,7 @@ def inbound(draw: st.DrawFn) -> tuple[str, bytes, list[int]]:
     """Who calls (mostly the peer the handler serves), and the bytes of its request frame."""
     headers = _requests() if _often(draw, 80) else EXAMPLES
     data = draw(frame_bytes(VERBS, headers)) if _often(draw, 85) else draw(FRAMES)
-    tag = next((h.TAG for h in headers if m.encode(h) in data), "")
+    tag = next((h.TAG for h in headers if codec.encode(h) in data), "")
     usual = {
         "forward": CALLER,
         "eval": CALLER,
@@ -318,19 +325,19 @@ def check_inbound(args: tuple[str, bytes, list[int]]) -> None:
     answers = run_fed(bytes(writer.data), [], _frames)
     assert answers, "a request went unanswered"
     for envelope, header in answers:
-        assert envelope.verb == m.REPLY_VERB
-        assert not (isinstance(header, m.ErrorReply) and header.code == "internal"), header.reason
-    assert not any(isinstance(h, m.ErrorReply) for _, h in answers[:-1]), "answered after a refusal"
+        assert envelope.verb == rpc.REPLY_VERB
+        assert not (isinstance(header, rpc.ErrorReply) and header.code == "internal"), header.reason
+    assert not any(isinstance(h, rpc.ErrorReply) for _, h in answers[:-1]), "answered after a refusal"
     further = answers[1:]
-    if further and further[0][1] == m.Ack("received"):
+    if further and further[0][1] == rpc.Ack("received"):
         assert len(answers) == 2, "answered after an exchange's confirmation"
     elif further:  # answers to the requests that followed a whole first frame, one byte or more each
         start = streams._PREAMBLE + int.from_bytes(data[len(streams.MAGIC) : streams._PREAMBLE], "big")
-        first = start + m.decode(data[streams._PREAMBLE : start], m.Envelope).nbytes
+        first = start + codec.decode(data[streams._PREAMBLE : start], rpc.Envelope).nbytes
         assert len(further) <= len(data) - first, f"{len(further)} answers to {len(data) - first} more bytes"
 
 
-async def _frames(reader: asyncio.StreamReader) -> list[tuple[m.Envelope, m.Message]]:
+async def _frames(reader: asyncio.StreamReader) -> list[tuple[rpc.Envelope, codec.Message]]:
     """Every frame the server wrote, read as a caller reads them, until the stream ends."""
     out = []
     while True:

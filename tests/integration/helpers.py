@@ -14,7 +14,7 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from noloco_swarm.harness.local import end_group
-from noloco_swarm.peer.lifetime import parent_death_signal
+from noloco_swarm.peer.net.lifetime import parent_death_signal
 
 MADDR = re.compile(r"(/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+)")
 

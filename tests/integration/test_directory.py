@@ -16,8 +16,8 @@ from hivemind.utils import get_dht_time
 
 from noloco_swarm.peer import directory
 from noloco_swarm.peer.directory import ManifestMismatchError, RunDirectory, gone_key, manifest_key, peers_key
-from noloco_swarm.peer.node import NetworkConfig, reachability, start_dht
-from noloco_swarm.protocol import messages
+from noloco_swarm.peer.net.node import NetworkConfig, reachability, start_dht
+from noloco_swarm.protocol import codec, records
 from noloco_swarm.protocol.membership import Listing, MembershipView, next_view
 from noloco_swarm.train.config import RunConfig
 from tests.integration.helpers import p2pd_descendants, process_group
@@ -65,8 +65,8 @@ def me(dht: DHT) -> str:
     return str(dht.peer_id)
 
 
-def manifest(run_id: str, **overrides: object) -> messages.RunManifest:
-    return messages.RunManifest.create(run_id, RunConfig.create("tiny", "noloco", **overrides).manifest())
+def manifest(run_id: str, **overrides: object) -> records.RunManifest:
+    return records.RunManifest.create(run_id, RunConfig.create("tiny", "noloco", **overrides).manifest())
 
 
 def test_manifest_publish_join_and_mismatch(two_peers: tuple[DHT, DHT], stranger: DHT) -> None:
@@ -87,24 +87,22 @@ def test_manifest_publish_join_and_mismatch(two_peers: tuple[DHT, DHT], stranger
     assert joiner.join_manifest(mine, new_run=False) == mine
     # Under the creator's mark, unsigned: our nodes refuse it (hivemind's bootstrap node here
     # checks nothing, so the store may "succeed" there) and every reader checks every answer.
-    stranger.store(
-        manifest_key("run-m"), messages.encode(other), get_dht_time() + 600, subkey=a.identity.mark
-    )
+    stranger.store(manifest_key("run-m"), codec.encode(other), get_dht_time() + 600, subkey=a.identity.mark)
     assert dict(joiner.manifests())[me(a)] == mine
 
 
 def test_announcements_build_the_same_view_everywhere(two_peers: tuple[DHT, DHT], stranger: DHT) -> None:
     a, b = two_peers
     da, db, late = RunDirectory(a, "run-v"), RunDirectory(b, "run-v"), RunDirectory(stranger, "run-v")
-    assert da.announce(messages.PeerAnnouncement("run-v", me(a), 1, 0))
-    assert db.announce(messages.PeerAnnouncement("run-v", me(b), 0, 0))
-    assert late.announce(messages.PeerAnnouncement("run-v", me(stranger), 0, 3))
+    assert da.announce(records.PeerAnnouncement("run-v", me(a), 1, 0))
+    assert db.announce(records.PeerAnnouncement("run-v", me(b), 0, 0))
+    assert late.announce(records.PeerAnnouncement("run-v", me(stranger), 0, 3))
     with pytest.raises(ValueError, match="announces only itself"):
-        da.announce(messages.PeerAnnouncement("run-v", me(b), 0, 0))
+        da.announce(records.PeerAnnouncement("run-v", me(b), 0, 0))
     # Garbage, and forged announcements of b (far round, an hour's expiry, as the attack in issue
     # 10): unsigned under b's plain id; signed by a but speaking for b; under b's mark, unsigned.
     a.store(peers_key("run-v"), b"\x00garbage", get_dht_time() + 30, subkey=a.identity.owned("mallory"))
-    forged = messages.encode(messages.PeerAnnouncement("run-v", me(b), 0, 1000))
+    forged = codec.encode(records.PeerAnnouncement("run-v", me(b), 0, 1000))
     assert a.store(peers_key("run-v"), forged, get_dht_time() + 3600, subkey=me(b))
     assert a.store(peers_key("run-v"), forged, get_dht_time() + 3600, subkey=a.identity.owned(me(b)))
     a.store(peers_key("run-v"), forged, get_dht_time() + 3600, subkey=b.identity.owned(me(b)))  # see above
@@ -130,21 +128,19 @@ def test_announcements_build_the_same_view_everywhere(two_peers: tuple[DHT, DHT]
 def test_gone_reports_are_shared_and_only_members_count(two_peers: tuple[DHT, DHT], stranger: DHT) -> None:
     a, b = two_peers
     da, db, ds = RunDirectory(a, "run-g"), RunDirectory(b, "run-g"), RunDirectory(stranger, "run-g")
-    assert da.report_gone(messages.GoneReport("run-g", "crashed", me(a), 4))
+    assert da.report_gone(records.GoneReport("run-g", "crashed", me(a), 4))
     # another member saw the same death a round later: both reports stay, neither replaces the other
-    assert db.report_gone(messages.GoneReport("run-g", "crashed", me(b), 5))
+    assert db.report_gone(records.GoneReport("run-g", "crashed", me(b), 5))
     with pytest.raises(ValueError, match="only as itself"):
-        da.report_gone(messages.GoneReport("run-g", "framed", me(b), 4))
+        da.report_gone(records.GoneReport("run-g", "framed", me(b), 4))
     # A stranger reports b in its own name, then in a's: unsigned, under its own mark, under a's.
-    assert ds.report_gone(messages.GoneReport("run-g", me(b), me(stranger), 4))
-    lie = messages.GoneReport("run-g", me(b), me(a), 4)
+    assert ds.report_gone(records.GoneReport("run-g", me(b), me(stranger), 4))
+    lie = records.GoneReport("run-g", me(b), me(a), 4)
     base = f"{me(b)}/{me(a)}/4"
-    assert stranger.store(gone_key("run-g"), messages.encode(lie), get_dht_time() + 30, subkey=base)
+    assert stranger.store(gone_key("run-g"), codec.encode(lie), get_dht_time() + 30, subkey=base)
     owned = stranger.identity.owned(base)
-    assert stranger.store(gone_key("run-g"), messages.encode(lie), get_dht_time() + 30, subkey=owned)
-    stranger.store(
-        gone_key("run-g"), messages.encode(lie), get_dht_time() + 30, subkey=a.identity.owned(base)
-    )
+    assert stranger.store(gone_key("run-g"), codec.encode(lie), get_dht_time() + 30, subkey=owned)
+    stranger.store(gone_key("run-g"), codec.encode(lie), get_dht_time() + 30, subkey=a.identity.owned(base))
     a.store(gone_key("run-g"), b"\x01junk", get_dht_time() + 30, subkey=a.identity.owned("junk"))
     members = {me(a), me(b), "crashed"}
     assert db.read_gone() == {"crashed": {4, 5}, me(b): {4}}  # the stranger's report, in its name
@@ -154,7 +150,7 @@ def test_gone_reports_are_shared_and_only_members_count(two_peers: tuple[DHT, DH
     )
     assert db.read_peers().announcements == []  # reports are not announcements
     # A boundary reads both keys in one lookup, and finds what the two reads find.
-    assert da.announce(messages.PeerAnnouncement("run-g", me(a), 0, 0))
+    assert da.announce(records.PeerAnnouncement("run-g", me(a), 0, 0))
     peers, reports = db.read_both()
     assert peers == db.read_peers() and [x.peer_id for x in peers.announcements] == [me(a)]
     assert sorted(reports) == sorted(db.read_reports())
@@ -163,7 +159,7 @@ def test_gone_reports_are_shared_and_only_members_count(two_peers: tuple[DHT, DH
 def test_announcements_expire(two_peers: tuple[DHT, DHT]) -> None:
     a, b = two_peers
     short = RunDirectory(a, "run-x", ttl=2.0)
-    assert short.announce(messages.PeerAnnouncement("run-x", me(a), 0, 0))
+    assert short.announce(records.PeerAnnouncement("run-x", me(a), 0, 0))
     assert [x.peer_id for x in RunDirectory(b, "run-x").read_peers().announcements] == [me(a)]
     time.sleep(3.0)
     assert RunDirectory(b, "run-x").read_peers().announcements == []
@@ -234,12 +230,12 @@ def test_a_directory_over_a_node_on_the_peers_own_loop(bootstrap: str, two_peers
 
     from hivemind.p2p import P2P
 
-    from noloco_swarm.peer import identity
-    from noloco_swarm.peer.node import LoopDHT
+    from noloco_swarm.peer.net import identity
+    from noloco_swarm.peer.net.node import LoopDHT
 
     a, _ = two_peers
     theirs = RunDirectory(a, "loop-run")
-    theirs.announce(messages.PeerAnnouncement("loop-run", a.identity.peer_id, 0, 0, ("/ip4/1.2.3.4/tcp/1",)))
+    theirs.announce(records.PeerAnnouncement("loop-run", a.identity.peer_id, 0, 0, ("/ip4/1.2.3.4/tcp/1",)))
 
     async def main() -> tuple[set[str], set[str]]:
         with identity.identity_file(None) as (path, _):  # a fresh key, as a new peer's
@@ -249,9 +245,7 @@ def test_a_directory_over_a_node_on_the_peers_own_loop(bootstrap: str, two_peers
             dht = await LoopDHT.create(p2p, [bootstrap], me)
             try:
                 ours = RunDirectory(dht, "loop-run")
-                announcement = messages.PeerAnnouncement(
-                    "loop-run", me.peer_id, 1, 0, ("/ip4/1.2.3.5/tcp/2",)
-                )
+                announcement = records.PeerAnnouncement("loop-run", me.peer_id, 1, 0, ("/ip4/1.2.3.5/tcp/2",))
                 assert await asyncio.to_thread(ours.announce, announcement)
                 seen_by_us = {x.peer_id for x in (await asyncio.to_thread(ours.read_peers)).announcements}
                 seen_by_them = {x.peer_id for x in (await asyncio.to_thread(theirs.read_peers)).announcements}

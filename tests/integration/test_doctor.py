@@ -17,8 +17,8 @@ from hivemind.utils import get_dht_time
 from noloco_swarm.cli.flags import resolve_args
 from noloco_swarm.cli.main import JOIN_DEFAULTS, parser
 from noloco_swarm.peer.directory import MANIFEST_TTL, RunDirectory, manifest_key
-from noloco_swarm.peer.node import start_dht
-from noloco_swarm.protocol.messages import RunManifest
+from noloco_swarm.peer.net.node import start_dht
+from noloco_swarm.protocol.records import RunManifest
 from noloco_swarm.train.config import NetworkConfig
 from tests.integration.helpers import p2pd_descendants, process_group, unread_output, unused_port
 

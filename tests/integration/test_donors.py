@@ -10,8 +10,8 @@ import torch
 
 from noloco_swarm.peer import events
 from noloco_swarm.peer.donors import Snapshot, download_state
-from noloco_swarm.peer.transport import Transport, TransportConfig
-from noloco_swarm.protocol import messages as m
+from noloco_swarm.peer.net.transport import Transport, TransportConfig
+from noloco_swarm.protocol import codec, rpc
 from noloco_swarm.protocol.membership import MembershipView
 from tests.integration.helpers import p2pd_descendants
 from tests.integration.test_transport import run, wait_until
@@ -51,11 +51,11 @@ class Donor:
         self.snapshot = Snapshot.take(parts(seed), 6, "e" * 64, VIEW, 6, CHUNK_BYTES)
         self.forge, self.die_once_fetched, self.served = set(), None, 0
 
-    async def manifest(self, peer: str, header: m.Message, _: list) -> tuple[m.Message, list]:
+    async def manifest(self, peer: str, header: codec.Message, _: list) -> tuple[codec.Message, list]:
         return self.snapshot.manifest(RUN, 0), []
 
-    async def chunk(self, peer: str, header: m.Message, _: list) -> tuple[m.Message, list]:
-        assert isinstance(header, m.ChunkRequest)
+    async def chunk(self, peer: str, header: codec.Message, _: list) -> tuple[codec.Message, list]:
+        assert isinstance(header, rpc.ChunkRequest)
         seen = self.die_once_fetched
         me = self.transport.peer_id
         if seen is not None and any(isinstance(e, events.ChunkFetched) and e.donor == me for e in seen):

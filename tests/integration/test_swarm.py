@@ -44,7 +44,7 @@ from noloco_swarm.peer.events import (
     ViewMismatch,
     of_kind,
 )
-from noloco_swarm.peer.lifetime import SOCKETS, SOCKETS_PREFIX
+from noloco_swarm.peer.net.lifetime import SOCKETS, SOCKETS_PREFIX
 from noloco_swarm.protocol import wire
 from noloco_swarm.protocol.plan import StepPlan
 from noloco_swarm.sim.engine import Simulator
@@ -383,8 +383,8 @@ async def poke_with_bad_requests(
     """Send a running stage-0 and stage-1 peer requests they must refuse; return the refusals,
     stage 0's step before and after, and what the resource limits did (`undeclared_status`,
     `flood_of_streams`)."""
-    from noloco_swarm.peer.transport import RemoteRefused, Transport
-    from noloco_swarm.protocol import messages as m
+    from noloco_swarm.peer.net.transport import RemoteRefused, Transport
+    from noloco_swarm.protocol import codec, rpc
     from noloco_swarm.protocol.membership import MembershipView
 
     addrs = {p.stage: MADDR.search(p.log.read_text()).group(1) for p in swarm.peers}  # "reachable as ..."
@@ -394,21 +394,21 @@ async def poke_with_bad_requests(
     )
     try:
 
-        async def status(peer: str) -> m.PeerStatus:
-            reply, _ = await transport.call(peer, "rpc_status", m.StatusRequest(swarm.run_id), timeout=20)
-            assert isinstance(reply, m.PeerStatus)
+        async def status(peer: str) -> rpc.PeerStatus:
+            reply, _ = await transport.call(peer, "rpc_status", rpc.StatusRequest(swarm.run_id), timeout=20)
+            assert isinstance(reply, rpc.PeerStatus)
             return reply
 
         now = await status(first)
         acts, toks = torch.zeros(1, 128, 128), torch.zeros(1, 128, dtype=torch.int64)
         stages = next(e.stages for e in of_kind(swarm.peers[0].events(), Membership))
 
-        async def forward(view: str | None) -> m.ForwardHeader:
+        async def forward(view: str | None) -> rpc.ForwardHeader:
             """Rows for the step the stage-1 peer is on (digest None: the right view's)."""
             at = await status(second)
             right = MembershipView(at.round, tuple(tuple(p) for p in stages)).digest()  # fixed membership
-            metas = m.TensorMeta.of(acts), m.TensorMeta.of(toks)
-            return m.ForwardHeader(
+            metas = codec.TensorMeta.of(acts), codec.TensorMeta.of(toks)
+            return rpc.ForwardHeader(
                 swarm.run_id, at.round, at.step, 0, 0, (at.step * 4,), *metas, view or right
             )
 
@@ -416,19 +416,19 @@ async def poke_with_bad_requests(
             "state for another stage": (
                 first,
                 "rpc_fetch_state",
-                m.StateRequest(swarm.run_id, 1, now.round),
+                rpc.StateRequest(swarm.run_id, 1, now.round),
                 [],
             ),
-            "state for a far round": (first, "rpc_fetch_state", m.StateRequest(swarm.run_id, 0, 10**6), []),
+            "state for a far round": (first, "rpc_fetch_state", rpc.StateRequest(swarm.run_id, 0, 10**6), []),
             "state it was never admitted to": (
                 first,
                 "rpc_fetch_state",
-                m.StateRequest(swarm.run_id, 0, now.round),
+                rpc.StateRequest(swarm.run_id, 0, now.round),
                 [],
             ),
             "forward with another view": (second, "rpc_forward", "x", [acts, toks]),
             "forward from a stranger": (second, "rpc_forward", None, [acts, toks]),
-            "status of another run": (first, "rpc_status", m.StatusRequest("another-run"), []),
+            "status of another run": (first, "rpc_status", rpc.StatusRequest("another-run"), []),
         }
         refusals = {}
         for name, (peer, verb, request, tensors) in cases.items():
@@ -457,7 +457,7 @@ async def raw_stream(transport, peer: str, start: bytes) -> tuple[asyncio.Stream
     stream at the remote only with its first bytes)."""
     from hivemind.p2p import PeerID
 
-    from noloco_swarm.peer.transport import PROTOCOL
+    from noloco_swarm.peer.net.transport import PROTOCOL
 
     _, reader, writer = await transport.p2p.call_binary_stream_handler(PeerID.from_base58(peer), PROTOCOL)
     writer.write(start)
@@ -469,11 +469,11 @@ async def undeclared_status(transport, run_id: str, peer: str, pid: int) -> dict
     """A status request announcing 512 MiB of tensors, whose bytes we then send until the peer
     answers (the attack of issue 10: three of these took a peer from 549 to 1941 MiB): the
     answer, the MiB sent, and how much the peer's resident memory grew meanwhile (sampled)."""
-    from noloco_swarm.peer import streams
-    from noloco_swarm.protocol import messages as m
+    from noloco_swarm.peer.net import streams
+    from noloco_swarm.protocol import codec, rpc
 
-    meta = m.TensorMeta((128 << 20,), "float32")
-    encoded = m.encode(m.Envelope("rpc_status", m.encode(m.StatusRequest(run_id)), (meta,)))
+    meta = codec.TensorMeta((128 << 20,), "float32")
+    encoded = codec.encode(rpc.Envelope("rpc_status", codec.encode(rpc.StatusRequest(run_id)), (meta,)))
     before = peak = rss_mib(pid)
     reader, writer = await raw_stream(
         transport, peer, streams.MAGIC + len(encoded).to_bytes(4, "big") + encoded
@@ -486,13 +486,13 @@ async def undeclared_status(transport, run_id: str, peer: str, pid: int) -> dict
             await writer.drain()
             sent += len(part)
             peak = max(peak, rss_mib(pid))
-        reply = m.decode((await asyncio.wait_for(answer, 60)).header)
+        reply = codec.decode((await asyncio.wait_for(answer, 60)).header)
         await asyncio.sleep(0.5)
         peak = max(peak, rss_mib(pid))
     finally:
         answer.cancel()
         writer.close()
-    code = reply.code if isinstance(reply, m.ErrorReply) else reply.TAG
+    code = reply.code if isinstance(reply, rpc.ErrorReply) else reply.TAG
     return {"512 MiB status": code, "MiB sent": sent >> 20, "RSS growth MiB": peak - before}
 
 
@@ -500,17 +500,17 @@ async def flood_of_streams(transport, swarm, peer: str, extra: int = 16) -> dict
     """From one caller, more half-open streams (a frame's first bytes, then nothing) than a peer
     serves per caller, held for a few seconds: how many were refused 'busy' at once, how many
     the peer holds, and every peer's steps before and after."""
-    from noloco_swarm.peer import streams
-    from noloco_swarm.peer.transport import TransportConfig
-    from noloco_swarm.protocol import messages as m
+    from noloco_swarm.peer.net import streams
+    from noloco_swarm.peer.net.transport import TransportConfig
+    from noloco_swarm.protocol import codec, rpc
 
     async def code(reader: asyncio.StreamReader) -> str | None:
         try:
             envelope = await asyncio.wait_for(streams.read_envelope(reader, streams.ByteCounts()), 3.0)
         except TimeoutError:
             return None
-        reply = m.decode(envelope.header)
-        return reply.code if isinstance(reply, m.ErrorReply) else reply.TAG
+        reply = codec.decode(envelope.header)
+        return reply.code if isinstance(reply, rpc.ErrorReply) else reply.TAG
 
     def steps() -> list[int]:
         return [len(of_kind(p.events(), Step)) for p in swarm.peers]

@@ -20,9 +20,10 @@ from hivemind.p2p import PeerID
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 from hivemind.utils.multiaddr import Multiaddr
 
-from noloco_swarm.peer import failpoints, lifetime, streams
-from noloco_swarm.peer.exchange import ExchangeBoard
-from noloco_swarm.peer.transport import (
+from noloco_swarm.peer import failpoints
+from noloco_swarm.peer.exchange.board import ExchangeBoard
+from noloco_swarm.peer.net import lifetime, streams
+from noloco_swarm.peer.net.transport import (
     PROTOCOL,
     Accepts,
     InboundStream,
@@ -33,7 +34,7 @@ from noloco_swarm.peer.transport import (
     TransportConfig,
     backed_off,
 )
-from noloco_swarm.protocol import messages as m
+from noloco_swarm.protocol import codec, rpc
 from tests.integration.helpers import p2pd_descendants, unused_port
 
 pytestmark = pytest.mark.integration
@@ -104,22 +105,24 @@ async def eventually(condition: Callable[[], bool], timeout: float = 5) -> bool:
 # -- server handlers -----------------------------------------------------------------------
 
 
-async def echo(peer: str, header: m.Message, tensors: list[torch.Tensor]) -> tuple[m.Message, list]:
-    return m.Ack(note=header.TAG), tensors
+async def echo(peer: str, header: codec.Message, tensors: list[torch.Tensor]) -> tuple[codec.Message, list]:
+    return rpc.Ack(note=header.TAG), tensors
 
 
-async def fetch_state(peer: str, header: m.Message, tensors: list[torch.Tensor]) -> tuple[m.Message, list]:
+async def fetch_state(
+    peer: str, header: codec.Message, tensors: list[torch.Tensor]
+) -> tuple[codec.Message, list]:
     """Misbehaves on purpose, by stage: refuse, blame the input, send NaN, send too much."""
-    assert isinstance(header, m.StateRequest)
+    assert isinstance(header, rpc.StateRequest)
     if header.stage == 0:
         raise Refused("not_ready", "no state before the first round")
     if header.stage == 1:
-        raise m.MessageError("stage 1 is not served here")
+        raise codec.MessageError("stage 1 is not served here")
     if header.stage == 2:
-        return m.Ack(), [torch.tensor([1.0, float("nan")])]
+        return rpc.Ack(), [torch.tensor([1.0, float("nan")])]
     if header.stage == 4:  # as when the server's side of the stream broke: it closes, unanswered
         raise PeerUnavailable("the stream broke under the server")
-    return m.Ack(), [torch.zeros(LIMIT // 4 + 1)]
+    return rpc.Ack(), [torch.zeros(LIMIT // 4 + 1)]
 
 
 ANY = Accepts(64, LIMIT)  # up to 64 tensors of any dtype, one frame's worth of bytes
@@ -138,8 +141,8 @@ def bits(tensor: torch.Tensor) -> torch.Tensor:
 def healthy(loop: asyncio.AbstractEventLoop, a: Transport, b: Transport) -> None:
     """b still answers a normal request."""
     x = torch.randn(1000)
-    header, (y,) = run(loop, a.call(b.peer_id, "rpc_echo", m.StateRequest("run", 0), [x], timeout=10))
-    assert header == m.Ack(note="fetch_state") and torch.equal(x, y)
+    header, (y,) = run(loop, a.call(b.peer_id, "rpc_echo", rpc.StateRequest("run", 0), [x], timeout=10))
+    assert header == rpc.Ack(note="fetch_state") and torch.equal(x, y)
 
 
 # -- tests ---------------------------------------------------------------------------------
@@ -159,15 +162,17 @@ def test_round_trip_is_bitwise_for_small_large_and_bf16(
         torch.empty(0, 4),
         torch.randn(4, 6).t(),  # not contiguous: sent as its contiguous copy
     ]
-    header, got = run(loop, a.call(b.peer_id, "rpc_echo", m.StateRequest("run", 0), sent, timeout=20))
-    assert header == m.Ack(note="fetch_state")
+    header, got = run(loop, a.call(b.peer_id, "rpc_echo", rpc.StateRequest("run", 0), sent, timeout=20))
+    assert header == rpc.Ack(note="fetch_state")
     assert len(got) == len(sent)
     for x, y in zip(sent, got, strict=True):
         assert y.dtype == x.dtype and y.shape == x.shape
         assert torch.equal(bits(x), bits(y))
 
     acts, tokens = torch.randn(2, 16, 32), torch.randint(0, 100, (2, 16))
-    forward = m.ForwardHeader("run", 0, 3, 0, 1, (6, 7), m.TensorMeta.of(acts), m.TensorMeta.of(tokens))
+    forward = rpc.ForwardHeader(
+        "run", 0, 3, 0, 1, (6, 7), codec.TensorMeta.of(acts), codec.TensorMeta.of(tokens)
+    )
     _, (acts2, tokens2) = run(loop, a.call(b.peer_id, "rpc_forward", forward, [acts, tokens], timeout=10))
     assert torch.equal(acts, acts2) and torch.equal(tokens, tokens2)
     with pytest.raises(ValueError, match="declares"):  # our own mistake, caught before sending
@@ -180,7 +185,7 @@ def test_exchange_16mib_both_ways_bitwise_with_1x_bytes(
     a, b = pair
     ours, theirs = torch.randn(4 << 20), torch.randn(4 << 20)  # 16 MiB of fp32 each
     key = (1, 50)
-    header = m.ExchangeHeader("run", *key, 0, 0, ("theta",), m.TensorMeta.of(ours), CONFIG.part_bytes)
+    header = rpc.ExchangeHeader("run", *key, 0, 0, ("theta",), codec.TensorMeta.of(ours), CONFIG.part_bytes)
     before_a, before_b = a.byte_counts().get(b.peer_id, {}), b.byte_counts().get(a.peer_id, {})
 
     async def higher_rank(k: tuple[int, ...], tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -212,7 +217,7 @@ def test_exchange_16mib_both_ways_bitwise_with_1x_bytes(
     # it gets what we sent the first time, even once the exchange is finished here and our weights
     # were replaced by the outer step.
     key2 = (1, 60)
-    header2 = m.ExchangeHeader("run", *key2, 0, 0, ("theta",), m.TensorMeta.of(ours), CONFIG.part_bytes)
+    header2 = rpc.ExchangeHeader("run", *key2, 0, 0, ("theta",), codec.TensorMeta.of(ours), CONFIG.part_bytes)
     monkeypatch.setattr(failpoints, "_left", failpoints.parse("lose_reply:rpc_exchange=1"))
 
     async def lost() -> list[object]:
@@ -232,7 +237,7 @@ def test_exchange_16mib_both_ways_bitwise_with_1x_bytes(
     # A shape that is not ours, and a key older than a newer exchange's, are refused.
     small = torch.randn(10)
     board(b).provide((1, 100), torch.randn(11))
-    wrong = m.ExchangeHeader("run", 1, 100, 0, 0, ("theta",), m.TensorMeta.of(small), 1 << 20)
+    wrong = rpc.ExchangeHeader("run", 1, 100, 0, 0, ("theta",), codec.TensorMeta.of(small), 1 << 20)
     with pytest.raises(RemoteRefused) as refused:
         run(loop, board(a).swap(b.peer_id, wrong, (small,), timeout=10))
     assert refused.value.code == "mismatch"
@@ -247,7 +252,7 @@ def test_exchange_partner_that_never_provides_times_out(
 ) -> None:
     a, b = pair
     x = torch.randn(10)
-    header = m.ExchangeHeader("run", 2, 50, 0, 0, ("theta",), m.TensorMeta.of(x), 1 << 20)
+    header = rpc.ExchangeHeader("run", 2, 50, 0, 0, ("theta",), codec.TensorMeta.of(x), 1 << 20)
     start = time.monotonic()
     with pytest.raises(PeerUnavailable, match="within"):
         run(loop, board(a).swap(b.peer_id, header, (x,), timeout=1.0))
@@ -269,7 +274,7 @@ def test_handler_errors_are_remote_refused_and_the_server_keeps_serving(
     ]
     for verb, stage, code in cases:
         with pytest.raises(RemoteRefused) as refused:
-            run(loop, a.call(b.peer_id, verb, m.StateRequest("run", stage), timeout=10))
+            run(loop, a.call(b.peer_id, verb, rpc.StateRequest("run", stage), timeout=10))
         assert refused.value.code == code and refused.value.peer_id == b.peer_id
         healthy(loop, a, b)
 
@@ -281,7 +286,7 @@ def test_a_stream_closed_unanswered_is_stream_closed_and_the_server_keeps_servin
     still answers) from a refusal and from a reply cut short."""
     a, b = pair
     with pytest.raises(streams.StreamClosed):
-        run(loop, a.call(b.peer_id, "rpc_fetch_state", m.StateRequest("run", 4), timeout=10))
+        run(loop, a.call(b.peer_id, "rpc_fetch_state", rpc.StateRequest("run", 4), timeout=10))
     healthy(loop, a, b)
 
 
@@ -293,32 +298,33 @@ def test_nan_and_oversize_are_message_errors_on_the_receiving_side(
     nan = torch.randn(3 << 20)
     nan[-1] = float("nan")  # in the last part: the server has read everything before it finds it
     with pytest.raises(RemoteRefused) as refused:  # b received garbage: it refuses, counts it
-        run(loop, a.call(b.peer_id, "rpc_echo", m.StateRequest("run", 0), [nan], timeout=10))
+        run(loop, a.call(b.peer_id, "rpc_echo", rpc.StateRequest("run", 0), [nan], timeout=10))
     assert refused.value.code == "bad_request" and "NaN" in refused.value.reason
     assert b.byte_counts()[a.peer_id]["bad_messages"] == bad_before + 1
-    with pytest.raises(m.MessageError, match="NaN"):  # a received garbage
-        run(loop, a.call(b.peer_id, "rpc_fetch_state", m.StateRequest("run", 2), timeout=10))
-    with pytest.raises(m.MessageError, match="over our limit"):  # a would have to allocate too much
-        run(loop, a.call(b.peer_id, "rpc_fetch_state", m.StateRequest("run", 3), timeout=10))
+    with pytest.raises(codec.MessageError, match="NaN"):  # a received garbage
+        run(loop, a.call(b.peer_id, "rpc_fetch_state", rpc.StateRequest("run", 2), timeout=10))
+    with pytest.raises(codec.MessageError, match="over our limit"):  # a would have to allocate too much
+        run(loop, a.call(b.peer_id, "rpc_fetch_state", rpc.StateRequest("run", 3), timeout=10))
     healthy(loop, a, b)
 
 
-def frame(envelope: m.Envelope) -> bytes:
-    encoded = m.encode(envelope)
+def frame(envelope: rpc.Envelope) -> bytes:
+    encoded = codec.encode(envelope)
     return streams.MAGIC + len(encoded).to_bytes(4, "big") + encoded
 
 
-HEADER = m.encode(m.StateRequest("run", 0))
+HEADER = codec.encode(rpc.StateRequest("run", 0))
 RAW_CASES = {
     "garbage": b"GET / HTTP/1.1\r\n\r\n" + os.urandom(64),
     "bad_length": streams.MAGIC + (1 << 30).to_bytes(4, "big"),
-    "garbage_header": frame(m.Envelope("rpc_echo", b"\x93\x01\x02")),
-    "oversize": frame(m.Envelope("rpc_echo", HEADER, (m.TensorMeta((1 << 34,), "float32"),))),
-    "truncated": frame(m.Envelope("rpc_echo", HEADER, (m.TensorMeta((1 << 18,), "float32"),))) + b"\0" * 5000,
-    # Tensors that the verb does not take, announced and partly sent: refused before they are read.
-    "undeclared": frame(m.Envelope("rpc_fetch_state", HEADER, (m.TensorMeta((1 << 20,), "float32"),)))
+    "garbage_header": frame(rpc.Envelope("rpc_echo", b"\x93\x01\x02")),
+    "oversize": frame(rpc.Envelope("rpc_echo", HEADER, (codec.TensorMeta((1 << 34,), "float32"),))),
+    "truncated": frame(rpc.Envelope("rpc_echo", HEADER, (codec.TensorMeta((1 << 18,), "float32"),)))
     + b"\0" * 5000,
-    "too_large": frame(m.Envelope("rpc_small", HEADER, (m.TensorMeta((1025,), "float32"),))),
+    # Tensors that the verb does not take, announced and partly sent: refused before they are read.
+    "undeclared": frame(rpc.Envelope("rpc_fetch_state", HEADER, (codec.TensorMeta((1 << 20,), "float32"),)))
+    + b"\0" * 5000,
+    "too_large": frame(rpc.Envelope("rpc_small", HEADER, (codec.TensorMeta((1025,), "float32"),))),
 }
 REFUSED_AS = {"undeclared": "undeclared_tensors", "too_large": "too_large"}
 
@@ -330,7 +336,7 @@ def test_malformed_request_is_rejected_and_the_server_keeps_serving(
     a, b = pair
     bad_before = b.byte_counts().get(a.peer_id, {}).get("bad_messages", 0)
 
-    async def send_raw() -> m.Message | None:
+    async def send_raw() -> codec.Message | None:
         _, reader, writer = await a.p2p.call_binary_stream_handler(PeerID.from_base58(b.peer_id), PROTOCOL)
         try:
             writer.write(RAW_CASES[case])
@@ -338,13 +344,13 @@ def test_malformed_request_is_rejected_and_the_server_keeps_serving(
             if case == "truncated":
                 return None  # we hang up mid-tensor; b has nobody to answer
             envelope = await streams.read_envelope(reader, streams.ByteCounts())
-            return m.decode(envelope.header)
+            return codec.decode(envelope.header)
         finally:
             writer.close()
 
     reply = run(loop, send_raw())
     if reply is not None:
-        assert isinstance(reply, m.ErrorReply) and reply.code == REFUSED_AS.get(case, "bad_request")
+        assert isinstance(reply, rpc.ErrorReply) and reply.code == REFUSED_AS.get(case, "bad_request")
     counted = eventually(lambda: b.byte_counts()[a.peer_id]["bad_messages"] == bad_before + 1)
     assert run(loop, counted), "b did not count the malformed request against a"
     healthy(loop, a, b)
@@ -356,8 +362,8 @@ async def answer_code(reader: asyncio.StreamReader, within: float) -> str | None
         envelope = await asyncio.wait_for(streams.read_envelope(reader, streams.ByteCounts()), within)
     except TimeoutError:
         return None
-    reply = m.decode(envelope.header)
-    assert isinstance(reply, m.ErrorReply)
+    reply = codec.decode(envelope.header)
+    assert isinstance(reply, rpc.ErrorReply)
     return reply.code
 
 
@@ -397,7 +403,7 @@ def test_a_flood_of_streams_or_bytes_from_one_caller_is_busy_and_silent_streams_
     healthy(loop, a, b)
 
     def request(elements: int) -> bytes:
-        return frame(m.Envelope("rpc_echo", HEADER, (m.TensorMeta((elements,), "float32"),)))
+        return frame(rpc.Envelope("rpc_echo", HEADER, (codec.TensorMeta((elements,), "float32"),)))
 
     async def over_the_byte_cap() -> tuple[str | None, str | None]:
         holding, second = await open_stream(), await open_stream()
@@ -434,7 +440,7 @@ def test_calls_to_a_peer_reuse_one_stream_which_the_callee_closes_when_idle(
 
     async def together() -> None:
         x = torch.randn(10)
-        calls = [a.call(b.peer_id, "rpc_echo", m.Ack(), [x], timeout=10) for _ in range(3)]
+        calls = [a.call(b.peer_id, "rpc_echo", rpc.Ack(), [x], timeout=10) for _ in range(3)]
         for _, (y,) in await asyncio.gather(*calls):
             assert torch.equal(x, y)
 
@@ -457,10 +463,10 @@ def test_a_kept_stream_the_callee_ended_is_not_served_twice_and_the_call_goes_th
     before = p2pd_descendants()
     served: list[float] = []
 
-    async def once(stream: InboundStream, header: m.Message, envelope: m.Envelope) -> None:
+    async def once(stream: InboundStream, header: codec.Message, envelope: rpc.Envelope) -> None:
         (x,) = await streams.read_tensors(stream.reader, envelope.tensors, stream.counts, stream.part_bytes)
         served.append(float(x[0]))
-        await streams.reply(stream, m.Ack(note="once"), [x])
+        await streams.reply(stream, rpc.Ack(note="once"), [x])
 
     async def scenario() -> None:
         a = await Transport.create(config=CONFIG)
@@ -470,9 +476,9 @@ def test_a_kept_stream_the_callee_ended_is_not_served_twice_and_the_call_goes_th
                 b.register_stream("rpc_once", once, on_close=lambda: None, accepts=ANY)
                 for i in range(6):
                     reply, (y,) = await a.call(
-                        b.peer_id, "rpc_once", m.Ack(), [torch.full((4,), float(i))], timeout=10
+                        b.peer_id, "rpc_once", rpc.Ack(), [torch.full((4,), float(i))], timeout=10
                     )
-                    assert reply == m.Ack(note="once") and float(y[0]) == i
+                    assert reply == rpc.Ack(note="once") and float(y[0]) == i
                 assert a.streams_opened_to(b.peer_id) == 6  # every kept stream had been ended
             finally:
                 await b.shutdown()
@@ -498,8 +504,8 @@ def test_a_fresh_daemon_dials_a_peer_at_its_announced_addresses(
         assert all("/p2p/" in address for address in announced)
         assert run(loop, c.connect(b.peer_id, announced, timeout=10))
         assert run(loop, b.connect(c.peer_id, run(loop, c.visible_addresses()), timeout=10))
-        reply, _ = run(loop, c.call(b.peer_id, "rpc_echo", m.StateRequest("run", 0), timeout=10))
-        assert reply == m.Ack("fetch_state")  # the echo handler names what it got
+        reply, _ = run(loop, c.call(b.peer_id, "rpc_echo", rpc.StateRequest("run", 0), timeout=10))
+        assert reply == rpc.Ack("fetch_state")  # the echo handler names what it got
     finally:
         run(loop, c.shutdown())
 
@@ -528,8 +534,8 @@ def test_a_call_waits_out_a_dial_backoff_that_no_dial_of_its_own_explains(
     try:
         c.register("rpc_echo", echo)
         assert backed_off(P2PDaemonError(dial_from_the_daemon()))  # what a call's first dial meets
-        reply, _ = run(loop, a.call(c_id, "rpc_echo", m.StateRequest("run", 0), timeout=20))
-        assert reply == m.Ack("fetch_state")
+        reply, _ = run(loop, a.call(c_id, "rpc_echo", rpc.StateRequest("run", 0), timeout=20))
+        assert reply == rpc.Ack("fetch_state")
     finally:
         run(loop, c.shutdown())
     assert not run(loop, a.connect(c_id, [address], timeout=10))  # the transport's own dial
@@ -537,7 +543,7 @@ def test_a_call_waits_out_a_dial_backoff_that_no_dial_of_its_own_explains(
     try:
         c.register("rpc_echo", echo)
         with pytest.raises(PeerUnavailable, match=r"(?s)dial backoff.*after: .*connection refused"):
-            run(loop, a.call(c_id, "rpc_echo", m.StateRequest("run", 0), timeout=20))
+            run(loop, a.call(c_id, "rpc_echo", rpc.StateRequest("run", 0), timeout=20))
     finally:
         run(loop, c.shutdown())
 
@@ -551,19 +557,19 @@ def test_shut_down_peer_is_unavailable_within_the_deadline(
     daemon = c.p2p._child.pid
     try:
         c.register("rpc_echo", echo)
-        run(loop, a.call(c.peer_id, "rpc_echo", m.StateRequest("run", 0), timeout=10))
+        run(loop, a.call(c.peer_id, "rpc_echo", rpc.StateRequest("run", 0), timeout=10))
     finally:
         run(loop, c.shutdown())
     assert daemon not in p2pd_descendants()
     start = time.monotonic()
     with pytest.raises(PeerUnavailable):
-        run(loop, a.call(c.peer_id, "rpc_echo", m.StateRequest("run", 0), timeout=3))
+        run(loop, a.call(c.peer_id, "rpc_echo", rpc.StateRequest("run", 0), timeout=3))
     assert time.monotonic() - start < 4
     with pytest.raises(RuntimeError, match="shut down"):
-        run(loop, c.call(a.peer_id, "rpc_echo", m.StateRequest("run", 0), timeout=3))
+        run(loop, c.call(a.peer_id, "rpc_echo", rpc.StateRequest("run", 0), timeout=3))
 
 
-async def hang(peer: str, header: m.Message, tensors: list[torch.Tensor]) -> tuple[m.Message, list]:
+async def hang(peer: str, header: codec.Message, tensors: list[torch.Tensor]) -> tuple[codec.Message, list]:
     await asyncio.sleep(3600)
     raise AssertionError("never answers")
 
@@ -578,7 +584,7 @@ def test_a_transport_shut_down_while_serving_ends_its_calls_quietly(
     peers = run(loop, a.visible_addresses())
     c = run(loop, Transport.create(initial_peers=peers, config=CONFIG))
     c.register("rpc_echo", hang)
-    call = loop.create_task(a.call(c.peer_id, "rpc_echo", m.StateRequest("run", 0), timeout=20))
+    call = loop.create_task(a.call(c.peer_id, "rpc_echo", rpc.StateRequest("run", 0), timeout=20))
     try:
         assert run(loop, eventually(lambda: c.streams_from(a.peer_id) > 0, timeout=20)), "not served"
     finally:
@@ -591,7 +597,7 @@ def test_a_transport_shut_down_while_serving_ends_its_calls_quietly(
 
 DAEMON_CHILD = """
 import asyncio, sys
-from noloco_swarm.peer.transport import Transport
+from noloco_swarm.peer.net.transport import Transport
 async def main():
     t = await Transport.create()
     print(t.p2p._child.pid, flush=True)

@@ -19,7 +19,7 @@ import pytest
 from hivemind.utils import get_dht_time
 
 from noloco_swarm.harness.local import local_swarm, wait
-from noloco_swarm.peer import identity, tickets
+from noloco_swarm.peer import tickets
 from noloco_swarm.peer.directory import RunDirectory, gone_key, peers_key, signed_dht_kwargs
 from noloco_swarm.peer.events import (
     Dropped,
@@ -31,11 +31,12 @@ from noloco_swarm.peer.events import (
     Step,
     of_kind,
 )
-from noloco_swarm.peer.lifetime import DHT
-from noloco_swarm.peer.rounds import ask_status
-from noloco_swarm.peer.streams import RemoteRefused
-from noloco_swarm.peer.transport import Transport
-from noloco_swarm.protocol import messages
+from noloco_swarm.peer.liveness import ask_status
+from noloco_swarm.peer.net import identity
+from noloco_swarm.peer.net.lifetime import DHT
+from noloco_swarm.peer.net.streams import RemoteRefused
+from noloco_swarm.peer.net.transport import Transport
+from noloco_swarm.protocol import codec, records, rpc
 from noloco_swarm.protocol.plan import StepPlan
 from tests.integration.test_swarm import SLOWER, simulate, small, views_by_round
 from tests.integration.test_transport import wait_until
@@ -63,19 +64,19 @@ def test_forged_records_and_a_lying_member_evict_nobody(cache: Path, tmp_path: P
             # As the member: the victim is gone, in rounds 0..3 (signed: these records are real).
             as_member = RunDirectory(hostile, run, identity=liar)
             for round_ in range(4):
-                report = messages.GoneReport(run, victim, liar.peer_id, round_)
+                report = records.GoneReport(run, victim, liar.peer_id, round_)
                 # Stored again until the DHT says it took, as `stored` does for announcements: CI
                 # saw one report refused with both test lanes running.
                 took = functools.partial(as_member.report_gone, report)
                 assert wait_until(took, timeout=60, poll=1), f"round {round_}'s report never took"
             # As a stranger: the victim's announcement for round 1000 with an hour to live, under
             # its plain id and under the member's mark; a report in the honest member's name.
-            forged = messages.encode(messages.PeerAnnouncement(run, victim, 1, 1000))
+            forged = codec.encode(records.PeerAnnouncement(run, victim, 1, 1000))
             for subkey in (victim, liar.owned(victim)):
                 hostile.store(peers_key(run), forged, get_dht_time() + 3600, subkey=subkey)
-            framed = messages.GoneReport(run, victim, honest, 0)
+            framed = records.GoneReport(run, victim, honest, 0)
             hostile.store(
-                gone_key(run), messages.encode(framed), get_dht_time() + 3600, subkey=f"{victim}/{honest}/0"
+                gone_key(run), codec.encode(framed), get_dht_time() + 3600, subkey=f"{victim}/{honest}/0"
             )
             wait(swarm, timeout=400)
         finally:
@@ -93,7 +94,7 @@ def test_forged_records_and_a_lying_member_evict_nobody(cache: Path, tmp_path: P
 
 
 async def stored(
-    directory: RunDirectory, announcement: messages.PeerAnnouncement, timeout: float = 60
+    directory: RunDirectory, announcement: records.PeerAnnouncement, timeout: float = 60
 ) -> bool:
     """Store `announcement` as a peer's heartbeat does: again, each second, until a store says it
     took. hivemind's store reports the status of whichever replica answered last, and on CI one
@@ -126,10 +127,10 @@ async def intrude(run: str, bootstrap: str, key: Path, tickets_to_try: list[byte
         mine = tuple(await transport.visible_addresses())
         codes = []
         for ticket in tickets_to_try:
-            announcement = messages.PeerAnnouncement(run, me.peer_id, 1, 2, mine, "cpu", 0, ticket)
+            announcement = records.PeerAnnouncement(run, me.peer_id, 1, 2, mine, "cpu", 0, ticket)
             assert await stored(directory, announcement), "no DHT node took the announcement in 60 s"
             try:
-                await transport.call(member, "rpc_fetch_state", messages.StateRequest(run, 1, 0), timeout=30)
+                await transport.call(member, "rpc_fetch_state", rpc.StateRequest(run, 1, 0), timeout=30)
                 codes.append("served")
             except RemoteRefused as e:
                 codes.append(e.code)
@@ -169,8 +170,8 @@ def test_a_closed_run_admits_only_peers_with_their_own_valid_ticket(cache: Path,
         identity.generate(stranger_authority)
         attempts = [
             b"",
-            messages.encode(tickets.issue(signer, run, intruder, time.time() - 60)),
-            messages.encode(
+            codec.encode(tickets.issue(signer, run, intruder, time.time() - 60)),
+            codec.encode(
                 tickets.issue(identity.load(stranger_authority).key, run, intruder, time.time() + 600)
             ),
             (tmp_path / "peer-1-1.ticket").read_bytes(),  # another member's

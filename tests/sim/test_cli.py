@@ -119,7 +119,7 @@ def test_view_is_a_pure_function_of_the_snapshot() -> None:
 
 def test_swarm_status_view_is_a_pure_function_of_the_snapshot() -> None:
     from noloco_swarm.cli.status import PeerRow, SwarmStatus, render_swarm
-    from noloco_swarm.protocol.messages import PeerStatus
+    from noloco_swarm.protocol.rpc import PeerStatus
 
     def row(peer: str, stage: int, rank: int, step: int, loss: float | None) -> PeerRow:
         return PeerRow(

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from noloco_swarm.protocol import chunks as c
-from noloco_swarm.protocol import messages as m
+from noloco_swarm.protocol import codec, rpc
 from noloco_swarm.protocol.chunks import ChunkPlan
 
 VIEW = (("a", "b", "j"), ("c",))
@@ -22,36 +22,36 @@ def state(seed: int, shared: tuple[str, ...] = ("phi", "delta")) -> dict[str, to
     own = torch.Generator().manual_seed(seed)
     return {
         p: torch.arange(NUMEL, dtype=torch.float32) + i if p in shared else torch.randn(NUMEL, generator=own)
-        for i, p in enumerate(m.STATE_PARTS)
+        for i, p in enumerate(rpc.STATE_PARTS)
     }
 
 
-def manifest(parts: dict[str, torch.Tensor], chunk: int = CHUNK, step: int = 6) -> m.StateManifest:
-    return m.StateManifest("run", 0, 2, step, VIEW, 6, "e" * 64, NUMEL, chunk, c.chunk_hashes(parts, chunk))
+def manifest(parts: dict[str, torch.Tensor], chunk: int = CHUNK, step: int = 6) -> rpc.StateManifest:
+    return rpc.StateManifest("run", 0, 2, step, VIEW, 6, "e" * 64, NUMEL, chunk, c.chunk_hashes(parts, chunk))
 
 
 @given(st.integers(1, 300), st.integers(1, 64))
 def test_layout_covers_every_part_once_without_straddling(numel: int, chunk: int) -> None:
     spans = c.layout(numel, chunk)
     assert [s.index for s in spans] == list(range(len(spans)))
-    for part in m.STATE_PARTS:
+    for part in rpc.STATE_PARTS:
         mine = [s for s in spans if s.part == part]
         assert mine[0].start == 0 and mine[-1].stop == numel
         assert all(a.stop == b.start for a, b in itertools.pairwise(mine))
         assert all(0 < s.numel <= chunk for s in mine)
-    assert len(spans) == len(m.STATE_PARTS) * -(-numel // chunk)
+    assert len(spans) == len(rpc.STATE_PARTS) * -(-numel // chunk)
 
 
 def test_manifest_names_the_content_and_checks_its_layout() -> None:
     a, b = manifest(state(1)), manifest(state(2))
-    assert len(a.chunks) == 12 and m.decode(m.encode(a)) == a
+    assert len(a.chunks) == 12 and codec.decode(codec.encode(a)) == a
     assert a.chunks[:6] == b.chunks[:6] and a.chunks[6:] != b.chunks[6:]  # phi, delta shared
     assert a.snapshot == manifest(state(1)).snapshot != b.snapshot
     assert a.snapshot != manifest(state(1), step=9).snapshot  # counters are part of the state
     with pytest.raises(ValueError, match="chunk hashes"):
-        m.StateManifest("run", 0, 2, 6, VIEW, 6, "e" * 64, NUMEL, CHUNK, a.chunks[:-1])
+        rpc.StateManifest("run", 0, 2, 6, VIEW, 6, "e" * 64, NUMEL, CHUNK, a.chunks[:-1])
     with pytest.raises(ValueError, match="sha256"):
-        m.StateManifest("run", 0, 2, 6, VIEW, 6, "e" * 64, NUMEL, CHUNK, ("E" * 64,) * 12)
+        rpc.StateManifest("run", 0, 2, 6, VIEW, 6, "e" * 64, NUMEL, CHUNK, ("E" * 64,) * 12)
 
 
 def drain(plan: ChunkPlan, donor: str, parts: dict[str, torch.Tensor]) -> list[int]:

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from noloco_swarm.peer.joining import RunEnding, pick_join_round
-from noloco_swarm.peer.rounds import PeerExcluded, raise_if_left_behind
+from noloco_swarm.peer.views import PeerExcluded, raise_if_left_behind
 from noloco_swarm.protocol.clock import StepClock, lr_at
 from noloco_swarm.protocol.membership import Listing, MembershipView, credible_gone, next_view
 

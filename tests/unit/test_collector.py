@@ -7,9 +7,9 @@ import asyncio
 import pytest
 import torch
 
-from noloco_swarm.peer.inner import Arrival, StepCollector
-from noloco_swarm.peer.streams import Refused
-from noloco_swarm.protocol.messages import MessageError
+from noloco_swarm.peer.collector import Arrival, StepCollector
+from noloco_swarm.peer.net.streams import Refused
+from noloco_swarm.protocol.codec import MessageError
 from noloco_swarm.protocol.plan import Incoming, Row
 
 

@@ -1,11 +1,11 @@
-"""peer/transport.py's reading of p2pd's dial errors: is a failed dial only our daemon's backoff?"""
+"""peer/net/transport.py's reading of p2pd's dial errors: is a failed dial only our daemon's backoff?"""
 
 from __future__ import annotations
 
 import pytest
 from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure
 
-from noloco_swarm.peer.transport import backed_off
+from noloco_swarm.peer.net.transport import backed_off
 
 PEER = "QmQrGZewzWBnDSPgFwwRjBunmFzhhkzaMqhKRXwsMSuhcT"
 HEAD = f"Connect failed. msg=failed to dial: failed to dial {PEER}: all dials failed\n"

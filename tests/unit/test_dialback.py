@@ -13,7 +13,7 @@ import pytest
 from hivemind.p2p import PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
-from noloco_swarm.peer import dialback
+from noloco_swarm.peer.net import dialback
 
 SEEN = "/ip4/203.0.113.7/tcp/40123"  # where the request came from (its source port is not ours)
 PEER = "QmSoLnSGccFuZQJzRadHn95W2CrSFmZuTdDWP8HXaHca9z"
@@ -106,7 +106,7 @@ def test_a_bootstrap_whose_dialer_cannot_start_still_answers_and_says_it_did_not
     rate limit answers, also untested: neither is a verdict on the asker's reachability."""
     from hivemind.p2p import P2P
 
-    from noloco_swarm.peer import lifetime
+    from noloco_swarm.peer.net import lifetime
 
     monkeypatch.setattr(P2P, "_UNIX_SOCKET_PREFIX", P2P._UNIX_SOCKET_PREFIX)  # start_p2p sets it
     too_long = tmp_path / ("d" * 120)

@@ -11,8 +11,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
-from noloco_swarm.peer import streams
-from noloco_swarm.protocol import messages as m
+from noloco_swarm.peer.net import streams
+from noloco_swarm.protocol import codec, rpc
 from tests.fuzz import TARGETS, frames
 from tests.fuzz.frames import MAX_FRAME, allocations, read_frame, run_fed
 
@@ -35,35 +35,35 @@ def test_fuzz(name: str) -> None:
     run()
 
 
-def frame(envelope: m.Envelope, payload: bytes = b"") -> bytes:
-    encoded = m.encode(envelope)
+def frame(envelope: rpc.Envelope, payload: bytes = b"") -> bytes:
+    encoded = codec.encode(envelope)
     return streams.MAGIC + len(encoded).to_bytes(4, "big") + encoded + payload
 
 
-def read(data: bytes) -> tuple[m.Envelope, m.Message, list[torch.Tensor]]:
+def read(data: bytes) -> tuple[rpc.Envelope, codec.Message, list[torch.Tensor]]:
     return run_fed(data, [], lambda reader: read_frame(reader, MAX_FRAME))
 
 
 @pytest.mark.parametrize(
     "metas",
     [
-        (m.TensorMeta((1 << 34,), "int64"),),  # 128 GiB: TensorMeta's own element limit
-        (m.TensorMeta((MAX_FRAME // 4 + 1,), "float32"),),  # one element over the limit
-        (m.TensorMeta((MAX_FRAME // 8,), "float32"),) * 3,  # under it apiece, over it together
+        (codec.TensorMeta((1 << 34,), "int64"),),  # 128 GiB: TensorMeta's own element limit
+        (codec.TensorMeta((MAX_FRAME // 4 + 1,), "float32"),),  # one element over the limit
+        (codec.TensorMeta((MAX_FRAME // 8,), "float32"),) * 3,  # under it apiece, over it together
     ],
     ids=["128GiB", "limit+1", "sum"],
 )
-def test_huge_frame_is_refused_before_any_buffer(metas: tuple[m.TensorMeta, ...]) -> None:
-    data = frame(m.Envelope("rpc_forward", m.encode(m.StatusRequest("run-1")), metas), b"\0" * 64)
-    with allocations() as sizes, pytest.raises(m.MessageError, match="over our limit"):
+def test_huge_frame_is_refused_before_any_buffer(metas: tuple[codec.TensorMeta, ...]) -> None:
+    data = frame(rpc.Envelope("rpc_forward", codec.encode(rpc.StatusRequest("run-1")), metas), b"\0" * 64)
+    with allocations() as sizes, pytest.raises(codec.MessageError, match="over our limit"):
         read(data)
     assert sizes == []
 
 
 def test_a_frame_at_the_limit_is_read_and_a_short_one_is_truncated() -> None:
     # The reader refuses only what the limit refuses: the test above cannot pass by refusing all.
-    meta = m.TensorMeta((MAX_FRAME // 4,), "float32")
-    envelope = m.Envelope("rpc_x", m.encode(m.StatusRequest("run-1")), (meta,))
+    meta = codec.TensorMeta((MAX_FRAME // 4,), "float32")
+    envelope = rpc.Envelope("rpc_x", codec.encode(rpc.StatusRequest("run-1")), (meta,))
     with allocations() as sizes:
         _, _, (tensor,) = read(frame(envelope, b"\0" * MAX_FRAME))
     assert sizes == [MAX_FRAME] and torch.equal(tensor, torch.zeros(MAX_FRAME // 4))
@@ -79,16 +79,16 @@ def test_the_frame_check_fails_on_a_reader_that_escapes_its_contract(monkeypatch
     monkeypatch.setattr(streams, "open_envelope", broken)
     target = TARGETS["streams.read_envelope+open_envelope+read_tensors"]
     with pytest.raises(KeyError):
-        target.check((frame(m.Envelope("rpc_x", m.encode(m.StatusRequest("run-1")))), []))
+        target.check((frame(rpc.Envelope("rpc_x", codec.encode(rpc.StatusRequest("run-1")))), []))
 
 
-def _answers(peer: str, header: m.Message, payload: bytes = b"") -> list[m.Message]:
+def _answers(peer: str, header: codec.Message, payload: bytes = b"") -> list[codec.Message]:
     """What the fuzzed server answers one well-formed request with, from a rig of its own: the
     fuzz targets share the cached one, and an exchange their examples already served would be
     refused here as a duplicate (run alone, this file failed that way)."""
     transport, _ = frames.rig.__wrapped__()
-    envelope = m.Envelope(
-        frames.VERB_OF[header.TAG], m.encode(header), streams.declared_tensors(header) or ()
+    envelope = rpc.Envelope(
+        frames.VERB_OF[header.TAG], codec.encode(header), streams.declared_tensors(header) or ()
     )
     writer = frames._Writer()
     frames.run_fed(
@@ -101,15 +101,15 @@ def test_the_handler_rig_serves_valid_requests() -> None:
     # The handler target is only worth its inputs if valid ones get past the checks to an answer.
     requests = {type(r).__name__ + str(getattr(r, "step", "")): r for r in frames._requests()}
     status = _answers(frames.CALLER, requests["StatusRequest"])
-    assert [type(a) for a in status] == [m.PeerStatus]
+    assert [type(a) for a in status] == [rpc.PeerStatus]
     (manifest,) = _answers(frames.JOINER, requests["StateRequest"])
-    assert isinstance(manifest, m.StateManifest)
-    chunk = m.ChunkRequest("run-1", 1, 0, manifest.snapshot, 1)
-    assert [type(a) for a in _answers(frames.JOINER, chunk)] == [m.StateChunk]
+    assert isinstance(manifest, rpc.StateManifest)
+    chunk = rpc.ChunkRequest("run-1", 1, 0, manifest.snapshot, 1)
+    assert [type(a) for a in _answers(frames.JOINER, chunk)] == [rpc.StateChunk]
     exchange = requests["ExchangeHeader4"]
-    assert _answers(frames.JOINER, exchange, b"\0" * 32) == [m.Ack(), m.Ack("received")]
+    assert _answers(frames.JOINER, exchange, b"\0" * 32) == [rpc.Ack(), rpc.Ack("received")]
     (late,) = _answers(frames.CALLER, requests["ForwardHeader4"], b"\0" * 4096 + b"\0" * 64)
-    assert isinstance(late, m.ErrorReply) and late.code in ("timeout", "bad_request")
+    assert isinstance(late, rpc.ErrorReply) and late.code in ("timeout", "bad_request")
 
 
 def test_the_handler_check_fails_on_a_handler_that_crashes(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -118,6 +118,6 @@ def test_the_handler_check_fails_on_a_handler_that_crashes(monkeypatch: pytest.M
 
     transport, _ = frames.rig()
     monkeypatch.setitem(transport._server.handlers, "rpc_status", broken)
-    status = frame(m.Envelope("rpc_status", m.encode(m.StatusRequest("run-1"))))
+    status = frame(rpc.Envelope("rpc_status", codec.encode(rpc.StatusRequest("run-1"))))
     with pytest.raises(KeyError):
         frames.check_inbound((frames.CALLER, status, []))

@@ -1,4 +1,4 @@
-"""Identity keys (peer/identity.py) and join tickets (peer/tickets.py), without a network."""
+"""Identity keys (peer/net/identity.py) and join tickets (peer/tickets.py), without a network."""
 
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ from hivemind.proto import crypto_pb2
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from noloco_swarm.peer import identity, tickets
-from noloco_swarm.peer.streams import Refused
-from noloco_swarm.protocol import messages
+from noloco_swarm.peer import tickets
+from noloco_swarm.peer.net import identity
+from noloco_swarm.peer.net.streams import Refused
+from noloco_swarm.protocol import codec, records, rpc
 
 
 def test_a_key_file_gives_the_peer_id_libp2p_derives_and_owns_its_subkeys(tmp_path: Path) -> None:
@@ -75,7 +76,7 @@ def test_a_ticket_admits_only_its_peer_in_its_run_until_it_expires(tmp_path: Pat
     identity.generate(other)
     with pytest.raises(tickets.TicketError, match="not signed by this run's authority"):
         tickets.check(ticket, tickets.public_key_text(identity.load(other).key), "run-1", "QmPeer", now)
-    forged = messages.JoinTicket("run-1", "QmPeer", now + 10_000, ticket.signature)  # a longer life
+    forged = records.JoinTicket("run-1", "QmPeer", now + 10_000, ticket.signature)  # a longer life
     with pytest.raises(tickets.TicketError, match="not signed"):
         tickets.check(forged, public, "run-1", "QmPeer", now)
     with pytest.raises(tickets.TicketError, match="not a join ticket"):
@@ -110,7 +111,7 @@ def test_the_gate_admits_a_caller_once_its_ticketed_announcement_is_read(tmp_pat
     identity.generate(authority)
     key = identity.load(authority).key
     now = [1000.0]
-    listed: list[messages.PeerAnnouncement] = []
+    listed: list[records.PeerAnnouncement] = []
     reads = []
 
     async def refresh() -> None:
@@ -119,11 +120,11 @@ def test_the_gate_admits_a_caller_once_its_ticketed_announcement_is_read(tmp_pat
             gate.admit_announced(a)
 
     gate = tickets.Gate(tickets.public_key_text(key), "run-1", refresh, clock=lambda: now[0])
-    request = messages.StateRequest("run-1", 1, 0)
+    request = rpc.StateRequest("run-1", 1, 0)
 
     async def calls() -> list[str]:
         out = []
-        for verb, header in (("rpc_status", messages.StatusRequest("run-1")), ("rpc_fetch_state", request)):
+        for verb, header in (("rpc_status", rpc.StatusRequest("run-1")), ("rpc_fetch_state", request)):
             try:
                 await gate.check("QmJoiner", verb, header)
                 out.append("ok")
@@ -132,12 +133,12 @@ def test_the_gate_admits_a_caller_once_its_ticketed_announcement_is_read(tmp_pat
         return out
 
     assert asyncio.run(calls()) == ["ok", "no_ticket"] and len(reads) == 1
-    ticket = messages.encode(tickets.issue(key, "run-1", "QmJoiner", now[0] + 60))
-    listed.append(messages.PeerAnnouncement("run-1", "QmJoiner", 1, 2, (), "cpu", 0, ticket))
+    ticket = codec.encode(tickets.issue(key, "run-1", "QmJoiner", now[0] + 60))
+    listed.append(records.PeerAnnouncement("run-1", "QmJoiner", 1, 2, (), "cpu", 0, ticket))
     assert asyncio.run(calls()) == ["ok", "no_ticket"] and len(reads) == 1  # read moments ago
     gate._last_refresh -= tickets.REFRESH_PERIOD
     assert asyncio.run(calls()) == ["ok", "ok"] and len(reads) == 2
     now[0] += 61  # its ticket expired
     assert not gate.admits("QmJoiner")
-    forged = messages.PeerAnnouncement("run-1", "QmOther", 1, 2, (), "cpu", 0, ticket)  # not its own
+    forged = records.PeerAnnouncement("run-1", "QmOther", 1, 2, (), "cpu", 0, ticket)  # not its own
     assert not gate.admit_announced(forged) and not gate.admits("QmOther")

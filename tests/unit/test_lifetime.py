@@ -1,4 +1,4 @@
-"""peer/lifetime.py: an orphaned peer is gone in seconds, with its children, whatever hangs."""
+"""peer/net/lifetime.py: an orphaned peer is gone in seconds, with its children, whatever hangs."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from noloco_swarm.peer import lifetime
+from noloco_swarm.peer.net import lifetime
 from tests.integration.helpers import alive
 
 # A process with a child (standing in for p2pd) whose shutdown hangs (standing in for a gone
 # report waiting on dying DHT nodes): exit_within must end both.
 HUNG = """
 import subprocess, sys, time
-from noloco_swarm.peer.lifetime import exit_within
+from noloco_swarm.peer.net.lifetime import exit_within
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
 print(child.pid, flush=True)
 exit_within(0.5)

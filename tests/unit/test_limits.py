@@ -1,14 +1,15 @@
-"""What each verb's request may carry, and the per-caller caps (peer/limits.py): pure checks."""
+"""What each verb's request may carry, and the per-caller caps (peer/net/limits.py): pure checks."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from noloco_swarm.peer.limits import NONE, Accepts, Admission, caps_for
-from noloco_swarm.peer.streams import Refused, TransportConfig
+from noloco_swarm.peer.net.limits import NONE, Accepts, Admission, caps_for
+from noloco_swarm.peer.net.streams import Refused, TransportConfig
 from noloco_swarm.protocol import wire
-from noloco_swarm.protocol.messages import ForwardHeader, TensorMeta
+from noloco_swarm.protocol.codec import TensorMeta
+from noloco_swarm.protocol.rpc import ForwardHeader
 
 
 def refusal(accepts: Accepts, *metas: TensorMeta) -> str | None:

@@ -12,11 +12,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from noloco_swarm.peer import streams
 from noloco_swarm.peer.deadlines import WARMUP, Deadlines
-from noloco_swarm.peer.exchange import OuterExchange
-from noloco_swarm.protocol.messages import REPLY_VERB, Ack, Envelope, TensorMeta, encode
+from noloco_swarm.peer.exchange.runner import OuterExchange
+from noloco_swarm.peer.net import streams
+from noloco_swarm.protocol.codec import TensorMeta, encode
 from noloco_swarm.protocol.plan import outer_plan
+from noloco_swarm.protocol.rpc import REPLY_VERB, Ack, Envelope
 from noloco_swarm.train.config import PeerConfig
 from noloco_swarm.train.layering import build_config
 from tests.fuzz.frames import _Writer

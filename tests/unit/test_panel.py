@@ -8,7 +8,7 @@ from rich.console import Console
 
 from noloco_swarm.cli.panel import PeerPanel, PeerSnapshot, fold, render_peer
 from noloco_swarm.peer import events
-from noloco_swarm.peer.node import reachability_kind
+from noloco_swarm.peer.net.node import reachability_kind
 from noloco_swarm.train.layering import build_config
 
 ME, PARTNER = (

@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from noloco_swarm.harness.local import cpu_share
-from noloco_swarm.peer.lifetime import pin_to_cpus
+from noloco_swarm.peer.net.lifetime import pin_to_cpus
 from noloco_swarm.train.config import PeerConfig, format_cpus, parse_cpus
 
 
@@ -76,7 +76,7 @@ def test_every_peer_gets_cpus_and_no_cpu_carries_more_than_its_share(cpus: list[
 # after: all three must run on the pinned CPU only.
 PINNED = """
 import os, subprocess, sys, threading
-from noloco_swarm.peer.lifetime import pin_to_cpus
+from noloco_swarm.peer.net.lifetime import pin_to_cpus
 cpu, done = int(sys.argv[1]), threading.Event()
 early = threading.Thread(target=done.wait)
 early.start()

@@ -7,11 +7,11 @@ import sys
 
 import pytest
 
-from noloco_swarm.peer.lifetime import release_memory, trim_heap
+from noloco_swarm.peer.net.lifetime import release_memory, trim_heap
 
 # In a child process: mallopt changes how the whole process allocates.
 CHILD = """
-from noloco_swarm.peer.lifetime import release_memory
+from noloco_swarm.peer.net.lifetime import release_memory
 assert release_memory("map") is True  # glibc's mallopt said yes
 print("ok")
 """

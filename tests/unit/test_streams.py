@@ -1,4 +1,4 @@
-"""peer/streams.py's finiteness check, which every received float tensor passes as it lands."""
+"""peer/net/streams.py's finiteness check, which every received float tensor passes as it lands."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from noloco_swarm.peer.streams import check_finite
+from noloco_swarm.peer.net.streams import check_finite
 from noloco_swarm.protocol.plausible import Implausible
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]

@@ -10,9 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from noloco_swarm.model.presets import get_preset
-from noloco_swarm.peer.inner import checked_rows, decode_rows
-from noloco_swarm.protocol import messages as m
-from noloco_swarm.protocol import wire
+from noloco_swarm.peer.rows import checked_rows, decode_rows
+from noloco_swarm.protocol import codec, rpc, wire
 from noloco_swarm.protocol.config import WireConfig
 from noloco_swarm.train.layering import ConfigError, build_config
 
@@ -52,7 +51,7 @@ def test_decode_of_encode_is_the_round_trip_and_each_row_travels_alone(
     trip gives, and a row's round trip does not depend on which rows travel with it."""
     x = rows(shape, seed, 10)
     parts = wire.encode(x, fmt)
-    assert tuple(m.TensorMeta.of(p) for p in parts) == wire.metas(x.shape, fmt)
+    assert tuple(codec.TensorMeta.of(p) for p in parts) == wire.metas(x.shape, fmt)
     assert sum(p.numel() * p.element_size() for p in parts) == wire.nbytes(x.shape, fmt)
     whole = wire.round_trip(x, fmt)
     assert torch.equal(wire.decode(parts, fmt, x.shape), whole)
@@ -84,7 +83,7 @@ def test_zero_rows_tiny_rows_and_huge_rows() -> None:
     bf = wire.round_trip(x, "bf16")
     assert torch.equal(bf[0], x[0]) and bool(torch.isinf(bf[1, 1, [0, -1]]).all())
     assert bool(torch.isfinite(wire.round_trip(x.clamp(-BF16_MAX, BF16_MAX), "bf16")).all())
-    with pytest.raises(m.MessageError, match="NaN or infinite"):
+    with pytest.raises(codec.MessageError, match="NaN or infinite"):
         wire.decode(wire.encode(x, "bf16"), "bf16")
     empty = torch.zeros(2, 0)
     for fmt in wire.FORMATS:
@@ -99,7 +98,7 @@ def test_non_finite_rows_stay_non_finite(fmt: str) -> None:
         x[1, 2] = bad
         out = wire.round_trip(x, fmt)
         assert torch.equal(out[0], x[0]) and not bool(torch.isfinite(out[1]).all())
-        with pytest.raises(m.MessageError):
+        with pytest.raises(codec.MessageError):
             wire.decode(wire.encode(x, fmt), fmt)
 
 
@@ -127,16 +126,16 @@ BAD = {
 @pytest.mark.parametrize("case", BAD)
 def test_bad_wire_tensors_are_message_errors(case: str) -> None:
     fmt, parts = BAD[case]
-    with pytest.raises(m.MessageError):
+    with pytest.raises(codec.MessageError):
         wire.decode(parts, fmt)
     if case != "inf in bf16":  # a peer's transport checks floats for NaN/inf before decode does
-        with pytest.raises(m.MessageError):
+        with pytest.raises(codec.MessageError):
             wire.decode(parts, fmt, check_finite=False)
 
 
 def test_decode_checks_the_expected_shape_and_encode_refuses_what_it_cannot_carry() -> None:
     parts = wire.encode(torch.ones(2, 3, 8), "int8")
-    with pytest.raises(m.MessageError, match="must travel as"):
+    with pytest.raises(codec.MessageError, match="must travel as"):
         wire.decode(parts, "int8", (2, 3, 9))
     with pytest.raises(ValueError, match="float32"):
         wire.encode(torch.ones(2, 3, dtype=torch.float64), "bf16")
@@ -149,41 +148,41 @@ def test_decode_checks_the_expected_shape_and_encode_refuses_what_it_cannot_carr
 # ---------------------------------------------------------------------------------------------
 # Headers: the metas say which format follows, and only coherent combinations decode
 
-ACT, TOK = (2, 16, 32), m.TensorMeta((2, 16), "int64")
+ACT, TOK = (2, 16, 32), codec.TensorMeta((2, 16), "int64")
 
 
 @pytest.mark.parametrize("fmt", wire.FORMATS)
 def test_headers_declare_the_wire_tensors(fmt: str) -> None:
     payload, *scale = wire.metas(ACT, fmt)
-    fwd = m.ForwardHeader("run-1", 2, 117, 0, 3, (936, 937), payload, TOK, "v", *scale)
-    bwd = m.BackwardHeader("run-1", 2, 117, 0, 1, (936, 937), payload, (3.5, 4.25), *scale)
-    assert m.decode(m.encode(fwd)) == fwd and m.decode(m.encode(bwd)) == bwd
+    fwd = rpc.ForwardHeader("run-1", 2, 117, 0, 3, (936, 937), payload, TOK, "v", *scale)
+    bwd = rpc.BackwardHeader("run-1", 2, 117, 0, 1, (936, 937), payload, (3.5, 4.25), *scale)
+    assert codec.decode(codec.encode(fwd)) == fwd and codec.decode(codec.encode(bwd)) == bwd
     assert fwd.tensors == (*wire.metas(ACT, fmt), TOK)
     assert bwd.tensors == wire.metas(ACT, fmt)
-    assert m.wire_format(payload, scale[0] if scale else None) == fmt
+    assert codec.wire_format(payload, scale[0] if scale else None) == fmt
 
 
 @pytest.mark.parametrize(
     ("payload", "scale"),
     [
-        (m.TensorMeta(ACT, "int8"), None),
-        (m.TensorMeta(ACT, "float32"), m.TensorMeta(ACT[:-1], "float32")),
-        (m.TensorMeta(ACT, "int8"), m.TensorMeta(ACT, "float32")),
-        (m.TensorMeta(ACT, "int8"), m.TensorMeta(ACT[:-1], "bfloat16")),
-        (m.TensorMeta(ACT, "int64"), None),
-        (m.TensorMeta(ACT, "float16"), None),
+        (codec.TensorMeta(ACT, "int8"), None),
+        (codec.TensorMeta(ACT, "float32"), codec.TensorMeta(ACT[:-1], "float32")),
+        (codec.TensorMeta(ACT, "int8"), codec.TensorMeta(ACT, "float32")),
+        (codec.TensorMeta(ACT, "int8"), codec.TensorMeta(ACT[:-1], "bfloat16")),
+        (codec.TensorMeta(ACT, "int64"), None),
+        (codec.TensorMeta(ACT, "float16"), None),
     ],
 )
 def test_incoherent_wire_metas_are_refused_on_decode(
-    payload: m.TensorMeta, scale: m.TensorMeta | None
+    payload: codec.TensorMeta, scale: codec.TensorMeta | None
 ) -> None:
-    good = m.ForwardHeader("run-1", 2, 117, 0, 3, (936, 937), m.TensorMeta(ACT, "float32"), TOK)
-    body = m.msgpack.unpackb(m.encode(good))["b"]
-    body["activations"] = m._to_wire(payload)
-    body["scale"] = None if scale is None else m._to_wire(scale)
-    data = m.msgpack.packb({"v": m.PROTOCOL_VERSION, "t": "forward", "b": body})
-    with pytest.raises(m.MessageError):
-        m.decode(data)
+    good = rpc.ForwardHeader("run-1", 2, 117, 0, 3, (936, 937), codec.TensorMeta(ACT, "float32"), TOK)
+    body = codec.msgpack.unpackb(codec.encode(good))["b"]
+    body["activations"] = codec._to_wire(payload)
+    body["scale"] = None if scale is None else codec._to_wire(scale)
+    data = codec.msgpack.packb({"v": codec.PROTOCOL_VERSION, "t": "forward", "b": body})
+    with pytest.raises(codec.MessageError):
+        codec.decode(data)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -201,16 +200,16 @@ def test_a_receiver_decodes_its_runs_format_and_refuses_others(fmt: str) -> None
     x = rows((2, 16, ctx.cfg.model.hidden_size), 3, 4)
     toks = torch.zeros(2, 16, dtype=torch.int64)
     parts = wire.encode(x, fmt)
-    acts, _ = checked_rows(ctx, [decode_rows(ctx, parts, m.TensorMeta.of(parts[0])), toks])  # type: ignore[arg-type]
+    acts, _ = checked_rows(ctx, [decode_rows(ctx, parts, codec.TensorMeta.of(parts[0])), toks])  # type: ignore[arg-type]
     assert acts.dtype == torch.float32 and torch.equal(acts, wire.round_trip(x, fmt))
     for other in wire.FORMATS:
         if other != fmt:
             theirs = wire.encode(x, other)
-            with pytest.raises(m.MessageError, match=f"this run sends activations as {fmt}"):
-                decode_rows(ctx, theirs, m.TensorMeta.of(theirs[0]))  # type: ignore[arg-type]
-    with pytest.raises(m.MessageError, match="do not fit this model"):
+            with pytest.raises(codec.MessageError, match=f"this run sends activations as {fmt}"):
+                decode_rows(ctx, theirs, codec.TensorMeta.of(theirs[0]))  # type: ignore[arg-type]
+    with pytest.raises(codec.MessageError, match="do not fit this model"):
         narrow = wire.encode(x[..., :-1].contiguous(), fmt)
-        checked_rows(ctx, [decode_rows(ctx, narrow, m.TensorMeta.of(narrow[0])), toks])  # type: ignore[arg-type]
+        checked_rows(ctx, [decode_rows(ctx, narrow, codec.TensorMeta.of(narrow[0])), toks])  # type: ignore[arg-type]
 
 
 def test_the_wire_format_is_a_run_setting() -> None:

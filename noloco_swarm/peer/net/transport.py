@@ -1,10 +1,10 @@
 """The libp2p tensor transport of a peer: generic (header, tensors) request/response by verb.
 
 One libp2p protocol (`PROTOCOL`) carries every verb. A call is one exchange of frames on a stream
-(peer/streams.py): the caller writes its request, the callee its reply, both directions at once. A
+(peer/net/streams.py): the caller writes its request, the callee its reply, both directions at once. A
 verb is served either by a handler (`register`: tensors in, reply out) or by a stream handler that
 owns the rest of the stream (`register_stream`: the outer exchange, which starts its reply while
-the request's tensors still arrive; peer/exchange.py).
+the request's tensors still arrive; peer/exchange/board.py).
 
 Streams are kept and reused. After a handler's reply the callee reads the stream's next request,
 for up to `header_timeout` seconds, and the caller keeps the stream for its next call to that peer
@@ -17,7 +17,7 @@ stream handler's stream, a refusal's and a failed call's are closed, never reuse
 
 Errors a caller sees: `PeerUnavailable` (cannot connect, deadline passed, stream broke),
 `RemoteRefused` (the remote answered with an ErrorReply), `MessageError` (the remote sent garbage).
-The serving side, its limits and its answers to bad requests are peer/serving.py's.
+The serving side, its limits and its answers to bad requests are peer/net/serving.py's.
 """
 
 from __future__ import annotations
@@ -34,11 +34,12 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure, P2PDaemonError
 from hivemind.utils.multiaddr import Multiaddr
 
-from noloco_swarm.peer import failpoints, streams
-from noloco_swarm.peer.lifetime import start_p2p
-from noloco_swarm.peer.limits import NONE, Accepts
-from noloco_swarm.peer.serving import Gatekeeper, Handler, Server, StreamHandler
-from noloco_swarm.peer.streams import (
+from noloco_swarm.peer import failpoints
+from noloco_swarm.peer.net import streams
+from noloco_swarm.peer.net.lifetime import start_p2p
+from noloco_swarm.peer.net.limits import NONE, Accepts
+from noloco_swarm.peer.net.serving import Gatekeeper, Handler, Server, StreamHandler
+from noloco_swarm.peer.net.streams import (
     ByteCounts,
     InboundStream,
     PeerUnavailable,
@@ -48,8 +49,9 @@ from noloco_swarm.peer.streams import (
     StreamTruncated,
     TransportConfig,
 )
-from noloco_swarm.protocol import messages
-from noloco_swarm.protocol.messages import Envelope, Message
+from noloco_swarm.protocol import codec
+from noloco_swarm.protocol.codec import Message
+from noloco_swarm.protocol.rpc import Envelope
 
 __all__ = [
     "PROTOCOL",
@@ -298,7 +300,7 @@ class Transport:
         tensors: Sequence[torch.Tensor] = (),
         *,
         timeout: float,
-        expect: tuple[messages.TensorMeta, ...] | None = None,
+        expect: tuple[codec.TensorMeta, ...] | None = None,
         confirmed: bool = False,
         pace: streams.Pacer | None = None,
     ) -> tuple[Message, list[torch.Tensor]]:
@@ -318,14 +320,14 @@ class Transport:
         header: Message,
         tensors: Sequence[torch.Tensor],
         timeout: float,
-        expect: tuple[messages.TensorMeta, ...] | None,
+        expect: tuple[codec.TensorMeta, ...] | None,
         confirmed: bool = False,
         pace: streams.Pacer | None = None,
     ) -> tuple[Message, list[torch.Tensor]]:
         if self._closed:
             raise RuntimeError("this transport is shut down")
         wire = streams.prepare(tensors)
-        envelope = Envelope(verb, messages.encode(header), tuple(messages.TensorMeta.of(t) for t in wire))
+        envelope = Envelope(verb, codec.encode(header), tuple(codec.TensorMeta.of(t) for t in wire))
         declared = streams.declared_tensors(header)
         if declared is not None and declared != envelope.tensors:
             raise ValueError(f"{header.TAG} header declares {declared}, tensors are {envelope.tensors}")
@@ -387,7 +389,7 @@ class Transport:
         envelope: Envelope,
         wire: list[torch.Tensor],
         counts: ByteCounts,
-        expect: tuple[messages.TensorMeta, ...] | None,
+        expect: tuple[codec.TensorMeta, ...] | None,
         confirmed: bool,
         pace: streams.Pacer | None = None,
     ) -> tuple[Message, list[torch.Tensor]]:

@@ -36,7 +36,7 @@ import hivemind
 from hivemind.p2p import P2P
 
 if TYPE_CHECKING:
-    from noloco_swarm.peer.identity import Identity
+    from noloco_swarm.peer.net.identity import Identity
 
 _PR_SET_PDEATHSIG = 1
 _ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("children_die_with_us", default=False)

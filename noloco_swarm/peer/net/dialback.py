@@ -129,7 +129,7 @@ class DialBack:
         from hivemind.p2p import PeerID
         from hivemind.utils.multiaddr import Multiaddr
 
-        from noloco_swarm.peer.lifetime import start_p2p
+        from noloco_swarm.peer.net.lifetime import start_p2p
 
         now = time.monotonic()
         if now - self._last.get(peer, -RATE_SECONDS) < RATE_SECONDS:

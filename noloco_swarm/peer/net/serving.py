@@ -3,9 +3,9 @@
 A stream's first request takes one of its caller's stream slots from the stream's first byte;
 after a handler's whole reply the stream is kept (within its caller's cap of kept streams) and its
 next request read for up to `header_timeout`, taking a slot again once its envelope is in. The
-caller reuses it (peer/transport.py). Each verb is registered with the tensors its request may
+caller reuses it (peer/net/transport.py). Each verb is registered with the tensors its request may
 carry (`Accepts`) and each caller may hold only so many streams and bytes at once
-(peer/limits.py): both are checked before any tensor byte is read. Nothing a remote sends escapes
+(peer/net/limits.py): both are checked before any tensor byte is read. Nothing a remote sends escapes
 `on_stream`: a bad request is answered with ErrorReply where it still can be, counted against its
 sender, and serving goes on.
 """
@@ -21,9 +21,10 @@ from typing import Any
 import torch
 from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 
-from noloco_swarm.peer import failpoints, streams
-from noloco_swarm.peer.limits import NONE, Accepts, Admission
-from noloco_swarm.peer.streams import (
+from noloco_swarm.peer import failpoints
+from noloco_swarm.peer.net import streams
+from noloco_swarm.peer.net.limits import NONE, Accepts, Admission
+from noloco_swarm.peer.net.streams import (
     ByteCounts,
     InboundStream,
     PeerUnavailable,
@@ -31,8 +32,9 @@ from noloco_swarm.peer.streams import (
     StreamClosed,
     TransportConfig,
 )
-from noloco_swarm.protocol import messages
-from noloco_swarm.protocol.messages import REPLY_VERB, Envelope, Message
+from noloco_swarm.protocol import codec
+from noloco_swarm.protocol.codec import Message
+from noloco_swarm.protocol.rpc import REPLY_VERB, Envelope
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +127,7 @@ class Server:
         try:
             async with asyncio.timeout(self.config.serve_timeout):
                 return await self._serve(stream, first)
-        except messages.MessageError as e:  # they sent garbage (or died mid-frame)
+        except codec.MessageError as e:  # they sent garbage (or died mid-frame)
             stream.counts.bad_messages += 1
             logger.info("rejected a malformed request from %s: %s", stream.peer, e)
             await streams.refuse(stream, "bad_request", str(e))

@@ -1,7 +1,7 @@
 """What a request may carry, and how much of a peer one caller may hold, decided before any tensor
 byte is read.
 
-Two limits, both decided from the envelope alone (peer/streams.py), so that a refused request costs
+Two limits, both decided from the envelope alone (peer/net/streams.py), so that a refused request costs
 its receiver a few hundred bytes of header and no allocation:
 
   per verb     `Accepts`, registered with the verb's handler: how many tensors its request may
@@ -25,8 +25,9 @@ import dataclasses
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from noloco_swarm.peer.streams import Refused, TransportConfig
-from noloco_swarm.protocol.messages import MAX_ENVELOPE_TENSORS, WIRE_DTYPES, TensorMeta
+from noloco_swarm.peer.net.streams import Refused, TransportConfig
+from noloco_swarm.protocol.codec import WIRE_DTYPES, TensorMeta
+from noloco_swarm.protocol.rpc import MAX_ENVELOPE_TENSORS
 
 # Rows one forward request may carry, in batches of the run: a replica of stage s holds about
 # B * D_0 / D_s rows per step, so with uneven stages one request can carry several batches' rows

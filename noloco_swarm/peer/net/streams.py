@@ -2,7 +2,7 @@
 
 Each direction of a stream carries exactly one frame:
 
-    b"NLS1" | u32 big-endian envelope length | Envelope (messages codec) | raw tensor bytes
+    b"NLS1" | u32 big-endian envelope length | Envelope (protocol/codec.py) | raw tensor bytes
 
 The raw bytes are the tensors of `Envelope.tensors`, in order, each C-contiguous and
 little-endian, with no per-part framing: the lengths are known from the metas, so the receiver
@@ -32,9 +32,10 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from noloco_swarm.protocol import messages
-from noloco_swarm.protocol.messages import Envelope, Message, MessageError, TensorMeta
+from noloco_swarm.protocol import codec, rpc
+from noloco_swarm.protocol.codec import Message, MessageError, TensorMeta
 from noloco_swarm.protocol.plausible import Implausible
+from noloco_swarm.protocol.rpc import Envelope
 
 MAGIC = b"NLS1"
 _PREAMBLE = len(MAGIC) + 4
@@ -215,14 +216,14 @@ async def call_frames(
         await sending  # our frame is with p2pd; unless confirmed, the remote has read it before replying
         if confirmed:
             _, ack = await _read_reply(peer, reader, counts, config, expect=())
-            if not isinstance(ack, messages.Ack):
+            if not isinstance(ack, rpc.Ack):
                 raise MessageError(f"expected the confirmation frame, got {ack.TAG!r}")
         if lost is not None and lost():
             return header, tensors
         if confirmed:
             # Our receipt: the remote then need not keep its answer for a call of ours again. A
             # receipt that never arrives only makes it keep that answer longer.
-            receipt = Envelope(envelope.verb, messages.encode(messages.Ack(RECEIPT)), ())
+            receipt = Envelope(envelope.verb, codec.encode(rpc.Ack(RECEIPT)), ())
             with contextlib.suppress(OSError):
                 await write_frame(writer, receipt, [], part, counts)
         return header, tensors
@@ -241,9 +242,9 @@ async def _read_reply(
     """The next reply frame's envelope and header, checked (a refusal raises RemoteRefused)."""
     envelope = await read_envelope(reader, counts)
     header = open_envelope(envelope, config.max_frame_bytes)
-    if isinstance(header, messages.ErrorReply):
+    if isinstance(header, rpc.ErrorReply):
         raise RemoteRefused(peer, header.code, header.reason)
-    if envelope.verb != messages.REPLY_VERB:
+    if envelope.verb != rpc.REPLY_VERB:
         raise MessageError(f"expected a reply frame, got verb {envelope.verb!r}")
     if expect is not None and envelope.tensors != expect:  # e.g. outer weights of another shape
         raise Implausible("shape", f"reply carries {envelope.tensors}, expected {expect}")
@@ -255,7 +256,7 @@ async def reply(
 ) -> None:
     """Server side: write the reply frame (at `pace`, if given)."""
     wire = prepare(tensors)
-    envelope = Envelope(messages.REPLY_VERB, messages.encode(header), tuple(TensorMeta.of(t) for t in wire))
+    envelope = Envelope(rpc.REPLY_VERB, codec.encode(header), tuple(TensorMeta.of(t) for t in wire))
     stream.replied = True
     await write_frame(stream.writer, envelope, wire, stream.part_bytes, stream.counts, pace)
 
@@ -265,7 +266,7 @@ RECEIPT = "got your reply"  # the caller's last frame of a confirmed call (call_
 
 async def confirm(stream: InboundStream) -> None:
     """Server side, after the reply: we have read all of the caller's frame (see call_frames)."""
-    await reply(stream, messages.Ack("received"), ())
+    await reply(stream, rpc.Ack("received"), ())
 
 
 async def receipt(stream: InboundStream, timeout: float) -> bool:
@@ -276,7 +277,7 @@ async def receipt(stream: InboundStream, timeout: float) -> bool:
         header = open_envelope(envelope, 1 << 16)
     except (TimeoutError, OSError, PeerUnavailable, MessageError, asyncio.IncompleteReadError):
         return False
-    return isinstance(header, messages.Ack) and header.note == RECEIPT and not envelope.tensors
+    return isinstance(header, rpc.Ack) and header.note == RECEIPT and not envelope.tensors
 
 
 async def refuse(stream: InboundStream, code: str, reason: str, linger: float = REFUSAL_DEADLINE) -> None:
@@ -290,7 +291,7 @@ async def refuse(stream: InboundStream, code: str, reason: str, linger: float = 
         return
     with contextlib.suppress(OSError, TimeoutError, PeerUnavailable):
         async with asyncio.timeout(linger):
-            await reply(stream, messages.ErrorReply(code, reason[: messages.MAX_STRING]), ())
+            await reply(stream, rpc.ErrorReply(code, reason[: codec.MAX_STRING]), ())
             while await stream.reader.read(stream.part_bytes):
                 pass
 
@@ -305,7 +306,7 @@ async def write_frame(
 ) -> None:
     """Write one frame; `tensors` must match `envelope.tensors` and come from `prepare`. With
     `pace`, the tensor bytes go out in parts of at most PACED_PART, each when `pace` allows."""
-    encoded = messages.encode(envelope)
+    encoded = codec.encode(envelope)
     writer.write(MAGIC + len(encoded).to_bytes(4, "big") + encoded)
     counts.sent_total += _PREAMBLE + len(encoded)
     await writer.drain()
@@ -329,18 +330,18 @@ async def read_envelope(reader: asyncio.StreamReader, counts: ByteCounts) -> Env
     if preamble[: len(MAGIC)] != MAGIC:
         raise MessageError(f"stream does not start with {MAGIC!r}: not a noloco transport frame")
     length = int.from_bytes(preamble[len(MAGIC) :], "big")
-    if length > messages.MAX_MESSAGE_BYTES:
-        raise MessageError(f"envelope of {length} bytes exceeds {messages.MAX_MESSAGE_BYTES}")
+    if length > codec.MAX_MESSAGE_BYTES:
+        raise MessageError(f"envelope of {length} bytes exceeds {codec.MAX_MESSAGE_BYTES}")
     encoded = await _read_exactly(reader, length)
     counts.received_total += _PREAMBLE + length
-    return messages.decode(encoded, Envelope)
+    return codec.decode(encoded, Envelope)
 
 
 def open_envelope(envelope: Envelope, max_bytes: int) -> Message:
     """Decode the header inside an envelope and check the announced tensors before any allocation."""
     if envelope.nbytes > max_bytes:
         raise MessageError(f"frame announces {envelope.nbytes} tensor bytes, over our limit of {max_bytes}")
-    header = messages.decode(envelope.header)
+    header = codec.decode(envelope.header)
     declared = declared_tensors(header)
     if declared is not None and declared != envelope.tensors:
         raise MessageError(
@@ -351,13 +352,13 @@ def open_envelope(envelope: Envelope, max_bytes: int) -> Message:
 
 def declared_tensors(header: Message) -> tuple[TensorMeta, ...] | None:
     """The tensors a header says follow it, in order; None for headers that declare none."""
-    if isinstance(header, messages.ForwardHeader | messages.BackwardHeader):
+    if isinstance(header, rpc.ForwardHeader | rpc.BackwardHeader):
         return header.tensors
-    if isinstance(header, messages.EvalHeader):
+    if isinstance(header, rpc.EvalHeader):
         return (header.activations, header.tokens)
-    if isinstance(header, messages.ExchangeHeader):
+    if isinstance(header, rpc.ExchangeHeader):
         return (header.meta,) * len(header.parts)
-    if isinstance(header, messages.StateChunk):
+    if isinstance(header, rpc.StateChunk):
         return (header.meta,)
     return None
 

@@ -11,10 +11,10 @@ from hivemind.dht.node import DHTNode
 from hivemind.dht.validation import CompositeValidator
 from hivemind.p2p import P2P
 
-from noloco_swarm.peer import identity
 from noloco_swarm.peer.directory import signed_dht_kwargs
-from noloco_swarm.peer.identity import Identity
-from noloco_swarm.peer.lifetime import DHT
+from noloco_swarm.peer.net import identity
+from noloco_swarm.peer.net.identity import Identity
+from noloco_swarm.peer.net.lifetime import DHT
 from noloco_swarm.train.config import NetworkConfig
 
 T = TypeVar("T")

@@ -1,0 +1,1 @@
+"""The transport: tensor streams over libp2p, serving and its limits, the DHT node, identity, dial-back."""

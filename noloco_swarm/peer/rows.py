@@ -1,0 +1,111 @@
+"""A forward request's rows on a receiving replica: who may send them, what they are, and the
+backward reply that answers them (the microbatch flight itself is inner.py's)."""
+
+from __future__ import annotations
+
+import torch
+
+from noloco_swarm.peer.context import PeerContext
+from noloco_swarm.protocol import codec, wire
+from noloco_swarm.protocol.codec import MessageError, TensorMeta
+from noloco_swarm.protocol.membership import MembershipView
+from noloco_swarm.protocol.plan import StepPlan
+from noloco_swarm.protocol.rpc import BackwardHeader, ForwardHeader
+
+
+def rows_of(ctx: PeerContext, view: MembershipView, header: ForwardHeader) -> tuple[list[int], list[int]]:
+    """The sample indices of a request's carried rows (rows of the step before: peer/carry.py),
+    and the batch positions of its rows of this step."""
+    carried, planned = list(header.samples[: header.carried]), header.samples[header.carried :]
+    positions = [k - header.step * ctx.B for k in planned]
+    if not positions or not all(0 <= i < ctx.B for i in positions):
+        raise MessageError(f"samples {list(planned)} are not rows of step {header.step}")
+    if not all(0 <= k - (header.step - 1) * ctx.B < ctx.B for k in carried):
+        raise MessageError(f"carried samples {carried} are not rows of step {header.step - 1}")
+    if len(carried) > ctx.B * view.replica_counts()[0]:  # more than the step before had
+        raise MessageError(f"{len(carried)} carried rows: step {header.step - 1} had fewer")
+    return carried, positions
+
+
+def gone_senders(ctx: PeerContext, view: MembershipView) -> tuple[int, ...]:
+    """On stage 1: the ranks of stage 0 that failed us, said in our answers (stage 0 stands in
+    for them from its next step: peer/detours.py). Elsewhere nobody acts on it: ()."""
+    if ctx.stage != 1:
+        return ()
+    return tuple(r for r, peer in enumerate(view.stages[0]) if peer in ctx.rounds.dead)
+
+
+def senders_plan(ctx: PeerContext, view: MembershipView, header: ForwardHeader) -> StepPlan:
+    """The plan the sender of `header` follows: the round's, routing around the replicas of our
+    stage it says it routes around, and with it standing in for those of its own stage it names."""
+    places = {(header.hop, r) for r in header.stands_in_for} | {(ctx.stage, r) for r in header.routes_around}
+    try:
+        return ctx.plan_at(header.step).routing_around(places)
+    except ValueError as e:
+        raise MessageError(f"the sender routes around replicas this round does not have: {e}") from e
+
+
+def backward_reply(
+    ctx: PeerContext,
+    header: ForwardHeader,
+    rank: int,
+    grad: torch.Tensor,
+    losses: list[float],
+    gone: tuple[int, ...] = (),
+    lost: tuple[int, ...] = (),
+) -> tuple[BackwardHeader, list[torch.Tensor]]:
+    """The answer to `header`'s rows: their gradients in the run's wire format, their losses, the
+    ranks of the sender's stage that failed us (`gone`: stage 0 stands in for them), and which of
+    the rows a later stage lost (`lost`)."""
+    grads = wire.encode(grad, ctx.cfg.wire.activations)
+    reply = BackwardHeader(
+        run_id=header.run_id,
+        round=header.round,
+        step=header.step,
+        hop=header.hop,
+        sender_rank=rank,
+        samples=header.samples,
+        grad=TensorMeta.of(grads[0]),
+        losses=tuple(losses),
+        scale=TensorMeta.of(grads[1]) if len(grads) > 1 else None,
+        gone=gone,
+        lost=lost,
+    )
+    return reply, grads
+
+
+def decode_rows(ctx: PeerContext, parts: list[torch.Tensor], payload: TensorMeta) -> torch.Tensor:
+    """Float32 activations from their wire tensors, in the run's format (`wire.activations`) only.
+
+    (The transport already checked their floats for NaN/inf.)"""
+    fmt = ctx.cfg.wire.activations
+    if payload.dtype != codec.WIRE_DTYPES[fmt]:
+        raise MessageError(f"rows came as {payload.dtype}; this run sends activations as {fmt}")
+    return wire.decode(parts, fmt, check_finite=False)
+
+
+def checked_rows(ctx: PeerContext, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations and token ids from another peer, checked against this model before use.
+
+    (The transport already checked them against the header's metas and for NaN/inf.)"""
+    model = ctx.cfg.model
+    if len(tensors) != 2:
+        raise MessageError(f"expected activations and token ids, got {len(tensors)} tensors")
+    acts, toks = tensors
+    if acts.dtype != torch.float32 or acts.shape[1:] != (model.seq_len, model.hidden_size):
+        raise MessageError(f"activations {acts.dtype} {tuple(acts.shape)} do not fit this model")
+    if toks.dtype != torch.int64 or int(toks.min()) < 0 or int(toks.max()) >= model.vocab_size:
+        raise MessageError("token ids must be int64 within the vocabulary")
+    return acts, toks
+
+
+def check_sender(
+    ctx: PeerContext, peer_id: str, view: MembershipView, run_id: str, hop: int, rank: int
+) -> None:
+    """The request must come from the peer `view` puts at (hop, rank), for our stage."""
+    if run_id != ctx.run_id or hop != ctx.stage - 1:
+        raise MessageError(
+            f"request for run {run_id!r} hop {hop}; this is stage {ctx.stage} of {ctx.run_id!r}"
+        )
+    if not 0 <= rank < len(view.stages[hop]) or view.peer_at(hop, rank) != peer_id:
+        raise MessageError(f"peer {peer_id} is not replica {rank} of stage {hop} in round {view.round}")

@@ -1,0 +1,221 @@
+"""Who serves which stage in each round, as one peer sees it.
+
+A peer keeps the frozen views of the last few rounds (routes and groups of step t come from the
+view of t's round), and builds the next one at every boundary from the run's directory with the
+pure rule `protocol.membership.next_view`. The margins that decide when a peer enters, leaves or
+is left behind are protocol/membership.py's table; whom this peer judged gone is liveness.py's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterable
+
+from noloco_swarm.peer import events
+from noloco_swarm.peer.directory import RunDirectory
+from noloco_swarm.peer.liveness import DHT_ERRORS, Liveness
+from noloco_swarm.peer.net.transport import Transport
+from noloco_swarm.peer.tickets import Gate
+from noloco_swarm.protocol import records
+from noloco_swarm.protocol.clock import StepClock
+from noloco_swarm.protocol.codec import MessageError
+from noloco_swarm.protocol.membership import (
+    KEEP_ROUNDS,
+    LEFT_BEHIND_ROUNDS,
+    Listing,
+    MembershipView,
+    credible_gone,
+    founders,
+    next_view,
+    round_zero_complete,
+)
+
+logger = logging.getLogger(__name__)
+
+# How often a founding peer reads the directory until round 0 is complete: the peers start
+# training within about this much of each other, and the first step waits for the last.
+FREEZE_POLL = 0.1
+# What a read of the run's directory returns: the peers listed, and (peer, reporter, round) reports.
+Directory = tuple[list[Listing], list[tuple[str, str, int]]]
+
+
+class PeerExcluded(RuntimeError):
+    """The swarm's next view leaves this (live) peer out, e.g. after a gone report: join again."""
+
+
+def raise_if_left_behind(t: int, round_: int, clock: StepClock, steps: Iterable[int]) -> None:
+    """We are at step t of `round_` and other members report `steps`: if one is LEFT_BEHIND_ROUNDS
+    rounds past ours, the swarm trained on without us and we are out of its views, or soon will
+    be. Raise PeerExcluded, to rejoin now instead of waiting on (or sending to) steps they left long ago."""
+    furthest = max(steps, default=t)
+    if furthest >= clock.round_start(round_ + LEFT_BEHIND_ROUNDS):
+        raise PeerExcluded(f"this peer fell behind: it is at step {t}, the swarm at step {furthest}")
+
+
+class Rounds(Liveness):
+    """One peer's per-round views of the swarm, on its record of peers that failed it (Liveness)."""
+
+    def __init__(
+        self,
+        me: str,
+        stage: int,
+        num_stages: int,
+        transport: Transport,
+        directory: RunDirectory,
+        sink: events.Events,
+    ) -> None:
+        super().__init__(me, stage, transport, directory, sink)
+        self.num_stages = num_stages
+        self.views: dict[int, MembershipView] = {}  # round -> frozen view
+        self._ready: dict[int, asyncio.Event] = {}
+        self.gate: Gate | None = None  # a closed run's: members are peers with a valid ticket
+
+    def adopt(self, view: MembershipView) -> None:
+        """Take a donor's view on (re)joining: its members are alive by the swarm's consensus, so
+        whom we marked gone before (while cut off, typically the whole swarm) is forgotten. Kept,
+        those marks made us skip every row from them: a rejoined peer ran its steps empty."""
+        self.dead.clear()
+        self.detours.forget_all()
+        self.set(view)
+
+    def set(self, view: MembershipView) -> None:
+        """Freeze `view` for its round (and forget rounds long past)."""
+        self.views[view.round] = view
+        for old in [r for r in self.views if r <= view.round - KEEP_ROUNDS]:
+            del self.views[old]
+            self._ready.pop(old, None)
+        self.round = max(self.views)
+        self.events.emit(
+            events.Membership(
+                round=view.round,
+                stages=[list(s) for s in view.stages],
+                rank=view.rank_of(self.me)[1],
+                peer_id=self.me,
+            )
+        )
+        self._event(view.round).set()
+
+    def at(self, round_: int) -> MembershipView:
+        return self.views[round_]
+
+    def latest(self) -> MembershipView | None:
+        return self.views[max(self.views)] if self.views else None
+
+    async def wait(self, round_: int, timeout: float) -> MembershipView:
+        """The view of `round_`, waiting (up to `timeout`) if we have not reached that round yet."""
+        if round_ not in self.views and self.views and round_ < max(self.views):
+            raise MessageError(f"round {round_} is over for this peer")
+        if round_ not in self.views:
+            try:
+                await asyncio.wait_for(self._event(round_).wait(), timeout)
+            except TimeoutError as e:
+                raise MessageError(f"this peer has no view of round {round_} yet") from e
+        if round_ not in self.views:
+            raise MessageError(f"round {round_} is over for this peer")
+        return self.views[round_]
+
+    def _event(self, round_: int) -> asyncio.Event:
+        return self._ready.setdefault(round_, asyncio.Event())
+
+    # ------------------------------------------------------------------ reading the directory
+
+    def read_peers(self) -> list[records.PeerAnnouncement]:
+        """Live announcements (blocking: call in a thread); remembers everyone's addresses. In a
+        closed run, only those with a valid ticket (whose peers the gate then admits)."""
+        return self._admitted(self.directory.read_peers().announcements)
+
+    def _admitted(self, announcements: list[records.PeerAnnouncement]) -> list[records.PeerAnnouncement]:
+        """In a closed run, only announcements with a valid ticket; remembers their addresses."""
+        if self.gate is not None:
+            announcements = [a for a in announcements if self.gate.admit_announced(a)]
+        for a in announcements:
+            self.addresses[a.peer_id] = a.addresses
+        return announcements
+
+    def run_in_progress(self, announcements: list[records.PeerAnnouncement], counts: tuple[int, ...]) -> bool:
+        """True when round 0 is already complete (or past): a newcomer must join a later round."""
+        others = [a for a in announcements if a.peer_id != self.me]
+        if any(a.step > 0 or a.joined_round > 0 for a in others):
+            return True
+        listings = [Listing(a.peer_id, a.stage, a.joined_round) for a in others]
+        return round_zero_complete(founders(listings, self.num_stages), counts)
+
+    async def freeze_round_zero(self, counts: tuple[int, ...], timeout: float) -> MembershipView:
+        """Wait until every stage has its `counts[s]` peers announced for round 0, then freeze it."""
+        deadline = time.monotonic() + timeout
+        while True:
+            announcements = await asyncio.to_thread(self.read_peers)
+            view = founders(
+                [Listing(a.peer_id, a.stage, a.joined_round) for a in announcements], self.num_stages
+            )
+            there = view.replica_counts()
+            if round_zero_complete(view, counts):
+                if any(c > n for c, n in zip(there, counts, strict=True)):
+                    raise RuntimeError(
+                        f"more peers than the run's {list(counts)} announced for round 0: {there}"
+                    )
+                self.set(view)
+                return view
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"only {there} peers per stage after {timeout:.0f} s; need {list(counts)}")
+            await asyncio.sleep(FREEZE_POLL)
+
+    async def read_directory(self) -> Directory:
+        """The run's listings and gone reports, for `next`; empty if the DHT cannot be read twice
+        (the next view then keeps this round's members). The loop starts this read at the
+        boundary, beside the outer exchange, so that the exchange hides its DHT round trip:
+        only reports of rounds before the current one decide the next view (membership.py),
+        and those were stored a round ago."""
+        for attempt in range(2):
+            try:
+                return await asyncio.to_thread(self._read_directory)
+            except DHT_ERRORS as e:
+                logger.warning(
+                    "could not read the run's directory (%s)%s", e, "" if attempt else "; retrying"
+                )
+        return [], []
+
+    async def next(self, current: MembershipView, joined_round: int, directory: Directory) -> MembershipView:
+        """The view of the round after `current`, by the rule every peer applies (not yet frozen),
+        from `directory` (read at the boundary: see read_directory).
+
+        Raises PeerExcluded if it leaves us out or a stage has nobody left (see below).
+        """
+        listings, reports = list(directory[0]), directory[1]
+        # What we saw ourselves counts too, in case the DHT lost it (weighed with the rest).
+        seen = [(peer, self.me, round_) for peer, round_ in self.dead.items()]
+        # A member missing from the read is only suspect: check it before telling everyone it is gone.
+        suspects = sorted(current.members() - {item.peer for item in listings} - set(self.dead) - {self.me})
+        async with asyncio.TaskGroup() as group:
+            for p in suspects:
+                group.create_task(self.suspect(p, "its announcement expired"))
+        members = current.members()  # a stranger's report counts for nothing
+        joined = {item.peer: item.joined_round for item in listings}
+        due = [r for r in {*reports, *seen} if r[1] in members]
+        kept = await self.evidence.weigh(current, joined, due, self.alive)
+        for peer in self.evidence.live:
+            self.dead.pop(peer, None)  # one we marked gone answers again: a member like any other
+            self.detours.forget(peer)
+        listings.insert(0, Listing(self.me, self.stage, joined_round))
+        view = next_view(current, listings, credible_gone(kept))
+        for peer in view.members() - current.members():
+            self.dead.pop(peer, None)  # a peer that rejoined is a member again
+        if self.me not in view.members():
+            raise PeerExcluded(f"the view of round {view.round} leaves this peer out (reported gone?)")
+        self.detours.check_reported(view, kept, self.hearsay)
+        if not view.is_complete():
+            # Every replica of a stage gone at once is more likely our own link cut off than all
+            # of them dead: join again, which finds the live swarm or says no replica is left.
+            empty = [s for s, peers in enumerate(view.stages) if not peers]
+            raise PeerExcluded(
+                f"stage(s) {empty} have no live replica in this peer's view of round {view.round} "
+                "(was this peer cut off?)"
+            )
+        return view
+
+    def _read_directory(self) -> Directory:
+        peers, reports = self.directory.read_both()
+        listings = [Listing(a.peer_id, a.stage, a.joined_round) for a in self._admitted(peers.announcements)]
+        return listings, reports
