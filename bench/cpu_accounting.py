@@ -14,9 +14,12 @@ core-ms per step and what contention alone adds to it.
 Each checkout in --trees runs in its own child process (its own `noloco_swarm`), alternating
 over --reps, so builds are compared side by side on the same machine state.
 
-    python bench/cpu_accounting.py --trees /path/to/old-checkout,. --out docs/results/cpu_accounting.json
-    # another schedule or setting: --set KEY=VALUE on top of the bench's config (repeatable)
-    python bench/cpu_accounting.py --set inner.microbatches=5 --set peer.release_memory=off
+    python bench/cpu_accounting.py --trees /path/to/old-checkout,. --out runs/cpu_accounting.json
+    # another schedule or setting: --set KEY=VALUE on top of the bench's config (repeatable); the
+    # current figures (docs/benchmarks.md) are this, and the same without the microbatches (m1)
+    python bench/cpu_accounting.py --reps 1 --window 20 --set model.seq_len=128 --set inner.batch_size=16 \
+        --set outer.inner_steps=50 --set inner.microbatches=5 --set inner.microbatch_sizes=2,4,4,4,2 \
+        --set wire.activations=int8 --set peer.release_memory=off --out docs/results/cpu_accounting_b16_m5_off.json
 """
 
 from __future__ import annotations

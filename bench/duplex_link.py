@@ -23,7 +23,8 @@ wait behind it, which slows the partner's sending. A cap just under the rate kee
 own flow-control window). Modes alternate within each repetition; the first repetition (it dials)
 is left out; figures are medians of wall / floor.
 
-    sudo python bench/duplex_link.py --rates 25,100 --reps 5 --out docs/results/duplex_link.json
+    sudo python bench/duplex_link.py --rates 25,100 --reps 6 --pace 0.93 \
+        --modes kernel-both,p2p-tcp-both,p2p-tcp-paced,p2p-tcp-one --out docs/results/duplex_link_paced.json
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ shows a volunteer) under each peer, by kind: the peer's Python process, p2pd, a
 forked DHT process, torch_shm_manager. Trees alternate over --reps, so builds are compared side by
 side on the same machine state.
 
-    python bench/fixed_overhead.py --trees /path/to/old-checkout,. --out docs/results/fixed_overhead.json
+    python bench/fixed_overhead.py --trees /path/to/old-checkout,. --out docs/results/fixed_overhead_rss.json
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ Per tree and swarm (a tree's bench may run several: pinned and unpinned), it rep
 tokens/s, the tree's own simulator's tokens/s and their ratio, and, per round, each swarm's
 tokens/s against the first tree's first swarm of the same round.
 
-    git worktree add /tmp/noloco-ed9ea3e ed9ea3e     # the tree that measured 0.892 in session 2
+    git worktree add /tmp/noloco-ed9ea3e ed9ea3e     # the tree that measured 0.892 on 2026-11-30
     python bench/swarm_trees.py --trees /tmp/noloco-ed9ea3e,. --rounds 5 --out docs/results/swarm_trees.json
 """
 

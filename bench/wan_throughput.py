@@ -13,7 +13,12 @@ stage's compute per step, measured from the unshaped run. With --rounds, everyth
 each round, each round's shaped runs are divided by that round's best unshaped one, and the
 figures are medians over rounds (this machine's pace drifts by 20% within an hour).
 
-    sudo nice -n 10 python bench/wan_throughput.py --out docs/results/wan_throughput.json
+    sudo nice -n 10 python bench/wan_throughput.py --out runs/wan_throughput.json
+    # the current utilisation figure (docs/benchmarks.md)
+    sudo nice -n 10 python bench/wan_throughput.py --batch-size 32 --inner-steps 50 --profiles 20:25 --rounds 3 \
+        --variants "today: M=1 fp32,M=5 2:4:4:4:2 int8 overlap H/2 paced pinned" \
+        --unshaped "today: M=1 fp32 pinned" --set peer.release_memory=off \
+        --out docs/results/wan_throughput_h50_b32_off.json
     # the new schedule as a whole, H = 50, on a link whose fp32 hop transfer exceeds a stage's compute
     sudo nice -n 10 python bench/wan_throughput.py --inner-steps 50 --profiles 20:25 --rounds 3 \
         --variants "today: M=1 fp32,M=2 int8 overlap H/2" --unshaped "today: M=1 fp32,M=2 int8 overlap H/2"
@@ -50,7 +55,7 @@ VARIANTS = {
     "M=8 bf16": {"inner.microbatches": "8", "wire.activations": "bf16"},
     "M=8 int8": {"inner.microbatches": "8", "wire.activations": "int8"},
     # The new schedule as a whole: few microbatches (on a CPU each one costs the peer its own
-    # handling: docs/benchmarks.md, "Where the microbatches' cost is"), int8 rows, and the outer
+    # handling: docs/benchmarks.md, "Swarm: the cost of real transport"), int8 rows, and the outer
     # exchange overlapped with half of the next period.
     "M=2 int8 overlap H/2": {
         "inner.microbatches": "2",
