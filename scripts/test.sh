@@ -15,7 +15,15 @@
 # those.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The system tools first: where they are missing and cannot be installed, fail at once saying how.
+# Then apt's downloads and the virtual environment's (scripts/setup.sh) side by side.
+bash scripts/setup_tools.sh --check
+bash scripts/setup_tools.sh &
+tools=$!
 bash scripts/setup.sh
+wait "$tools"
+# The compose testbed's images survive between runs when the home folder does (docker save/load).
+export NOLOCO_COMPOSE_CACHE="${NOLOCO_COMPOSE_CACHE:-$HOME/.cache/noloco-swarm/compose}"
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 if [ "$#" -gt 0 ]; then
