@@ -1,18 +1,22 @@
 #!/usr/bin/env bash
-# Set up (if needed), lint, and run the whole test suite. The README's test command.
+# The README's test command: set up, lint, and run the whole test suite.
 #
-# With no arguments the suite runs in two lanes side by side, each about half of it: most of the
-# integration tests (real peer processes and daemons, which spend most of their time waiting on
-# each other), and the in-process tests (unit, simulator, fuzz: CPU-bound), the compose testbed's
-# test (mostly building images) and the rest of the integration tests (SECOND_LANE: the namespace
-# testbed's stay in one lane with the compose test, one after the other). The integration tests
-# must pass on a loaded machine anyway (stress-ng). One lane took 31-35 minutes of CI; two lanes
-# 30 here with the compose images cached, and 34 on CI, which builds them (3 minutes more on the
-# second lane's path). Building them in the background instead was no faster (36 minutes, on a
-# day when the tree before took 32 with its images cached): the build competes for the same cores
-# and disk.
-# The second lane's report is printed after the first's. With arguments: one pytest run of exactly
-# those.
+#   bash scripts/test.sh           everything, in two lanes side by side
+#   bash scripts/test.sh ARGS...   one pytest run of exactly ARGS (after the same set-up and lint)
+#
+# Set-up: scripts/setup_tools.sh installs the system tools the suite needs (nftables, iproute2,
+# the Docker engine and Compose, debootstrap, tmux, stress-ng) when we are root with apt-get, and
+# otherwise fails at once with the command to run; scripts/setup.sh makes .venv beside it. No test
+# skips for a missing tool: it fails and names the install command.
+# Lanes: most of the integration tests (real peer processes and daemons) in the first; the
+# in-process tests (unit, simulator, fuzz), the compose testbed's test and the rest of the
+# integration tests (SECOND_LANE; the namespace testbed's after the compose test, never beside it)
+# in the second. Both are CPU-bound on 2 cores (a peer spends about 4 s of CPU importing torch,
+# hivemind and transformers before it serves): the lanes are balanced by the 30 slowest tests
+# each pytest run prints. The compose images are built on the
+# second lane's path: built in the background they competed for the same cores and disk and were
+# no faster. The second lane's report is printed after the first's.
+# The integration tests also pass on a loaded machine: scripts/stress_tests.sh runs them so.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # The system tools first: where they are missing and cannot be installed, fail at once saying how.
