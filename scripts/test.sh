@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # The README's test command: set up, lint, and run the whole test suite.
 #
-#   bash scripts/test.sh           everything, in two lanes side by side
+#   bash scripts/test.sh           everything, in two lanes side by side (as root: see below)
 #   bash scripts/test.sh ARGS...   one pytest run of exactly ARGS (after the same set-up and lint)
 #
 # Set-up: scripts/setup_tools.sh installs the system tools the suite needs (nftables, iproute2,
 # the Docker engine and Compose, debootstrap, tmux, stress-ng) when we are root with apt-get, and
 # otherwise fails at once with the command to run; scripts/setup.sh makes .venv beside it. No test
-# skips for a missing tool: it fails and names the install command.
+# skips for a missing tool: it fails and names the install command. The whole suite runs as root
+# (the namespace testbed makes network namespaces); without root it stops at once and says so.
 # Lanes: most of the integration tests (real peer processes and daemons) in the first; the
 # in-process tests (unit, simulator, fuzz), the compose testbed's test and the rest of the
 # integration tests (SECOND_LANE; the namespace testbed's after the compose test, never beside it)
@@ -19,13 +20,19 @@
 # The integration tests also pass on a loaded machine: scripts/stress_tests.sh runs them so.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# The system tools first: where they are missing and cannot be installed, fail at once saying how.
-# Then apt's downloads and the virtual environment's (scripts/setup.sh) side by side.
-bash scripts/setup_tools.sh --check
+# The whole suite needs root: the namespace testbed makes network namespaces. Say so at once.
+if [ "$#" -eq 0 ] && [ "$(id -u)" != 0 ]; then
+    echo "test.sh: the whole suite needs root (the namespace testbed makes network namespaces): sudo bash scripts/test.sh" >&2
+    exit 1
+fi
+# The system tools first: where they are missing and cannot be installed, fail at once saying how
+# (with ARGS, only the tests that need a missing tool fail, each naming it). Then apt's downloads
+# and the virtual environment's (scripts/setup.sh) side by side.
+[ "$#" -gt 0 ] || bash scripts/setup_tools.sh --check
 bash scripts/setup_tools.sh &
 tools=$!
 bash scripts/setup.sh
-wait "$tools"
+wait "$tools" || [ "$#" -gt 0 ]
 # The compose testbed's images survive between runs when the home folder does (docker save/load).
 export NOLOCO_COMPOSE_CACHE="${NOLOCO_COMPOSE_CACHE:-$HOME/.cache/noloco-swarm/compose}"
 .venv/bin/ruff check .
