@@ -56,8 +56,10 @@ second_lane() {
     .venv/bin/python -m pytest -m "not integration" -p no:cacheprovider || status=$?
     .venv/bin/python -m pytest -p no:cacheprovider "$compose" || status=$?
     .venv/bin/python -m pytest -m integration -p no:cacheprovider "${SECOND_LANE[@]}" || status=$?
+    echo "test.sh: the second lane took $((SECONDS - started)) s"
     return "$status"
 }
+started=$SECONDS  # each lane's time, to balance them by
 second_lane >"$report" 2>&1 &
 lane=$!
 # Under set -e a failing command in the trap (pkill finds nothing once the lane has ended) would
@@ -67,10 +69,11 @@ integration=0
 ignored=()
 for file in "$compose" "${SECOND_LANE[@]}"; do ignored+=(--ignore "$file"); done
 .venv/bin/python -m pytest -m integration "${ignored[@]}" || integration=$?
+first=$((SECONDS - started))
 second=0
 wait "$lane" || second=$?
 echo
 echo "==== the second lane (pytest -m 'not integration', then $compose, then ${SECOND_LANE[*]}) ===="
 cat "$report"
-echo "test.sh: first lane exit $integration, second lane exit $second"
+echo "test.sh: first lane exit $integration ($first s), second lane exit $second; $((SECONDS - started)) s in all"
 [ "$integration" = 0 ] && [ "$second" = 0 ]
