@@ -1,21 +1,40 @@
 #!/usr/bin/env bash
-# Set up (if needed), lint, and run the whole test suite. The README's test command.
+# The README's test command: set up, lint, and run the whole test suite.
 #
-# With no arguments the suite runs in two lanes side by side, each about half of it: most of the
-# integration tests (real peer processes and daemons, which spend most of their time waiting on
-# each other), and the in-process tests (unit, simulator, fuzz: CPU-bound), the compose testbed's
-# test (mostly building images) and the rest of the integration tests (SECOND_LANE: the namespace
-# testbed's stay in one lane with the compose test, one after the other). The integration tests
-# must pass on a loaded machine anyway (stress-ng). One lane took 31-35 minutes of CI; two lanes
-# 30 here with the compose images cached, and 34 on CI, which builds them (3 minutes more on the
-# second lane's path). Building them in the background instead was no faster (36 minutes, on a
-# day when the tree before took 32 with its images cached): the build competes for the same cores
-# and disk.
-# The second lane's report is printed after the first's. With arguments: one pytest run of exactly
-# those.
+#   bash scripts/test.sh           everything, in two lanes side by side (as root: see below)
+#   bash scripts/test.sh ARGS...   one pytest run of exactly ARGS (after the same set-up and lint)
+#
+# Set-up: scripts/setup_tools.sh installs the system tools the suite needs (nftables, iproute2,
+# the Docker engine and Compose, debootstrap, tmux, stress-ng) when we are root with apt-get, and
+# otherwise fails at once with the command to run; scripts/setup.sh makes .venv beside it. No test
+# skips for a missing tool: it fails and names the install command. The whole suite runs as root
+# (the namespace testbed makes network namespaces); without root it stops at once and says so.
+# Lanes: most of the integration tests (real peer processes and daemons) in the first; the
+# in-process tests (unit, simulator, fuzz), the compose testbed's test and the rest of the
+# integration tests (SECOND_LANE; the namespace testbed's after the compose test, never beside it)
+# in the second. Both are CPU-bound on 2 cores (a peer spends about 4 s of CPU importing torch,
+# hivemind and transformers before it serves): the lanes are balanced by the 30 slowest tests
+# each pytest run prints. The compose images are built on the
+# second lane's path: built in the background they competed for the same cores and disk and were
+# no faster. The second lane's report is printed after the first's.
+# The integration tests also pass on a loaded machine: scripts/stress_tests.sh runs them so.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The whole suite needs root: the namespace testbed makes network namespaces. Say so at once.
+if [ "$#" -eq 0 ] && [ "$(id -u)" != 0 ]; then
+    echo "test.sh: the whole suite needs root (the namespace testbed makes network namespaces): sudo bash scripts/test.sh" >&2
+    exit 1
+fi
+# The system tools first: where they are missing and cannot be installed, fail at once saying how
+# (with ARGS, only the tests that need a missing tool fail, each naming it). Then apt's downloads
+# and the virtual environment's (scripts/setup.sh) side by side.
+[ "$#" -gt 0 ] || bash scripts/setup_tools.sh --check
+bash scripts/setup_tools.sh &
+tools=$!
 bash scripts/setup.sh
+wait "$tools" || [ "$#" -gt 0 ]
+# The compose testbed's images survive between runs when the home folder does (docker save/load).
+export NOLOCO_COMPOSE_CACHE="${NOLOCO_COMPOSE_CACHE:-$HOME/.cache/noloco-swarm/compose}"
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 if [ "$#" -gt 0 ]; then
@@ -37,8 +56,10 @@ second_lane() {
     .venv/bin/python -m pytest -m "not integration" -p no:cacheprovider || status=$?
     .venv/bin/python -m pytest -p no:cacheprovider "$compose" || status=$?
     .venv/bin/python -m pytest -m integration -p no:cacheprovider "${SECOND_LANE[@]}" || status=$?
+    echo "test.sh: the second lane took $((SECONDS - started)) s"
     return "$status"
 }
+started=$SECONDS  # each lane's time, to balance them by
 second_lane >"$report" 2>&1 &
 lane=$!
 # Under set -e a failing command in the trap (pkill finds nothing once the lane has ended) would
@@ -48,10 +69,11 @@ integration=0
 ignored=()
 for file in "$compose" "${SECOND_LANE[@]}"; do ignored+=(--ignore "$file"); done
 .venv/bin/python -m pytest -m integration "${ignored[@]}" || integration=$?
+first=$((SECONDS - started))
 second=0
 wait "$lane" || second=$?
 echo
 echo "==== the second lane (pytest -m 'not integration', then $compose, then ${SECOND_LANE[*]}) ===="
 cat "$report"
-echo "test.sh: first lane exit $integration, second lane exit $second"
+echo "test.sh: first lane exit $integration ($first s), second lane exit $second; $((SECONDS - started)) s in all"
 [ "$integration" = 0 ] && [ "$second" = 0 ]

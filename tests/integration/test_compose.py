@@ -1,8 +1,9 @@
 """The docker-compose testbed end to end, as a user runs it: `scripts/compose_testbed.sh`.
 
-It needs a Docker engine and Compose (`.ci/run` installs them as root); where there are none the
-test skips and says why. The script starts dockerd itself when it is installed, stopped, and we
-are root, and stops it again afterwards.
+It needs a Docker engine and Compose (scripts/setup_tools.sh installs them as root, before
+scripts/test.sh runs the suite); where there are none the test fails and says what to install.
+The script starts dockerd itself when it is installed, stopped, and we are root, and stops it
+again afterwards.
 """
 
 from __future__ import annotations
@@ -31,11 +32,11 @@ def _works(*argv: str) -> bool:
 def why_not() -> str | None:
     """Why the testbed cannot run here, or None."""
     if shutil.which("docker") is None:
-        return "no Docker engine (apt-get install docker.io docker-compose debootstrap, as .ci/run does)"
+        return "no Docker engine: sudo apt-get install -y docker.io docker-compose debootstrap"
     if not _works("docker", "info") and not (shutil.which("dockerd") and os.geteuid() == 0):
-        return "the Docker engine is not running, and starting it needs root"
+        return "the Docker engine is not running: sudo systemctl start docker, or run the suite as root"
     if not _works("docker", "compose", "version") and shutil.which("docker-compose") is None:
-        return "no Docker Compose (apt-get install docker-compose)"
+        return "no Docker Compose: sudo apt-get install -y docker-compose"
     return None
 
 
@@ -56,7 +57,7 @@ def project_leftovers() -> list[str]:
 def test_compose_testbed_runs_to_the_end(tmp_path: Path) -> None:
     reason = why_not()
     if reason:
-        pytest.skip(reason)
+        pytest.fail(f"{reason} (scripts/setup_tools.sh installs the tools as root)", pytrace=False)
     argv = [
         "bash",
         "scripts/compose_testbed.sh",

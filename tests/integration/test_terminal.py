@@ -20,10 +20,7 @@ import pytest
 from tests.integration.helpers import descendants
 from tests.small import SMALL_RUN
 
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed (apt install tmux)"),
-]
+pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
 # A run far longer than the test: it ends with Ctrl-C, never on its own before the joiner is in.
@@ -112,6 +109,10 @@ def steps_shown(screen: str, label: str = "step") -> list[int]:
 
 
 def test_local_status_and_a_joiner_s_panel_in_a_real_terminal(cache: Path, tmp_path: Path) -> None:
+    if shutil.which("tmux") is None:
+        pytest.fail(
+            "tmux is not installed: sudo apt-get install -y tmux (scripts/setup_tools.sh installs it as root)"
+        )
     env = {"NOLOCO_CACHE": str(cache), "PYTHONPATH": os.environ.get("PYTHONPATH", str(ROOT))}
     term = Terminal(f"noloco-test-{os.getpid()}", env)
     try:

@@ -26,7 +26,7 @@ from tests.integration.helpers import troubles
 from tests.integration.test_swarm import SLOWER, STEPS, simulate, small
 
 PERMITTED, WHY = namespaces_permitted()
-pytestmark = [pytest.mark.integration, pytest.mark.skipif(not PERMITTED, reason=f"testbed: {WHY}")]
+pytestmark = pytest.mark.integration
 PROBE = [sys.executable, "-m", "tests.integration.netprobe"]
 ROOT = str(Path(__file__).resolve().parents[2])
 
@@ -40,6 +40,28 @@ def ours() -> tuple[set[str], set[str]]:
         {n for n in spaces if (m := NAME.match(n)) and m.group(1) == mine},
         {n for n in links if (m := LINK.match(n)) and m.group(1) == mine},
     )
+
+
+@pytest.fixture(autouse=True)
+def testbed_here() -> None:
+    """A machine that could run the testbed fails these tests when it lacks a tool or root; only
+    one whose kernel will not make a network namespace (not Linux, a container without
+    CAP_NET_ADMIN) skips them."""
+    if not os.path.exists("/proc/self/ns/net"):
+        pytest.skip("testbed: network namespaces are Linux-only")
+    missing = [tool for tool in ("ip", "tc", "nft") if shutil.which(tool) is None]
+    if missing:
+        pytest.fail(
+            f"the testbed needs {', '.join(missing)}: sudo apt-get install -y iproute2 nftables"
+            " (scripts/setup_tools.sh installs them as root)",
+            pytrace=False,
+        )
+    if os.geteuid() != 0:
+        pytest.fail(
+            "the testbed makes network namespaces, which needs root: sudo bash scripts/test.sh", pytrace=False
+        )
+    if not PERMITTED:
+        pytest.skip(f"testbed: {WHY}")
 
 
 @pytest.fixture
