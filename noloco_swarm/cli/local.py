@@ -23,7 +23,6 @@ from noloco_swarm.cli.view import ReplicaStatus, RunStatus, render
 from noloco_swarm.harness.local import LocalSwarm, local_swarm, planned_cpus, wait
 from noloco_swarm.model.state import num_flat
 from noloco_swarm.peer.events import Event, Final, Membership, Outer, Step, of_kind
-from noloco_swarm.protocol.plan import outer_plan
 from noloco_swarm.train.config import RunConfig, format_cpus
 
 if TYPE_CHECKING:  # the launcher of a networked swarm runs no model: it starts without transformers
@@ -41,6 +40,7 @@ class _Tracker:
 
     def __init__(self, cfg: RunConfig, steps: int) -> None:
         self.cfg, self.steps = cfg, steps
+        self.run_plan = cfg.run_plan()  # the simulator's own rules: it draws the groups we show
         self.start = time.perf_counter()
         self.losses: list[float] = []
         self.val_ppl: float | None = None
@@ -78,18 +78,13 @@ class _Tracker:
 
     def partner(self, sim: Simulator, replica: int) -> str:
         """Whom `replica` averaged with at the last outer step, as the plan drew it ("all": DiLoCo)."""
-        outer = self.cfg.outer
-        last = sim.outer_steps * outer.inner_steps
-        plan = (
-            outer_plan(
-                outer.method, outer.group_size, self.cfg.num_replicas, last, replica, self.cfg.group_draw_seed
-            )
-            if sim.outer_steps
-            else None
-        )
+        if not sim.outer_steps:
+            return "-"
+        last = sim.outer_steps * self.cfg.outer.inner_steps
+        plan = self.run_plan.outer_plan(last, replica, self.cfg.num_replicas)
         if plan is None:
             return "-"
-        if outer.method == "diloco":
+        if plan.update != "noloco":
             return "all"
         return ",".join(map(str, plan.partners)) or "(alone)"
 

@@ -239,7 +239,7 @@ def experimental(key: str) -> bool:
 
 
 # Keys that were removed, and the key that replaced each: a config file or --set that still names
-# one is refused with its replacement (options.field_type). The model.* schedule keys shadowed
+# one is refused with its replacement (layering.field_type). The model.* schedule keys shadowed
 # inner.*, which alone set the schedule now (a preset's defaults: model/presets.py SCHEDULES).
 REMOVED_KEYS = {f"model.{name}": f"inner.{name}" for name in ("lr", "min_lr", "warmup_steps", "total_steps")}
 
