@@ -97,7 +97,9 @@ def swarm_child(warm: int, window: float, config: dict[str, str]) -> dict[str, o
 
     cfg = build_config("tiny", "noloco", assignments=config, env={})
     cfg = cfg.replace(peer=dataclasses.replace(cfg.peer, event_loop="uvloop"))
-    with local_swarm(cfg, 100_000, step_timeout=120) as swarm:
+    # Peers started from scratch (preload=False), children of this process, as the figures recorded
+    # before were measured.
+    with local_swarm(cfg, 100_000, step_timeout=120, preload=False) as swarm:
         deadline = time.monotonic() + 600
         while min(len(of_kind(p.events(), Step)) for p in swarm.peers) < warm:
             if time.monotonic() > deadline or any(p.proc.poll() is not None for p in swarm.peers):

@@ -141,7 +141,11 @@ def measure(cfg: RunConfig, args: argparse.Namespace, timeline: str | None) -> l
     # peer.* keys are each peer's own (not in the run config its launcher hands it): through its
     # environment, as a volunteer would set them.
     env = {"NOLOCO_SET": f"peer.release_memory={cfg.peer.release_memory}"}
-    with local_swarm(cfg, args.steps, step_timeout=600, peer_env=lambda stage, replica: env) as swarm:
+    # Each peer started from scratch (preload=False): a forked peer shares its imports' pages with the
+    # preloader, which would change what RSS and PSS mean against the figures recorded before.
+    with local_swarm(
+        cfg, args.steps, step_timeout=600, peer_env=lambda stage, replica: env, preload=False
+    ) as swarm:
         sampler = Sampler([p.proc.pid for p in swarm.peers])
         try:
             wait(swarm, timeout=3600)

@@ -12,9 +12,9 @@
 # Lanes: most of the integration tests (real peer processes and daemons) in the first; the
 # in-process tests (unit, simulator, fuzz), the compose testbed's test and the rest of the
 # integration tests (SECOND_LANE; the namespace testbed's after the compose test, never beside it)
-# in the second. Both are CPU-bound on 2 cores (a peer spends about 4 s of CPU importing torch,
-# hivemind and transformers before it serves): the lanes are balanced by the 30 slowest tests
-# each pytest run prints. The compose images are built on the
+# in the second. Both are CPU-bound on 2 cores: the lanes are balanced by the 30 slowest tests
+# each pytest run prints. (Each pytest run's swarms fork their peers from one preloader that has
+# imported torch, transformers and hivemind once: harness/preload.py.) The compose images are built on the
 # second lane's path: built in the background they competed for the same cores and disk and were
 # no faster. The second lane's report is printed after the first's.
 # The integration tests also pass on a loaded machine: scripts/stress_tests.sh runs them so.

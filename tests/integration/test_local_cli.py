@@ -119,7 +119,8 @@ def test_local_runs_each_peer_and_its_daemon_on_its_own_share_of_the_cpus(
         family = descendants(proc.pid)
         peers = {}
         for pid in family:
-            argv = Path(f"/proc/{pid}/cmdline").read_text().split("\0")
+            # A peer forked by the preloader shows its command as one title (setproctitle).
+            argv = Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ").split()
             if "join" in argv:
                 stage, metrics = argv[argv.index("--stage") + 1], argv[argv.index("--metrics") + 1]
                 replica = Path(metrics).stem.rsplit("-", 1)[1]  # peer-STAGE-REPLICA.jsonl
