@@ -134,7 +134,7 @@ class Problem:
         """Tokens the dense run needs to reach the target."""
         if self.target_tokens is not None:
             return self.target_tokens
-        steps = SCHEDULES.get(self.model.name, SCHEDULES["small"])["total_steps"]
+        steps = SCHEDULES[self.model.name]["total_steps"]  # every preset has its schedule
         return float(steps * self.replicas * DEFAULT_BATCH * self.model.seq_len)
 
     @property
