@@ -28,13 +28,13 @@ from dataclasses import asdict
 from pathlib import Path
 
 from noloco_swarm.model.presets import get_preset
+from noloco_swarm.sim.costs import preset_stages
 from noloco_swarm.sim.wallclock import (
     TCP_EFFICIENCY,
     Link,
     Schedule,
     Swarm,
     compute_bound_tokens_per_s,
-    preset_stages,
     resource_bound_s,
     simulate,
 )

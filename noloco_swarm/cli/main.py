@@ -19,6 +19,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "presets":
             return _presets()
+        if args.command == "plan":
+            return _plan(args)
         if args.command == "plot":
             from noloco_swarm.cli.plot import run_plot
 
@@ -282,6 +284,51 @@ def _status(args: argparse.Namespace) -> int:
         until_announced=args.until_announced,
         wait=args.wait,
     )
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from noloco_swarm.cli.plan import TOKEN_COST, as_json, as_text, load_token_costs
+    from noloco_swarm.model.presets import get_preset
+    from noloco_swarm.sim.costs import gpu_named
+    from noloco_swarm.sim.planner import Problem, plan
+
+    token_cost = args.token_cost or TOKEN_COST
+    try:
+        problem = Problem(
+            get_preset(args.preset),
+            args.stages,
+            args.replicas,
+            args.rate_mbit,
+            args.rtt_ms / 1000,
+            gpu_named(args.gpu, args.gpu_memory_gb),
+            mfu=args.mfu,
+            hop_rtts=args.hop_rtts,
+            capped=not args.no_cap,
+            target_tokens=args.target_tokens,
+            batches=_numbers(args.batches, "--batches"),
+            microbatches=_numbers(args.microbatches, "--microbatches"),
+            ranks=_numbers(args.ranks, "--ranks"),
+            inner_steps=_numbers(args.inner_steps, "--inner-steps"),
+        )
+        costs = load_token_costs(token_cost)
+    except ValueError as e:
+        raise ConfigError(f"noloco plan: {e}") from e
+    if args.top < 0:
+        raise ConfigError("noloco plan: --top must be >= 0")
+    result = plan(problem, costs)
+    print(as_json(result, args.top) if args.json else as_text(result, args.top, token_cost))
+    return 0
+
+
+def _numbers(text: str, flag: str) -> tuple[int, ...]:
+    """A comma-separated list of whole numbers >= 1."""
+    try:
+        numbers = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"{flag} takes whole numbers separated by commas, got {text!r}") from None
+    if not numbers or min(numbers) < 1:
+        raise ValueError(f"{flag} needs at least one number, each >= 1, got {text!r}")
+    return numbers
 
 
 def _presets() -> int:

@@ -220,6 +220,60 @@ def closed_run_commands(sub: Subparsers) -> None:
     ticket.add_argument("--out", type=Path, required=True, help="where to write the ticket")
 
 
+def plan_command(sub: Subparsers) -> None:
+    plan = sub.add_parser(
+        "plan",
+        help="rank schedules (wire format, microbatches, overlap, H, batch) by projected time to a target",
+        description="Project candidate schedules of a NoLoCo swarm with the wall-clock model: tokens/s, "
+        "utilisation of the GPUs, bytes per step of the busiest peer and time to the target loss (tokens "
+        "from the measured token costs, docs/results/token_cost.json), best first, each with the config "
+        "keys that run it.",
+    )
+    plan.add_argument("--preset", default="medium", help="model preset (default: medium)")
+    plan.add_argument("--stages", type=int, default=4, help="pipeline stages P (default: 4)")
+    plan.add_argument("--replicas", type=int, default=4, help="replicas D of every stage (default: 4)")
+    plan.add_argument("--rate-mbit", type=float, required=True, help="every peer's link rate, each way")
+    plan.add_argument("--rtt-ms", type=float, required=True, help="round-trip time between two peers")
+    plan.add_argument(
+        "--gpu", default="h100", help="h100, a100, l4, rtx4090, rtx3090, or a peak dense bf16 TFLOP/s"
+    )
+    plan.add_argument(
+        "--gpu-memory-gb", type=float, default=None, help="the GPU's memory (default: the table's)"
+    )
+    plan.add_argument(
+        "--mfu", type=float, default=0.4, help="share of the peak a stage sustains (default: 0.4)"
+    )
+    plan.add_argument(
+        "--hop-rtts",
+        type=float,
+        default=1.0,
+        help="round trips the stack adds to every activation or gradient message (default: 1)",
+    )
+    plan.add_argument(
+        "--no-cap", action="store_true", help="plan without capping the exchange at 93%% of the link"
+    )
+    plan.add_argument(
+        "--target-tokens",
+        type=float,
+        default=None,
+        help="the dense run's tokens to the target loss (default: the preset's steps x D x 8 x seq)",
+    )
+    plan.add_argument(
+        "--token-cost", type=Path, default=None, help="token costs (default: docs/results/token_cost.json)"
+    )
+    for flag, default, what in (
+        ("--batches", "8,16,32,64", "batch sizes per replica to try (those the GPU's memory holds)"),
+        ("--microbatches", "1,4,8,16,32", "microbatch counts to try (those that divide the batch)"),
+        ("--ranks", "32,64,128,256", "subspace ranks to try (those below the hidden size)"),
+        ("--inner-steps", "50,100,250", "H to try; each blocking and with k = H/2 overlapped"),
+    ):
+        plan.add_argument(flag, default=default, metavar="N,N,...", help=f"{what} (default: {default})")
+    plan.add_argument(
+        "--top", type=int, default=10, help="schedules shown of the measured and of the unmeasured (0: all)"
+    )
+    plan.add_argument("--json", action="store_true", help="print JSON instead of the table")
+
+
 def listing_commands(sub: Subparsers) -> None:
     """`noloco presets` and `noloco keys`: what a run can be configured with."""
     sub.add_parser("presets", help="list model presets and their parameter counts")
@@ -237,6 +291,7 @@ COMMANDS: tuple[Callable[[Subparsers], None], ...] = (
     status_command,
     doctor_command,
     plot_command,
+    plan_command,
     closed_run_commands,
     listing_commands,
 )

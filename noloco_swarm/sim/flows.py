@@ -6,6 +6,10 @@ processor (one task at a time, the lowest `priority` of the ready ones first) an
 uplink and a downlink. A flow from a to b takes a's uplink and b's downlink; flows share links
 max-min fairly (progressive filling), the flows of one (a, b) pair go out one after another in
 the order they became ready, and a flow ends `latency` seconds after its last byte left.
+
+A flow of `weight` w stands for w identical flows that start together (w times the bytes, w
+shares of every link it crosses): the wall-clock model folds the D replicas of a symmetric stage
+into one peer this way, and gets the same times as with D peers.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ class Task:
     dst: int = -1  # flow: receiver
     amount: float = 0.0  # compute: seconds; flow: bytes
     latency: float = 0.0
+    weight: int = 1  # flow: how many identical flows it stands for (its shares of each link)
     priority: tuple[int, int, int] = (0, 0, 0)
     waiting: int = 0
     dependents: list[int] = field(default_factory=list)
@@ -130,14 +135,15 @@ class Graph:
 
 
 def max_min_rates(flows: dict[int, float], tasks: list[Task], capacity: list[float]) -> dict[int, float]:
-    """Max-min fair rates (progressive filling) of the flows; links are uplinks, then downlinks."""
+    """Max-min fair rates (progressive filling) of the flows; links are uplinks, then downlinks.
+    A flow of weight w gets w shares (the rate of w flows together)."""
     peers = len(capacity) // 2
     users: dict[int, list[int]] = {}
     for tid in flows:
         users.setdefault(tasks[tid].peer, []).append(tid)
         users.setdefault(peers + tasks[tid].dst, []).append(tid)
     left = {link: capacity[link] for link in users}
-    count = {link: len(tids) for link, tids in users.items()}
+    count = {link: sum(tasks[tid].weight for tid in tids) for link, tids in users.items()}
     rates: dict[int, float] = {}
     while count:
         link = min(count, key=lambda x: left[x] / count[x])
@@ -148,11 +154,12 @@ def max_min_rates(flows: dict[int, float], tasks: list[Task], capacity: list[flo
         for tid in users[link]:
             if tid in rates:
                 continue
-            rates[tid] = share
+            weight = tasks[tid].weight
+            rates[tid] = share * weight
             for other in (tasks[tid].peer, peers + tasks[tid].dst):
                 if other in count:
-                    left[other] -= share
-                    count[other] -= 1
+                    left[other] -= share * weight
+                    count[other] -= weight
                     if not count[other]:
                         del count[other]
     return rates

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from noloco_swarm.model.presets import count_stage_parameters
+from noloco_swarm.model.presets import ModelConfig, count_stage_parameters
 from noloco_swarm.model.split import stage_layers
 from noloco_swarm.train.config import RunConfig
 
@@ -58,20 +58,27 @@ class MemoryEstimate:
 
 def estimate(cfg: RunConfig, stage: int) -> MemoryEstimate:
     """The estimate for a peer that hosts `stage` of `cfg`'s run."""
-    m = cfg.model
-    layers = stage_layers(m.num_layers, stage, cfg.num_stages)
-    first, last = stage == 0, stage == cfg.num_stages - 1
+    inner = cfg.inner
+    largest = max(inner.microbatch_sizes, default=inner.batch_size // inner.microbatches)
+    return stage_estimate(cfg.model, cfg.num_stages, stage, inner.batch_size, largest)
+
+
+def stage_estimate(
+    m: ModelConfig, num_stages: int, stage: int, batch_size: int, largest_microbatch: int
+) -> MemoryEstimate:
+    """The estimate for `stage` of `m` split into `num_stages`, at a batch of `batch_size` rows whose
+    largest microbatch has `largest_microbatch` (what the planner tries before any config exists)."""
+    layers = stage_layers(m.num_layers, stage, num_stages)
+    first, last = stage == 0, stage == num_stages - 1
     params = count_stage_parameters(m, layers, first=first, last=last)
-    tokens = cfg.inner.batch_size * m.seq_len
+    tokens = batch_size * m.seq_len
     h, f = m.hidden_size, m.intermediate_size
     per_token_layer = FP32 * (8 * h + 5 * f)
     if m.attn_implementation == "eager":
         per_token_layer += FP32 * 2 * m.num_heads * m.seq_len  # scores and probabilities
     # The last stage backpropagates each microbatch as soon as it ran it: one microbatch is alive
     # there; the stages before it keep every microbatch of the step until its gradients return.
-    inner = cfg.inner
-    largest = max(inner.microbatch_sizes, default=inner.batch_size // inner.microbatches)
-    alive = largest * m.seq_len if last else tokens
+    alive = largest_microbatch * m.seq_len if last else tokens
     activations = alive * len(layers) * per_token_layer + tokens * h * FP32 * 2  # + rows in and out
     logits = alive * m.vocab_size * FP32 * 3 if last else 0  # logits, log-softmax, their gradient
     return MemoryEstimate(

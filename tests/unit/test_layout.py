@@ -38,6 +38,7 @@ CLI_TESTS = {
     "tests/unit/test_doctor_checks.py",
     "tests/unit/test_local_view.py",
     "tests/unit/test_panel.py",
+    "tests/unit/test_plan_cli.py",  # `noloco plan`: its JSON, table and refusals
     "tests/unit/test_testbed.py",  # `noloco testbed` refuses bad --shape, --cut and --delay
 }
 # The protocol core does no I/O: no sockets, no asyncio, no hivemind, no wall clock, no files.

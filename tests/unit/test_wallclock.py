@@ -7,6 +7,7 @@ import math
 import pytest
 
 from noloco_swarm.model.presets import count_parameters, get_preset, layer_parameters
+from noloco_swarm.sim.costs import preset_stages, stage_flops_per_token
 from noloco_swarm.sim.flows import Graph, Task, max_min_rates
 from noloco_swarm.sim.wallclock import (
     Link,
@@ -15,10 +16,8 @@ from noloco_swarm.sim.wallclock import (
     Swarm,
     compute_bound_tokens_per_s,
     exchange_bytes,
-    preset_stages,
     resource_bound_s,
     simulate,
-    stage_flops_per_token,
     wire_bytes,
 )
 
@@ -176,3 +175,89 @@ def test_links_are_shared_max_min_fairly() -> None:
     assert rates == pytest.approx({a: 0.8, b: 0.2, c: 0.2})
     graph.run()  # b and c end at 5 s; a at 1 / 0.8 = 1.25 s
     assert [graph.tasks[t].end for t in (a, b, c)] == pytest.approx([1.25, 5.0, 5.0])
+
+
+def test_subspace_sends_its_coefficients_and_an_int32_token_id_each_way() -> None:
+    # rank 8: 8 bf16 coefficients and a 4-byte token id per token, forward and back, whatever
+    # the hidden size; bf16 at hidden 100 sends 200 bytes per token back and 208 forward.
+    assert wire_bytes(1, 10, 100, "subspace", token_ids=True, rank=8) == 10 * (16 + 4)
+    assert wire_bytes(3, 10, 100, "subspace", token_ids=False, rank=8) == 3 * 10 * (16 + 4)
+    with pytest.raises(ValueError, match=r"rank must be in 1\.\.100"):
+        wire_bytes(1, 10, 100, "subspace", token_ids=True, rank=101)
+    with pytest.raises(ValueError, match="needs a rank >= 1, and only it"):
+        Schedule(wire="subspace")
+    with pytest.raises(ValueError, match="needs a rank >= 1, and only it"):
+        Schedule(wire="bf16", rank=8)
+    # A transfer-bound hop (1e6 bytes/s, no compute): 200 bytes each way.
+    stages = [StageCost(0.0, 0.0, params=0), StageCost(0.0, 0.0, params=0)]
+    t = simulate(swarm(stages, Link.symmetric(8), batch=1), Schedule(wire="subspace", rank=8))
+    assert t.step_s == pytest.approx(2 * 200 / MB)
+
+
+def test_the_stack_adds_its_round_trips_to_every_pipeline_message() -> None:
+    # The one-hop case above with 2 round trips of 0.1 s added to each of the two messages.
+    link = Link.symmetric(8, rtt_s=0.1)
+    stages = [StageCost(0.1, 0.2, params=0), StageCost(0.3, 0.6, params=0)]
+    bare = simulate(swarm(stages, link, batch=1), Schedule()).step_s
+    stacked = Swarm(**{**swarm(stages, link, batch=1).__dict__, "hop_rtts": 2.0})
+    assert simulate(stacked, Schedule()).step_s == pytest.approx(bare + 2 * 2 * 0.1)
+    # The exchange, one long transfer, is not charged them.
+    stage = StageCost(0.25, 0.0, params=625_000)
+    pair = swarm([stage], link, replicas=2, inner_steps=10)
+    assert simulate(Swarm(**{**pair.__dict__, "hop_rtts": 2.0}), Schedule()).exchange_s == pytest.approx(
+        2.5 + 0.05
+    )
+
+
+def test_the_exchange_runs_at_its_goodput_share_of_the_link() -> None:
+    # A 10 Mbit/s link (1.25e6 bytes/s) whose flows carry 80% payload (1e6 bytes/s). The exchange
+    # gets half the link's rate: 2.5e6 bytes each way at 6.25e5 bytes/s, 4 s plus 0.05 s one way.
+    stage = StageCost(0.25, 0.0, params=625_000)
+    link = Link(10, 10, rtt_s=0.1, efficiency=0.8)
+    sw = Swarm(**{**swarm([stage], link, replicas=2, inner_steps=10).__dict__, "exchange_goodput": 0.5})
+    t = simulate(sw, Schedule())
+    assert t.exchange_s == pytest.approx(4.0 + 0.05)
+    assert t.period_s == pytest.approx(10 + 4.05)
+    # the floor: 4 s of exchange over H = 10 steps, 0.4 s a step, below the 1 s of compute
+    assert resource_bound_s(sw, Schedule()) == pytest.approx(1.0)
+    slow = Swarm(**{**sw.__dict__, "exchange_goodput": 0.1})  # 20 s: 2 s a step
+    assert resource_bound_s(slow, Schedule()) == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="exchange_goodput"):
+        Swarm(**{**sw.__dict__, "exchange_goodput": 1.5})
+
+
+@pytest.mark.parametrize(
+    "schedule",
+    [
+        Schedule(microbatches=4, overlap_steps=2),
+        Schedule(microbatches=2, wire="subspace", rank=10, overlap_steps=5),
+        Schedule(exchange="diloco", overlap_steps=1),
+        Schedule(group_size=4),
+    ],
+)
+def test_one_played_replica_per_stage_times_a_symmetric_swarm_as_d_do(schedule: Schedule) -> None:
+    # D = 4 replicas whose pipeline flows and exchange share every link: folding them into one
+    # peer per stage with weighted flows must give the same times.
+    stages = [StageCost(0.01, 0.02, params=200_000), StageCost(0.02, 0.04, params=100_000)]
+    sw = Swarm(
+        **{
+            **swarm(stages, Link.symmetric(8, rtt_s=0.05), replicas=4, batch=8, inner_steps=12).__dict__,
+            "hop_rtts": 1.0,
+            "exchange_goodput": 0.7,
+        }
+    )
+    folded, full = simulate(sw, schedule, fold=True), simulate(sw, schedule, fold=False)
+    assert folded.period_s == pytest.approx(full.period_s, rel=1e-9)
+    assert folded.step_s == pytest.approx(full.step_s, rel=1e-9)
+    assert folded.exchange_s == pytest.approx(full.exchange_s, rel=1e-9)
+    uneven = Swarm(**{**sw.__dict__, "links": ((1, 1, Link.symmetric(2)),)})
+    with pytest.raises(ValueError, match="only a symmetric swarm can be folded"):
+        simulate(uneven, schedule, fold=True)
+
+
+def test_weighted_flows_get_their_shares_of_a_link() -> None:
+    # One uplink of 1.0 carries a flow of weight 3 and one of weight 1: 0.75 and 0.25.
+    graph = Graph([1.0, 1.0], [1.0, 1.0])
+    a = graph.add(Task("flow", peer=0, dst=1, amount=3.0, weight=3), [])
+    b = graph.add(Task("flow", peer=0, dst=0, amount=1.0), [])
+    assert max_min_rates({a: 3.0, b: 1.0}, graph.tasks, graph.capacity) == pytest.approx({a: 0.75, b: 0.25})
