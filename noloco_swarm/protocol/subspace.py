@@ -99,7 +99,7 @@ def encode_rows(space: Subspace, x: torch.Tensor, ids: torch.Tensor) -> torch.Te
 def decode_rows(space: Subspace, c: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """x = U c + F[ids] in float32 from received coefficients; MessageError for a malformed c."""
     check_coefficients(space, c, tuple(ids.shape))
-    return rebuild_rows(space, c, ids)
+    return _finite(rebuild_rows(space, c, ids))
 
 
 def rebuild_rows(space: Subspace, c: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -119,7 +119,7 @@ def encode_grads(space: Subspace, g: torch.Tensor) -> torch.Tensor:
 def decode_grads(space: Subspace, c: torch.Tensor, rows: tuple[int, ...]) -> torch.Tensor:
     """U U^T g in float32, (*rows, d), from the received U^T g; MessageError for a malformed c."""
     check_coefficients(space, c, rows)
-    return rebuild_grads(space, c)
+    return _finite(rebuild_grads(space, c))
 
 
 def rebuild_grads(space: Subspace, c: torch.Tensor) -> torch.Tensor:
@@ -135,6 +135,13 @@ def check_coefficients(space: Subspace, c: torch.Tensor, rows: tuple[int, ...]) 
         )
     if c.numel() and not bool(torch.isfinite(c).all()):
         raise MessageError("subspace rows hold NaN or infinite values")
+
+
+def _finite(x: torch.Tensor) -> torch.Tensor:
+    # Finite bf16 coefficients near its largest values can sum past float32's range in U c.
+    if x.numel() and not bool(torch.isfinite(x).all()):
+        raise MessageError("subspace rows overflow float32 when rebuilt (coefficients near bf16's range)")
+    return x
 
 
 def check_ids(ids: torch.Tensor, rows: int, width: int, vocab: int) -> torch.Tensor:

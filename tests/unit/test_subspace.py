@@ -154,6 +154,13 @@ def test_a_receiver_refuses_malformed_subspace_rows_as_bad_messages(cfg, space) 
         assert case  # each is an error value, never another exception
     with pytest.raises(codec.MessageError, match="bfloat16"):
         ctx.boundary.decode_grads([wide], (2, T, 128))
+    # Finite coefficients near bf16's largest values, aligned with a row of U, overflow U c.
+    row = space.basis[space.basis.norm(dim=1).argmax()]
+    huge = (torch.sign(row) * 3e38).expand(2, T, K).to(torch.bfloat16)
+    with pytest.raises(codec.MessageError, match="overflow"):
+        decode_rows(ctx, [huge, toks], meta)  # type: ignore[arg-type]
+    with pytest.raises(codec.MessageError, match="overflow"):
+        ctx.boundary.decode_grads([huge], (2, T, 128))
 
 
 def test_headers_carry_subspace_rows_with_int32_windows() -> None:
