@@ -84,6 +84,11 @@ def test_stages_before_the_last_write_only_into_the_subspace(cfg, space) -> None
     with torch.no_grad():
         x = first(windows[:, :-1])
     assert subspace.outside(space, x, windows[:, :-1]) < 1e-5
+    # Under bf16 autocast the writes through U stay fp32: a bf16 product would round them off span(U).
+    lowered = build_stages(get_preset("tiny", seq_len=T, subspace_rank=K, autocast_bf16=True), 2, SEED)[0]
+    with torch.no_grad():
+        x = lowered(windows[:, :-1])
+    assert x.dtype == torch.float32 and subspace.outside(space, x, windows[:, :-1]) < 1e-5
 
 
 def test_the_round_trip_rebuilds_the_residual_and_projects_the_gradient(cfg, space) -> None:
