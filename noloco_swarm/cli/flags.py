@@ -78,7 +78,9 @@ def add_sources(p: argparse.ArgumentParser) -> None:
 
 def add_run(p: argparse.ArgumentParser, *, replicas: int, steps: int, method: bool = True) -> None:
     """The run's shape and length (`noloco local`, `join`, `sim`)."""
-    p.add_argument("--preset", default=None, help="model preset: tiny, small, medium, large (default: tiny)")
+    p.add_argument(
+        "--preset", default=None, help="model preset: tiny, mini, small, medium, large (default: tiny)"
+    )
     p.add_argument("--stages", type=int, default=None, help="pipeline stages P, key num_stages (default: 2)")
     p.add_argument(
         "--replicas",

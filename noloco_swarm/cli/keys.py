@@ -21,7 +21,7 @@ EXPERIMENTAL_HEADING = (
     "memory, checks), defaults set by measurement (docs/config.md)"
 )
 CHOICE_DOCS = {
-    "preset": "Model preset (tiny, small, medium, large): sets model.* and the inner schedule's defaults.",
+    "preset": "Model preset (tiny, mini, small, medium, large): sets model.* and the inner schedule's defaults.",
     "method": "noloco, diloco, allreduce or local: sets outer.* to the method's paper defaults.",
 }
 

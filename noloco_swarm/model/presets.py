@@ -42,6 +42,9 @@ class ModelConfig:
     """Attention backend, "sdpa" or "eager"; both are made causal by the stage (see stage.py)."""
     autocast_bf16: bool = False
     """Run forward matmuls in bf16 under `torch.autocast`; weights, grads and loss stay fp32."""
+    subspace_rank: int = 0
+    """k > 0 keeps every write into the residual stream before the last stage in a fixed rank-k
+    subspace from the run seed (model/subspace.py), so boundaries may send k numbers per token; 0: off."""
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -63,6 +66,11 @@ class ModelConfig:
         for field in ("rms_norm_eps", "rope_theta", "init_std"):
             if not getattr(self, field) > 0:
                 raise ValueError(f"ModelConfig.{field} must be > 0, got {getattr(self, field)!r}.")
+        if not isinstance(self.subspace_rank, int) or not 0 <= self.subspace_rank <= self.hidden_size:
+            raise ValueError(
+                f"subspace_rank must be an integer within 0..hidden_size ({self.hidden_size}), got "
+                f"{self.subspace_rank!r}: 0 turns the subspace off, k keeps k of the residual's directions"
+            )
         if self.attn_implementation not in ATTN_IMPLEMENTATIONS:
             raise ValueError(
                 f"attn_implementation {self.attn_implementation!r} is not supported; "
@@ -80,7 +88,8 @@ class ModelConfig:
 
 
 # Shapes of the paper's runs (the official code's configs); `tiny` is ours, sized to
-# train on two CPU cores: about 2 M parameters, and a short schedule to match.
+# train on two CPU cores: about 2 M parameters, and a short schedule to match. `mini` (about 8 M)
+# is wide enough (256) that subspace ranks of 16-64 keep a real fraction of the residual.
 PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(
         name="tiny",
@@ -89,6 +98,15 @@ PRESETS: dict[str, ModelConfig] = {
         intermediate_size=512,
         num_heads=4,
         num_layers=4,
+        seq_len=128,
+    ),
+    "mini": ModelConfig(
+        name="mini",
+        vocab_size=4096,
+        hidden_size=256,
+        intermediate_size=1024,
+        num_heads=4,
+        num_layers=6,
         seq_len=128,
     ),
     "small": ModelConfig(
@@ -126,6 +144,7 @@ PRESETS: dict[str, ModelConfig] = {
 # steps of 25,000; tiny's short run to match its size.
 SCHEDULES: dict[str, dict[str, float | int]] = {
     "tiny": {"lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 100, "total_steps": 2000},
+    "mini": {"lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 100, "total_steps": 2000},
     "small": {"lr": 6e-4, "min_lr": 6e-5, "warmup_steps": 1000, "total_steps": 25_000},
     "medium": {"lr": 2e-4, "min_lr": 2e-5, "warmup_steps": 1000, "total_steps": 25_000},
     "large": {"lr": 1.2e-4, "min_lr": 1.2e-5, "warmup_steps": 1000, "total_steps": 25_000},
@@ -145,17 +164,25 @@ def get_preset(name: str, **overrides: Any) -> ModelConfig:
     return dataclasses.replace(base, **overrides)
 
 
-def layer_parameters(cfg: ModelConfig) -> int:
-    """Parameters of one decoder layer: q/k/v/o projections, SwiGLU MLP, two RMSNorms; no biases."""
+def layer_parameters(cfg: ModelConfig, constrained: bool = False) -> int:
+    """Parameters of one decoder layer: q/k/v/o projections, SwiGLU MLP, two RMSNorms; no biases.
+
+    `constrained`: the layer writes into the rank-k subspace, so its output and down projections
+    train k rows each (W = U A, model/subspace.py)."""
     h, f = cfg.hidden_size, cfg.intermediate_size
-    return 4 * h * h + 3 * h * f + 2 * h
+    out = cfg.subspace_rank if constrained and cfg.subspace_rank else h
+    return 3 * h * h + out * h + 2 * h * f + out * f + 2 * h
 
 
 def count_stage_parameters(cfg: ModelConfig, layers: range, first: bool, last: bool) -> int:
-    """Parameters of a stage holding `layers`, plus the embedding if `first`, norm and head if `last`."""
-    total = len(layers) * layer_parameters(cfg)
+    """Parameters of a stage holding `layers`, plus the embedding if `first`, norm and head if `last`.
+
+    With `subspace_rank` k, a stage other than the last trains k columns of its embedding and of its
+    layers' writes into the residual (model/subspace.py); the last stage is unconstrained."""
+    constrained = bool(cfg.subspace_rank) and not last
+    total = len(layers) * layer_parameters(cfg, constrained)
     if first:
-        total += cfg.vocab_size * cfg.hidden_size
+        total += cfg.vocab_size * (cfg.subspace_rank if constrained else cfg.hidden_size)
     if last:
         # Final RMSNorm, then the untied LM head.
         total += cfg.hidden_size + cfg.vocab_size * cfg.hidden_size

@@ -16,6 +16,7 @@ from transformers.models.llama.modeling_llama import (
 
 from noloco_swarm.model.presets import ModelConfig
 from noloco_swarm.model.split import split_layers, stage_layers
+from noloco_swarm.model.subspace import SpanEmbedding, SpanLinear, load_subspace_
 
 # Target value that contributes no loss (PyTorch's default); lets the data side mask padding.
 IGNORE_INDEX: int = -100
@@ -112,9 +113,13 @@ class Stage(nn.Module):
     same parameter has the same name under every split.
 
     Samples are dense: there is no padding mask and positions are 0..T-1 in every sample.
+
+    With `cfg.subspace_rank` k > 0, a stage other than the last writes into the residual only
+    within F[t] + span(U) (model/subspace.py): its embedding is `embed_tokens.factor.weight` and
+    its output and down projections `….o_proj.factor.weight`, `….down_proj.factor.weight`.
     """
 
-    embed_tokens: nn.Embedding | None
+    embed_tokens: nn.Embedding | SpanEmbedding | None
     norm: LlamaRMSNorm | None
     lm_head: nn.Linear | None
 
@@ -126,6 +131,8 @@ class Stage(nn.Module):
         self.layer_range = stage_layers(cfg.num_layers, stage, num_stages)
         self.is_first = stage == 0
         self.is_last = stage == num_stages - 1
+        # Only a stage whose output crosses a boundary is constrained (model/subspace.py).
+        self.subspace_rank = cfg.subspace_rank if not self.is_last else 0
         hf = to_llama_config(cfg)
         # Build on the meta device: the default nn.Linear init would draw from (and advance)
         # the global RNG and cost time on large models; init_parameters_ overwrites it all anyway.
@@ -136,10 +143,22 @@ class Stage(nn.Module):
             )
             self.norm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps) if self.is_last else None
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if self.is_last else None
+            if self.subspace_rank:
+                self._constrain(cfg)
         self.to_empty(device="cpu")
+        load_subspace_(self, cfg, seed)
         # Built after to_empty: its inv_freq buffer is computed at construction, not a parameter.
         self.rotary_emb = LlamaRotaryEmbedding(config=hf)
         init_parameters_(self, seed, cfg.init_std)
+
+    def _constrain(self, cfg: ModelConfig) -> None:
+        """Replace every write into the residual with its subspace form, W = U A (on meta)."""
+        d, f, k = cfg.hidden_size, cfg.intermediate_size, self.subspace_rank
+        if self.embed_tokens is not None:
+            self.embed_tokens = SpanEmbedding(cfg.vocab_size, d, k)
+        for layer in self.layers.values():
+            layer.self_attn.o_proj = SpanLinear(d, d, k)
+            layer.mlp.down_proj = SpanLinear(f, d, k)
 
     def extra_repr(self) -> str:
         return f"stage={self.stage}/{self.num_stages}, layers={self.layer_range.start}..{self.layer_range.stop - 1}"

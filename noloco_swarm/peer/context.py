@@ -17,7 +17,7 @@ from noloco_swarm.peer.views import Rounds
 from noloco_swarm.protocol.membership import MembershipView
 from noloco_swarm.protocol.plan import StepPlan
 from noloco_swarm.train.config import RunConfig
-from noloco_swarm.train.replica import StageReplica
+from noloco_swarm.train.replica import StageReplica, boundary_of
 
 
 @dataclass
@@ -35,6 +35,7 @@ class PeerContext:
         self.run_plan = self.cfg.run_plan()  # the same rules the simulator reads (protocol.plan.RunPlan)
         self.clock = self.run_plan.clock
         self.deadlines = Deadlines(self.cfg.peer)
+        self.boundary = boundary_of(self.cfg)  # the wire format of rows (U and F under subspace)
 
     @property
     def me(self) -> str:

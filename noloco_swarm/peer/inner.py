@@ -83,7 +83,8 @@ class InnerSteps:
         self.rows_fed = 0  # rows stage 0 fed into the pipeline at the last step (B, or more as a stand-in)
         # A request's rows: at most ROW_MARGIN batches of the run's shape (uneven stages).
         model = ctx.cfg.model
-        rows = Accepts.rows(ctx.B * ROW_MARGIN, model.seq_len, model.hidden_size, ctx.cfg.wire.activations)
+        width = ctx.boundary.width(model.hidden_size)
+        rows = Accepts.rows(ctx.B * ROW_MARGIN, model.seq_len, width, ctx.cfg.wire.activations)
         ctx.transport.register("rpc_forward", self.rpc_forward, rows)
 
     @property
@@ -216,7 +217,8 @@ class InnerSteps:
                         if ctx.is_last:
 
                             def last(x: torch.Tensor = x, toks: torch.Tensor = toks) -> torch.Tensor:
-                                sample_losses = ctx.replica.module(x, toks.to(ctx.device))
+                                targets = ctx.boundary.targets(toks).to(ctx.device)
+                                sample_losses = ctx.replica.module(x, targets)
                                 ctx.replica.backward_losses(sample_losses)
                                 return sample_losses.detach()
 
@@ -325,9 +327,9 @@ class InnerSteps:
         if ctx.rounds.detours.hear(view, plan.around):
             self._expect_again()
         # Decoded before the step checks, so that no await falls between them and the collector.
-        decoded = await asyncio.to_thread(decode_rows, ctx, tensors[:-1], header.activations)
+        decoded = await asyncio.to_thread(decode_rows, ctx, tensors, header.activations)
         carried, positions = rows_of(ctx, view, header)
-        acts, toks = checked_rows(ctx, [decoded, tensors[-1]])
+        acts, toks = checked_rows(ctx, decoded)
         rows = Arrival(header.sender_rank, positions, acts, toks, carried=carried)
         # A microbatch already collected takes only a resend of rows it holds (a broken stream).
         slot = (header.step, plan.microbatch_of(positions[0]))
@@ -383,7 +385,7 @@ async def _through_the_pipeline(
         for m, (xm, ym, rm, wm) in enumerate(parts):
             older = carried if m == 0 else []
             out = await asyncio.to_thread(ctx.replica.module, xm)
-            send = sender.send_on(t, m, out.detach(), ym, rm, older)
+            send = sender.send_on(t, m, out.detach(), ctx.boundary.ids(xm, ym), rm, older)
             sending.append((out, len(older), rm, wm, group.create_task(send)))
         for out, n, rm, wm, task in sending:
             returned = await task

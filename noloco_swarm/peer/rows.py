@@ -6,11 +6,12 @@ from __future__ import annotations
 import torch
 
 from noloco_swarm.peer.context import PeerContext
-from noloco_swarm.protocol import codec, wire
+from noloco_swarm.protocol import codec
 from noloco_swarm.protocol.codec import MessageError, TensorMeta
 from noloco_swarm.protocol.membership import MembershipView
 from noloco_swarm.protocol.plan import StepPlan
 from noloco_swarm.protocol.rpc import BackwardHeader, ForwardHeader
+from noloco_swarm.protocol.wire import SUBSPACE
 
 
 def rows_of(ctx: PeerContext, view: MembershipView, header: ForwardHeader) -> tuple[list[int], list[int]]:
@@ -57,7 +58,7 @@ def backward_reply(
     """The answer to `header`'s rows: their gradients in the run's wire format, their losses, the
     ranks of the sender's stage that failed us (`gone`: stage 0 stands in for them), and which of
     the rows a later stage lost (`lost`)."""
-    grads = wire.encode(grad, ctx.cfg.wire.activations)
+    grads = ctx.boundary.encode_grads(grad)
     reply = BackwardHeader(
         run_id=header.run_id,
         round=header.round,
@@ -74,28 +75,37 @@ def backward_reply(
     return reply, grads
 
 
-def decode_rows(ctx: PeerContext, parts: list[torch.Tensor], payload: TensorMeta) -> torch.Tensor:
-    """Float32 activations from their wire tensors, in the run's format (`wire.activations`) only.
+def decode_rows(
+    ctx: PeerContext, tensors: list[torch.Tensor], payload: TensorMeta
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 activations and int64 token ids from the wire tensors of a forward request, in the
+    run's format (`wire.activations`) only; MessageError for anything malformed.
 
-    (The transport already checked their floats for NaN/inf.)"""
-    fmt = ctx.cfg.wire.activations
-    if payload.dtype != codec.WIRE_DTYPES[fmt]:
+    The ids come first: under subspace the rows are rebuilt from them (U c + F[t]). (The
+    transport already checked the floats for NaN/inf.)"""
+    fmt, model = ctx.cfg.wire.activations, ctx.cfg.model
+    if payload.dtype != codec.WIRE_DTYPES["bf16" if fmt == SUBSPACE else fmt]:
         raise MessageError(f"rows came as {payload.dtype}; this run sends activations as {fmt}")
-    return wire.decode(parts, fmt, check_finite=False)
+    if len(tensors) < 2:
+        raise MessageError(f"expected activations and token ids, got {len(tensors)} tensors")
+    *parts, toks = tensors
+    ids = ctx.boundary.ids_from_wire(toks, payload.shape[0], model.seq_len, model.vocab_size)
+    return ctx.boundary.decode_rows(parts, ids, check_finite=False), ids
 
 
-def checked_rows(ctx: PeerContext, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def checked_rows(
+    ctx: PeerContext, decoded: tuple[torch.Tensor, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Activations and token ids from another peer, checked against this model before use.
 
-    (The transport already checked them against the header's metas and for NaN/inf.)"""
+    (The transport already checked them against the header's metas and for NaN/inf, and
+    `decode_rows` the ids' shape and range.)"""
     model = ctx.cfg.model
-    if len(tensors) != 2:
-        raise MessageError(f"expected activations and token ids, got {len(tensors)} tensors")
-    acts, toks = tensors
+    acts, toks = decoded
     if acts.dtype != torch.float32 or acts.shape[1:] != (model.seq_len, model.hidden_size):
         raise MessageError(f"activations {acts.dtype} {tuple(acts.shape)} do not fit this model")
-    if toks.dtype != torch.int64 or int(toks.min()) < 0 or int(toks.max()) >= model.vocab_size:
-        raise MessageError("token ids must be int64 within the vocabulary")
+    if toks.dtype != torch.int64 or toks.shape[0] != acts.shape[0]:
+        raise MessageError("token ids must be int64, one row per row of activations")
     return acts, toks
 
 

@@ -27,7 +27,7 @@ import torch
 from noloco_swarm.peer import carry, events
 from noloco_swarm.peer.context import PeerContext
 from noloco_swarm.peer.net.streams import PeerUnavailable, RemoteRefused, StreamClosed, StreamTruncated
-from noloco_swarm.protocol import plausible, routing, wire
+from noloco_swarm.protocol import plausible, routing
 from noloco_swarm.protocol.codec import MessageError, TensorMeta
 from noloco_swarm.protocol.membership import MembershipView
 from noloco_swarm.protocol.plan import Row
@@ -208,8 +208,11 @@ class RowSender:
             ctx.events.emit(events.Unsent(step=t, peer=receiver, at=at, samples=len(sent)))
             where = f"past step {t}" if at > t else f"done collecting microbatch {m} of step {t}"
             return Lost(f"{receiver} is at step {at}, {where}: not sent", again=False)
-        fmt, toks = ctx.cfg.wire.activations, tokens[sent].contiguous()
-        acts = await asyncio.to_thread(wire.encode, out[sent].cpu(), fmt)  # encoded on the CPU
+        ids = tokens[sent]
+        # Encoded on the CPU. Under subspace, rows that leave F[t] + span(U) are refused here
+        # (protocol.subspace.OutsideSubspace): this model is not the run's, and that ends the peer.
+        acts = await asyncio.to_thread(ctx.boundary.encode_rows, out[sent].cpu(), ids)
+        toks = ctx.boundary.ids_to_wire(ids)
         header = ForwardHeader(
             run_id=ctx.run_id,
             round=view.round,
@@ -239,7 +242,8 @@ class RowSender:
                 if not isinstance(reply, BackwardHeader) or len(reply.losses) != len(sent):
                     raise MessageError(f"{receiver} answered step {t} with a malformed reply")
                 # The transport checked the floats for NaN/inf as they landed.
-                grad = await asyncio.to_thread(wire.decode, tensors, fmt, acts[0].shape, check_finite=False)
+                shape = (len(sent), *out.shape[1:])
+                grad = await asyncio.to_thread(ctx.boundary.decode_grads, tensors, shape, check_finite=False)
                 plausible.check_rows(grad, f"gradients from {receiver} for step {t}")
                 if not all(math.isfinite(v) for v in reply.losses):
                     raise Implausible("nonfinite", f"{receiver} answered step {t} with non-finite losses")

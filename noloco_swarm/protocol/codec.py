@@ -30,8 +30,9 @@ import torch
 # (a version-3 stage 1 would refuse their rows), told of them in backward headers (`gone`);
 # 5: backward headers name the rows a later stage lost (`lost`), and forward headers the rows of
 # the step before that stage 0 feeds again (`carried`); 6: status answers say which microbatch
-# a receiver collected last (`collected`), so a peer that fell behind sends it nothing stale
-PROTOCOL_VERSION = 6
+# a receiver collected last (`collected`), so a peer that fell behind sends it nothing stale;
+# 7: forward rows in the subspace format (bf16 coefficients with int32 token windows)
+PROTOCOL_VERSION = 7
 MAX_MESSAGE_BYTES = 1 << 20  # headers only; tensor payloads are streamed separately
 MAX_SEQUENCE = 1 << 16
 MAX_STRING = 4096
@@ -277,8 +278,9 @@ class TensorMeta:
         return cls(shape=tuple(tensor.shape), dtype=name)
 
 
-# Activations and their gradients cross in one of three formats (protocol/wire.py, `wire.activations`):
-# the payload's dtype names it, and int8 rows carry a float32 scale per row of the last dimension.
+# Activations and their gradients cross in one of three elementwise formats (protocol/wire.py,
+# `wire.activations`): the payload's dtype names it, and int8 rows carry a float32 scale per row of
+# the last dimension. Subspace rows are bf16 too (k per token), told apart by their int32 ids.
 WIRE_DTYPES: dict[str, str] = {"fp32": "float32", "bf16": "bfloat16", "int8": "int8"}
 
 

@@ -24,7 +24,7 @@ from typing import Literal
 
 from noloco_swarm.protocol import plausible
 from noloco_swarm.protocol.plan import check_microbatch_sizes
-from noloco_swarm.protocol.wire import FORMATS, WireFormat
+from noloco_swarm.protocol.wire import ACTIVATION_FORMATS, WireFormat
 
 Method = Literal["noloco", "diloco", "allreduce", "local"]
 METHODS: tuple[str, ...] = ("noloco", "diloco", "allreduce", "local")
@@ -196,11 +196,12 @@ class WireConfig:
     """
 
     activations: WireFormat = "fp32"
-    """fp32 (exact), bf16 (half the bytes) or int8 (a quarter, plus a scale per row); gradients come
-    back in the same format. `noloco join` defaults to bf16, the rest to fp32 (docs/config.md)."""
+    """fp32 (exact), bf16 (half the bytes), int8 (a quarter, plus a scale per row) or subspace (k bf16
+    numbers and an int32 token id per token; needs model.subspace_rank = k). Gradients come back in
+    the same format, and `noloco join` defaults to bf16, the rest to fp32 (docs/config.md)."""
 
     def __post_init__(self) -> None:
-        if self.activations not in FORMATS:
+        if self.activations not in ACTIVATION_FORMATS:
             raise ValueError(
-                f"wire.activations must be one of {', '.join(FORMATS)}, got {self.activations!r}"
+                f"wire.activations must be one of {', '.join(ACTIVATION_FORMATS)}, got {self.activations!r}"
             )

@@ -43,8 +43,10 @@ class ForwardHeader(Message):
     def __post_init__(self) -> None:
         check_run_id(self.run_id)
         check_counters(self.round, self.step, self.hop, self.sender_rank)
-        _check_samples(self.samples, self.activations, self.tokens)
+        _check_samples(self.samples, self.activations, self.tokens, windows=True)
         wire_format(self.activations, self.scale)
+        if self.tokens.dtype == "int32" and self.activations.dtype != "bfloat16":
+            raise ValueError("int32 token ids (windows) ride only with subspace rows, which are bfloat16")
         if not 0 <= self.carried < len(self.samples):
             raise ValueError(f"carried must be >= 0 and leave a row of this step, got {self.carried}")
         for name in ("stands_in_for", "routes_around"):
@@ -336,7 +338,11 @@ class Envelope(Message):
         return sum(meta.nbytes for meta in self.tensors)
 
 
-def _check_samples(samples: tuple[int, ...], data: TensorMeta, tokens: TensorMeta | None) -> None:
+def _check_samples(
+    samples: tuple[int, ...], data: TensorMeta, tokens: TensorMeta | None, *, windows: bool = False
+) -> None:
+    """`windows`: the token ids may also be int32 windows, one id more than positions (the
+    subspace format's inputs and targets, protocol/wire.py Boundary)."""
     # Rows travel in (position, origin) order, so sample indices never decrease; one repeats when
     # rows of two stage-0 origins reach one replica (uneven replica counts, see protocol.plan).
     if not samples or samples[0] < 0 or list(samples) != sorted(samples):
@@ -344,9 +350,11 @@ def _check_samples(samples: tuple[int, ...], data: TensorMeta, tokens: TensorMet
     if not data.shape or data.shape[0] != len(samples):
         raise ValueError(f"tensor {data.shape} does not have one row per sample ({len(samples)})")
     if tokens is not None:
-        if tokens.dtype != "int64" or len(tokens.shape) != 2 or tokens.shape[0] != len(samples):
-            raise ValueError(f"token ids must be int64 (samples, seq), got {tokens}")
-        if len(data.shape) >= 2 and data.shape[1] != tokens.shape[1]:
+        dtypes = ("int64", "int32") if windows else ("int64",)
+        if tokens.dtype not in dtypes or len(tokens.shape) != 2 or tokens.shape[0] != len(samples):
+            raise ValueError(f"token ids must be int64 (samples, seq) or int32 windows, got {tokens}")
+        extra = 1 if tokens.dtype == "int32" else 0  # a window holds the inputs' first id too
+        if len(data.shape) >= 2 and data.shape[1] + extra != tokens.shape[1]:
             raise ValueError("activations and token ids disagree on sequence length")
 
 

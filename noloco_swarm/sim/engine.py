@@ -11,7 +11,7 @@ routes to it as one batch in (position, origin) order; the last stage turns per-
 into the backward pass (StageReplica.backward_losses); gradients flow back stage by stage along
 the same rows, each replica backpropagating its whole batch once. Activations going forward and
 gradients coming back make the round trip of the run's wire format (protocol.wire) where a peer
-would send and receive them.
+would send and receive them, in the groups a peer sends them in.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from dataclasses import dataclass
 import torch
 
 from noloco_swarm.model import Stage, build_stage, flat_params, load_flat_params_
-from noloco_swarm.protocol import outer, wire
-from noloco_swarm.protocol.plan import eval_paths
+from noloco_swarm.protocol import outer
+from noloco_swarm.protocol.plan import Incoming, Row, eval_paths
 from noloco_swarm.train.config import RunConfig
-from noloco_swarm.train.replica import StageReplica
+from noloco_swarm.train.replica import StageReplica, boundary_of
 
 BatchFn = Callable[[int, int], torch.Tensor]
 """(replica, step) -> LongTensor (B, seq_len + 1): the training windows of a stage-0 replica."""
@@ -56,6 +56,7 @@ class Simulator:
         self.run_plan = cfg.run_plan()  # the same rules a peer reads (protocol.plan.RunPlan)
         self.clock = self.run_plan.clock
         self.plan = self.run_plan.step_plan(cfg.replica_counts)
+        self.boundary = boundary_of(cfg)  # the wire format's round trip, U and F under subspace
         # Every replica starts from the same weights, derived from the run seed.
         self.replicas: list[list[StageReplica]] = []
         for s, count in enumerate(cfg.replica_counts):
@@ -99,7 +100,7 @@ class Simulator:
         """Forward and backward of microbatch m through every stage; its per-sample losses, per
         last-stage replica that ran rows of it. A replica the routes give no row of m skips it."""
         cfg, plan, t = self.cfg, self.plan, self.step
-        P, fmt = cfg.num_stages, cfg.wire.activations
+        P = cfg.num_stages
         span = plan.span(m)
         # Forward, stage by stage: inputs[r] are replica r's rows, a leaf as a peer receives them.
         inputs: list[torch.Tensor | None] = [w[span.start : span.stop, :-1] for w in windows]
@@ -115,12 +116,7 @@ class Simulator:
                 rows = [plan.rows(t, s, r, m) for r in range(plan.counts[s])]
                 # Rows cross the wire: the receiver computes with what the wire format delivers.
                 inputs = [
-                    wire.round_trip(
-                        torch.stack([outputs[-1][x.sender][index[x.sender][x.row]].detach() for x in rs]),
-                        fmt,
-                    ).requires_grad_(True)
-                    if rs
-                    else None
+                    self._across(outputs[-1], index, rs, windows).requires_grad_(True) if rs else None
                     for rs in rows
                 ]
                 targets = [
@@ -147,9 +143,33 @@ class Simulator:
                 grad = torch.zeros_like(out)
                 for r, sent in plan.sends(t, s, d, m).items():
                     mine = [j for j, x in enumerate(plan.rows(t, s + 1, r, m)) if x.sender == d]
-                    grad[sent] = wire.round_trip(leaves[s + 1][r].grad[mine], fmt)  # back over the wire
+                    back = self.boundary.grads_round_trip(leaves[s + 1][r].grad[mine].cpu())  # over the wire
+                    grad[sent] = back.to(self.device)
                 out.backward(grad)
         return [x.detach() for x in losses if x is not None]
+
+    def _across(
+        self,
+        outputs: list[torch.Tensor | None],
+        index: list[dict[Row, int]],
+        rows: list[Incoming],
+        windows: list[torch.Tensor],
+    ) -> torch.Tensor:
+        """The `rows` one replica receives, as the wire delivers them: each sender's rows make the
+        round trip together, as the one message a peer sends a receiver per microbatch (the
+        subspace format's matmuls may round a row differently in a batch of another shape). The
+        round trip runs on the CPU, where peers encode and decode."""
+        got: list[torch.Tensor | None] = [None] * len(rows)
+        for sender in sorted({x.sender for x in rows}):
+            js = [j for j, x in enumerate(rows) if x.sender == sender]
+            out = outputs[sender]
+            assert out is not None
+            sent = torch.stack([out[index[sender][rows[j].row]].detach() for j in js]).cpu()
+            ids = torch.stack([windows[rows[j].row.origin][rows[j].row.position] for j in js]).cpu()
+            back = self.boundary.rows_round_trip(sent, ids).to(self.device)
+            for i, j in enumerate(js):
+                got[j] = back[i]
+        return torch.stack(got)  # type: ignore[arg-type]
 
     def inner_step(self) -> StepStats:
         cfg = self.cfg

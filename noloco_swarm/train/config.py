@@ -222,6 +222,7 @@ LOCAL_SECTIONS = ("peer", "network")
 USER_KEYS = frozenset(
     """
     preset method num_stages num_replicas stage_replicas seed eval_every authority model.vocab_size
+    model.subspace_rank
     data.source data.dataset data.tokenizer data.data_files data.val_data_files
     inner.batch_size inner.lr inner.min_lr inner.warmup_steps inner.total_steps
     outer.inner_steps outer.group_size outer.outer_momentum outer.outer_lr wire.activations
@@ -269,7 +270,7 @@ class RunConfig:
     outer: OuterConfig = field(default_factory=OuterConfig)
     """Outer step: method, H, group size, alpha, beta, gamma."""
     wire: WireConfig = field(default_factory=WireConfig)
-    """How activations and gradients cross between stages (fp32, bf16, int8)."""
+    """How activations and gradients cross between stages (fp32, bf16, int8, subspace)."""
     num_stages: int = 2
     """P: pipeline stages the model is split into."""
     num_replicas: int = 2
@@ -302,6 +303,11 @@ class RunConfig:
         if self.data.seq_len != self.model.seq_len:
             raise ValueError(
                 f"data.seq_len {self.data.seq_len} != model.seq_len {self.model.seq_len}; set them equal"
+            )
+        if self.wire.activations == "subspace" and not self.model.subspace_rank:
+            raise ValueError(
+                "wire.activations=subspace sends k coefficients per token of a model constrained to a "
+                "rank-k subspace: set model.subspace_rank=k (e.g. 16), or choose fp32, bf16 or int8"
             )
         if self.eval_every < 0 or self.eval_windows < 1:
             raise ValueError("eval_every must be >= 0 and eval_windows >= 1")

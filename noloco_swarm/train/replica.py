@@ -15,11 +15,20 @@ from collections.abc import Mapping
 import torch
 
 from noloco_swarm.model import Stage, build_stage, flat_params, load_flat_params_, state_hash
+from noloco_swarm.model.subspace import make_subspace
 from noloco_swarm.protocol import outer
 from noloco_swarm.protocol.clock import lr_at
 from noloco_swarm.protocol.plan import OuterPlan
 from noloco_swarm.protocol.plausible import distance
+from noloco_swarm.protocol.wire import SUBSPACE, Boundary
 from noloco_swarm.train.config import RunConfig
+
+
+def boundary_of(cfg: RunConfig) -> Boundary:
+    """The run's stage boundary (`wire.activations`), with U and F from the seed under subspace;
+    what the simulator and every peer encode and decode rows with, on the CPU."""
+    fmt = cfg.wire.activations
+    return Boundary(fmt, make_subspace(cfg.model, cfg.seed) if fmt == SUBSPACE else None)
 
 
 class StageReplica:

@@ -16,7 +16,7 @@ import torch
 from hypothesis import strategies as st
 
 from noloco_swarm.peer import checkpoint, events
-from noloco_swarm.protocol import chunks, codec, records, rpc, wire
+from noloco_swarm.protocol import chunks, codec, records, rpc, subspace, wire
 from noloco_swarm.train import layering
 from tests.fuzz.target import INTS, VALUES, Target, mutated_bytes
 
@@ -24,6 +24,7 @@ ACT = codec.TensorMeta((2, 16, 32), "float32")
 TOK = codec.TensorMeta((2, 16), "int64")
 Q8 = codec.TensorMeta((2, 16, 32), "int8")
 SCALE = codec.TensorMeta((2, 16), "float32")
+SUB, WINDOWS = codec.TensorMeta((2, 16, 8), "bfloat16"), codec.TensorMeta((2, 17), "int32")
 HASH = "ab" * 32
 
 # One valid instance of every message class (two where an optional part changes the checks).
@@ -35,6 +36,7 @@ EXAMPLES: list[codec.Message] = [
     records.JoinTicket("run-1", "12D3KooWabc", 1.8e9, b"c2lnbmF0dXJl"),
     rpc.ForwardHeader("run-1", 2, 117, 0, 3, (936, 937), ACT, TOK, "v" * 8),
     rpc.ForwardHeader("run-1", 2, 117, 0, 3, (936, 937), Q8, TOK, "", SCALE),
+    rpc.ForwardHeader("run-1", 2, 117, 0, 3, (936, 937), SUB, WINDOWS, "v" * 8),
     rpc.BackwardHeader("run-1", 2, 117, 0, 1, (936, 937), ACT, (3.5, 4.25)),
     rpc.BackwardHeader("run-1", 2, 117, 0, 1, (936, 937), Q8, (), SCALE),
     rpc.ExchangeHeader(
@@ -190,6 +192,62 @@ def check_wire_decode(args: tuple[list[torch.Tensor], str, tuple[int, ...] | Non
         assert tuple(out.shape) == shape
     if check_finite or fmt == "int8":
         assert bool(torch.isfinite(out).all()), "decoded rows hold NaN or inf"
+
+
+# A small subspace (d = 32, k = 8, V = 64) for the receiver's side of the subspace format.
+SPACE_D, SPACE_K, SPACE_V, SPACE_T = 32, 8, 64, 4
+SPACE = subspace.Subspace(
+    torch.linalg.qr(torch.randn(SPACE_D, SPACE_K, generator=torch.Generator().manual_seed(0)))[0],
+    torch.randn(SPACE_V, SPACE_D, generator=torch.Generator().manual_seed(1)),
+)
+SPACE_DTYPES = [torch.bfloat16, torch.float32, torch.int32, torch.int64, torch.float16]
+
+
+@st.composite
+def subspace_parts(draw: st.DrawFn) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Received subspace rows and token windows: random dtypes, shapes, ids and bits."""
+    rows = draw(st.integers(0, 3))
+
+    def tensor(shape: tuple[int, ...]) -> torch.Tensor:
+        if draw(st.booleans()):  # another shape
+            shape = tuple(draw(st.lists(st.integers(0, 5), min_size=1, max_size=3)))
+        dtype = draw(st.sampled_from(SPACE_DTYPES))
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        raw = bytearray(draw(st.binary(min_size=nbytes, max_size=nbytes)))
+        return (
+            torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(shape)
+            if nbytes
+            else torch.empty(shape, dtype=dtype)
+        )
+
+    parts = [tensor((rows, SPACE_T, SPACE_K)) for _ in range(draw(st.integers(0, 2)))]
+    if draw(st.booleans()):
+        windows = torch.tensor(
+            draw(
+                st.lists(
+                    st.integers(-2, SPACE_V + 1), min_size=rows * (SPACE_T + 1), max_size=rows * (SPACE_T + 1)
+                )
+            ),
+            dtype=torch.int32,
+        ).reshape(rows, SPACE_T + 1)
+    else:
+        windows = tensor((rows, SPACE_T + 1))
+    return parts, windows
+
+
+def check_subspace_decode(args: tuple[list[torch.Tensor], torch.Tensor]) -> None:
+    """Boundary(subspace): ids_from_wire then decode_rows give float32 (rows, T, d), finite, or a
+    MessageError; nothing else, whatever arrives."""
+    parts, windows = args
+    boundary = wire.Boundary("subspace", SPACE)
+    rows = parts[0].shape[0] if parts and parts[0].dim() else 0
+    try:
+        ids = boundary.ids_from_wire(windows, rows, SPACE_T, SPACE_V)
+        out = boundary.decode_rows(parts, ids)
+    except codec.MessageError:
+        return
+    assert out.dtype == torch.float32 and tuple(out.shape) == (rows, SPACE_T, SPACE_D)
+    assert bool(torch.isfinite(out).all()), "decoded rows hold NaN or inf"
 
 
 # -- the chunk plan, run on donors' manifests and their answers -----------------------------------
@@ -427,6 +485,12 @@ DECODER_TARGETS: list[Target] = [
         wire_parts(),
         check_wire_decode,
         "float32 rows of the expected shape, finite when checked, or MessageError",
+    ),
+    Target(
+        "wire.Boundary[subspace]",
+        subspace_parts(),
+        check_subspace_decode,
+        "float32 rows (rows, T, d), finite, or MessageError",
     ),
     Target(
         "chunks.ChunkPlan",

@@ -264,6 +264,30 @@ def test_a_swarm_sends_rows_in_its_wire_format_and_ends_with_the_simulators_weig
     assert wire.nbytes(rows, fmt) <= wire.nbytes(rows, "fp32") // {"bf16": 2, "int8": 3}[fmt]
 
 
+def test_a_swarm_with_subspace_boundaries_ends_with_the_simulators_weights(
+    cache: Path, one_thread: None
+) -> None:
+    """`wire.activations=subspace` at rank 16 of 128: stage 0 sends k bf16 coefficients per token
+    with int32 token windows, stage 1 rebuilds U c + F[t] and answers with U^T g; the simulator
+    makes the same round trips in the same groups, so every replica ends with its exact weights,
+    and the gradients that came back took k * 2 bytes per token."""
+    cfg = small("noloco", **{"wire.activations": "subspace", "model.subspace_rank": "16"})
+    with local_swarm(cfg, STEPS, step_timeout=60) as swarm:
+        wait(swarm, timeout=400)
+        summaries, retried = swarm.summaries(), [of_kind(p.events(), Retried) for p in swarm.peers]
+        trouble = troubles(swarm)
+    expected, _ = simulate(cfg, STEPS)
+    got = {(s.stage, s.rank): s.state_hash for s in summaries}
+    assert got == {(s, r): expected[s][r] for s in range(2) for r in range(2)}, trouble
+    assert all(s.dropped_samples == 0 for s in summaries)
+    B, T = cfg.inner.batch_size, cfg.model.seq_len
+    stage1 = {s.peer_id for s in summaries if s.stage == 1}
+    for s in summaries:
+        if s.stage == 0:
+            back = sum(c["received_payload"] for p, c in s.bytes.items() if p in stage1)
+            assert back == STEPS * B * T * 16 * 2 or any(retried), f"{back} gradient bytes"
+
+
 def test_uneven_stages_end_with_the_simulators_weights(cache: Path, one_thread: None) -> None:
     """3 replicas of stage 0 and 2 of stage 1 from the start: the peers and the simulator run the
     same step plan (a stage-1 replica receives more than B rows at some positions), and every

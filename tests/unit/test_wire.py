@@ -191,7 +191,9 @@ def test_incoherent_wire_metas_are_refused_on_decode(
 
 def peer(fmt: str) -> SimpleNamespace:
     model = get_preset("tiny", seq_len=16)
-    return SimpleNamespace(cfg=SimpleNamespace(model=model, wire=WireConfig(fmt)))
+    return SimpleNamespace(
+        cfg=SimpleNamespace(model=model, wire=WireConfig(fmt)), boundary=wire.Boundary(fmt)
+    )
 
 
 @pytest.mark.parametrize("fmt", wire.FORMATS)
@@ -200,16 +202,18 @@ def test_a_receiver_decodes_its_runs_format_and_refuses_others(fmt: str) -> None
     x = rows((2, 16, ctx.cfg.model.hidden_size), 3, 4)
     toks = torch.zeros(2, 16, dtype=torch.int64)
     parts = wire.encode(x, fmt)
-    acts, _ = checked_rows(ctx, [decode_rows(ctx, parts, codec.TensorMeta.of(parts[0])), toks])  # type: ignore[arg-type]
+    acts, _ = checked_rows(ctx, decode_rows(ctx, [*parts, toks], codec.TensorMeta.of(parts[0])))  # type: ignore[arg-type]
     assert acts.dtype == torch.float32 and torch.equal(acts, wire.round_trip(x, fmt))
     for other in wire.FORMATS:
         if other != fmt:
             theirs = wire.encode(x, other)
             with pytest.raises(codec.MessageError, match=f"this run sends activations as {fmt}"):
-                decode_rows(ctx, theirs, codec.TensorMeta.of(theirs[0]))  # type: ignore[arg-type]
+                decode_rows(ctx, [*theirs, toks], codec.TensorMeta.of(theirs[0]))  # type: ignore[arg-type]
     with pytest.raises(codec.MessageError, match="do not fit this model"):
         narrow = wire.encode(x[..., :-1].contiguous(), fmt)
-        checked_rows(ctx, [decode_rows(ctx, narrow, codec.TensorMeta.of(narrow[0])), toks])  # type: ignore[arg-type]
+        checked_rows(ctx, decode_rows(ctx, [*narrow, toks], codec.TensorMeta.of(narrow[0])))  # type: ignore[arg-type]
+    with pytest.raises(codec.MessageError, match="token ids must be int64"):
+        decode_rows(ctx, [*parts, toks.to(torch.int32)], codec.TensorMeta.of(parts[0]))  # type: ignore[arg-type]
 
 
 def test_the_wire_format_is_a_run_setting() -> None:

@@ -54,15 +54,17 @@ class Accepts:
             raise ValueError("max_bytes must be >= 0, and 0 for a request that carries no tensors")
 
     @classmethod
-    def rows(cls, rows: int, seq_len: int, hidden: int, wire_format: str) -> Accepts:
+    def rows(cls, rows: int, seq_len: int, width: int, wire_format: str) -> Accepts:
         """Activation rows and their token ids (rpc_forward, rpc_eval): at most `rows` rows of
-        (seq_len, hidden) in `wire_format` (with an int8 payload, its float32 scale per position),
-        and their int64 token ids."""
+        (seq_len, width) in `wire_format` (with an int8 payload, its float32 scale per position),
+        and their int64 token ids; subspace rows (width k) carry seq_len + 1 int32 ids each."""
+        if wire_format == "subspace":
+            return cls(2, rows * (seq_len * width * 2 + (seq_len + 1) * 4), frozenset({"bfloat16", "int32"}))
         payload = WIRE_DTYPES[wire_format]
         item = {"float32": 4, "bfloat16": 2, "int8": 1}[payload]
         scale = 4 if wire_format == "int8" else 0
         dtypes = {payload, "int64"} | ({"float32"} if scale else set())
-        return cls(3, rows * seq_len * (hidden * item + scale + 8), frozenset(dtypes))
+        return cls(3, rows * seq_len * (width * item + scale + 8), frozenset(dtypes))
 
     @classmethod
     def weights(cls, numel: int) -> Accepts:
