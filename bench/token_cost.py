@@ -1,0 +1,183 @@
+"""What a cheaper stage boundary or a longer H costs in tokens: simulator runs against a dense run.
+
+Every run is a simulator run (P = 2 stages, N = 4 replicas, NoLoCo with the sweep's settings:
+seeded pairs, alpha 0.5, beta = gamma = 0.7; bench/sweep.py) of the `mini` preset's shape (hidden
+256, 6 layers) with the sweep's vocabulary, window and batch (1,024 tokens, 32, 4), evaluated on
+the same validation windows every --eval-every steps. A run's JSON goes to --out; a run whose file
+exists is skipped, so an interrupted measurement continues where it stopped. Runs are listed most
+important first: the dense fp32 run of each seed, subspace at the two ranks, bf16, int8, then
+NoLoCo at H = 100 and 250 and heavy-ball DiLoCo at 2H for H = 50, 100, 250.
+
+Ranks: a bf16 boundary sends 2d bytes per token plus an 8-byte token id (d = 256: 520 bytes); a
+subspace boundary 2k bytes plus a 4-byte id. k = 14 sends 32 bytes (16x fewer), k = 2 sends 8
+(65x fewer): at this width the id alone is an eighth of the 64x budget, so 64x leaves k = 2.
+
+Per (wire, rank, H) and seed, against the dense run of the same seed (fp32, H = 50):
+- tokens to the dense run's final validation loss, over the dense run's tokens to it (the first
+  evaluation at or below it, interpolated linearly between evaluations); `null` where the run
+  never reaches it;
+- the final validation loss over the dense run's at equal tokens, with the standard error of the
+  ratio's mean over seeds (paired: each seed against its own dense run).
+
+    nice -n 19 python bench/token_cost.py --out docs/results/token_cost        # run or continue
+    # on 2 cores: the same with --shard 0/2 and --shard 1/2, side by side
+    python bench/token_cost.py --out docs/results/token_cost --summarise \\
+        --json docs/results/token_cost.json                                     # the rows only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+BASE = {  # the sweep's data and optimiser (bench/sweep.py) on the mini preset's shape
+    "model.vocab_size": 1024,
+    "model.seq_len": 32,
+    "inner.batch_size": 4,
+    "inner.lr": 1e-3,
+    "inner.min_lr": 1e-4,
+    "num_stages": 2,
+    "num_replicas": 4,
+    "outer.seeded_groups": True,
+}
+DENSE = ("fp32", 0, 50, "noloco")
+
+
+def plan(seeds: int) -> list[dict]:
+    """Every run, most important first: (wire, rank, H, method) x seed."""
+    kinds = [DENSE, ("subspace", 14, 50, "noloco"), ("subspace", 2, 50, "noloco"),
+             ("bf16", 0, 50, "noloco"), ("int8", 0, 50, "noloco")]  # fmt: skip
+    kinds += [("fp32", 0, h, "noloco") for h in (100, 250)]
+    kinds += [("fp32", 0, 2 * h, "diloco") for h in (50, 100, 250)]
+    runs = []
+    for wire, rank, h, method in kinds:
+        for seed in range(seeds):
+            name = f"{method}-{wire}-k{rank}-H{h}-seed{seed}"
+            runs.append({"name": name, "wire": wire, "rank": rank, "H": h, "method": method, "seed": seed})
+    return runs
+
+
+def run_one(run: dict, steps: int, warmup: int, eval_every: int) -> dict:
+    from noloco_swarm.sim.run import run_simulation
+    from noloco_swarm.train.layering import build_config
+
+    a: dict[str, Any] = {
+        **BASE,
+        "seed": run["seed"],
+        "inner.total_steps": steps,
+        "inner.warmup_steps": warmup,
+        "eval_every": eval_every,
+        "eval_windows": 100_000,  # as many as data.val_max_windows gives
+        "outer.inner_steps": run["H"],
+        "wire.activations": run["wire"],
+        "model.subspace_rank": run["rank"],
+    }
+    if run["method"] == "diloco":
+        a["outer.diloco_variant"] = "heavyball"
+    else:
+        a["outer.gamma"] = 0.7
+    cfg = build_config("mini", run["method"], assignments={k: str(v) for k, v in a.items()}, env={})
+    start = time.perf_counter()
+    result = run_simulation(cfg, steps)
+    curve = [{"step": e["step"], "tokens": e["tokens"], "val_loss": e["val_loss"]} for e in result.evals]
+    return {**run, "steps": steps, "config": cfg.manifest(), "curve": curve, "final": result.final,
+            "seconds": time.perf_counter() - start}  # fmt: skip
+
+
+def tokens_to(curve: list[dict], target: float) -> float | None:
+    """Tokens at which the validation loss first reaches `target` (linear between evaluations)."""
+    before = None
+    for point in curve:
+        if point["val_loss"] <= target:
+            if before is None:
+                return float(point["tokens"])
+            share = (before["val_loss"] - target) / (before["val_loss"] - point["val_loss"])
+            return before["tokens"] + share * (point["tokens"] - before["tokens"])
+        before = point
+    return None
+
+
+def mean_se(xs: list[float]) -> tuple[float, float]:
+    return statistics.fmean(xs), (statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else math.nan)
+
+
+def rows(runs: dict[str, dict]) -> list[dict]:
+    """One row per (wire, rank, H, method) with every seed's dense run beside it."""
+    dense = {r["seed"]: r for r in runs.values() if (r["wire"], r["rank"], r["H"], r["method"]) == DENSE}
+    kinds = sorted({(r["wire"], r["rank"], r["H"], r["method"]) for r in runs.values()})
+    out = []
+    for kind in kinds:
+        paired = [(r, dense[r["seed"]]) for r in runs.values()
+                  if (r["wire"], r["rank"], r["H"], r["method"]) == kind and r["seed"] in dense]  # fmt: skip
+        if not paired:
+            continue
+        token_ratios: list[float | None] = []
+        loss_ratios = []
+        for run, base in paired:
+            target = base["final"]["val_loss"]
+            ours, theirs = tokens_to(run["curve"], target), tokens_to(base["curve"], target)
+            token_ratios.append(ours / theirs if ours is not None and theirs else None)
+            loss_ratios.append(run["final"]["val_loss"] / target)
+        reached = [x for x in token_ratios if x is not None]
+        loss_mean, loss_se = mean_se(loss_ratios)
+        tok_mean, tok_se = mean_se(reached) if len(reached) == len(token_ratios) else (None, None)
+        wire, rank, h, method = kind
+        out.append({
+            "wire": wire, "rank": rank, "H": h, "method": method, "seeds": len(paired),
+            "steps": paired[0][0]["steps"], "tokens_to_dense_loss_ratio": tok_mean,
+            "tokens_to_dense_loss_ratio_se": tok_se, "tokens_to_dense_loss_ratio_per_seed": token_ratios,
+            "loss_ratio_at_equal_tokens": loss_mean, "loss_ratio_at_equal_tokens_se": loss_se,
+            "final_val_loss": statistics.fmean(r["final"]["val_loss"] for r, _ in paired),
+            "val_tokens": paired[0][0]["final"]["val_tokens"],
+        })  # fmt: skip
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=Path("docs/results/token_cost"))
+    ap.add_argument("--steps", type=int, default=1000)
+    ap.add_argument("--warmup", type=int, default=100)
+    ap.add_argument("--eval-every", type=int, default=50)
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument(
+        "--shard", default="0/1", help="I/N: run only every N-th run from the I-th (one process per core)"
+    )
+    ap.add_argument("--summarise", action="store_true", help="only write the rows")
+    ap.add_argument("--json", type=Path, help="write the rows here (default: OUT/rows.json)")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if not args.summarise:
+        import torch
+
+        torch.set_num_threads(1)
+        index, shards = (int(x) for x in args.shard.split("/"))
+        todo = plan(args.seeds)[index::shards]
+        left = [r for r in todo if not (args.out / f"{r['name']}.json").exists()]
+        print(f"{len(todo) - len(left)} of {len(todo)} runs done, {len(left)} to go", flush=True)
+        for i, run in enumerate(left):
+            if (args.out / f"{run['name']}.json").exists():  # another process took it meanwhile
+                continue
+            row = run_one(run, args.steps, args.warmup, args.eval_every)
+            tmp = args.out / f".{run['name']}.{os.getpid()}.tmp"
+            tmp.write_text(json.dumps(row))
+            os.replace(tmp, args.out / f"{run['name']}.json")  # a run counts once its file is whole
+            f = row["final"]
+            print(f"[{i + 1}/{len(left)}] {run['name']}: val loss {f['val_loss']:.4f} over "
+                  f"{f['val_tokens']} tokens, {row['seconds']:.0f} s", flush=True)  # fmt: skip
+    runs = {
+        p.stem: json.loads(p.read_text()) for p in sorted(args.out.glob("*.json")) if p.name != "rows.json"
+    }
+    result = rows(runs)
+    (args.json or args.out / "rows.json").write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
