@@ -214,6 +214,8 @@ class Carried(Event):
     KIND: ClassVar[str] = "carried"
     step: int
     samples: int
+    sample_ids: list[int] = field(default_factory=list)
+    """Their sample indices (routing.sample_index of the step they were first fed at)."""
 
 
 @dataclass(frozen=True)
@@ -236,7 +238,8 @@ class Dropped(Event):
     """Samples of step `step` lost on hop `hop` (their gradient is zero this step).
 
     side "sender": rows this replica sent whose gradient never came back (`reasons`: why, per
-    receiver that failed); side "receiver": rows this replica expected from `senders`, who sent
+    receiver that failed; `sample_ids`: their sample indices, a carried row's from the step it was
+    first fed at, so a row lost twice shows as one sample); side "receiver": rows this replica expected from `senders`, who sent
     nothing in time, and that no stand-in of theirs brought either (said once the step's rows
     are collected).
     """
@@ -248,6 +251,7 @@ class Dropped(Event):
     side: str
     senders: list[int] = field(default_factory=list)
     reasons: list[str] = field(default_factory=list)
+    sample_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -376,7 +376,7 @@ async def _through_the_pipeline(
     if again is not None:
         xm, ym, rm, wm = parts[0]
         parts[0] = (torch.cat([again[:, :-1].to(ctx.device), xm]), torch.cat([again[:, 1:], ym]), rm, wm)
-        ctx.events.emit(events.Carried(step=t, samples=len(carried)))
+        ctx.events.emit(events.Carried(step=t, samples=len(carried), sample_ids=list(carried)))
     # Microbatch m is sent on while m+1 is computed; backward in ascending m.
     lost_samples: list[int] = []
     lost_windows: list[torch.Tensor] = []

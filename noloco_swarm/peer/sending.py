@@ -115,9 +115,10 @@ class RowSender:
             self._note_rerouted(t, base.route(t, ctx.stage, rows), planned, around.routes_around)
         n = len(carried)
         results: dict[int, asyncio.Task[GradRows | Lost]] = {}
+        ids: dict[int, tuple[int, ...]] = {}  # the sample indices sent to each receiver
         async with asyncio.TaskGroup() as group:
             for receiver, sent in routes.items():
-                samples = tuple(
+                samples = ids[receiver] = tuple(
                     carried[j] if j < n else routing.sample_index(t, rows[j - n].position, ctx.B)
                     for j in sent
                 )
@@ -130,13 +131,13 @@ class RowSender:
         losses = [0.0] * out.shape[0]
         lost = set(range(out.shape[0]))
         reasons: list[str] = []
-        dropped = 0  # rows whose call failed here
+        dropped: list[int] = []  # the sample indices of rows whose call failed here
         again: set[int] = set()
         for receiver, task in results.items():
             result = task.result()
             if isinstance(result, Lost):
                 reasons.append(result.reason)
-                dropped += len(routes[receiver])
+                dropped += ids[receiver]
                 again.update(routes[receiver] if result.again else ())
                 continue
             sent, grad_rows, sample_losses, further = result
@@ -149,9 +150,16 @@ class RowSender:
                 lost.add(sent[i])
                 again.add(sent[i])
         if dropped:
-            self.dropped_samples += dropped
+            self.dropped_samples += len(dropped)
             ctx.events.emit(
-                events.Dropped(step=t, hop=ctx.stage, samples=dropped, side="sender", reasons=reasons)
+                events.Dropped(
+                    step=t,
+                    hop=ctx.stage,
+                    samples=len(dropped),
+                    side="sender",
+                    reasons=reasons,
+                    sample_ids=dropped,
+                )
             )
         return Returned(grad, losses, frozenset(lost), frozenset(again))
 

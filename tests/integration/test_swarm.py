@@ -715,14 +715,21 @@ def test_a_killed_peer_takes_its_processes_and_a_replacement_takes_its_stage(
     drops = [e.step for events in survivor_events for e in of_kind(events, Dropped)]
     assert all(step < (killed_in + 3) * 3 for step in drops), (drops, killed_in)
     # Lost is not gone: stage 0 fed every row whose gradient did not come back (lost on any hop)
-    # again at its next step, and none of them was lost again (it would count as lost, not fed).
-    # (Rows a live peer refused are not fed again: it would refuse them again.)
+    # again at its next step, once. A fed row lost again is dropped: fed again, it could be lost
+    # again. (Rows a live peer refused are not fed again: it would refuse them again.) Counted by
+    # sample index: under load (beside another lane at load 8) a fed row went to the dead replica
+    # again before the views knew it dead, and a sum of counts took that row as two.
     carried = [e for events in survivor_events for e in of_kind(events, Carried)]
-    lost_rows = sum(
-        e.samples for events in survivor_events for e in of_kind(events, Dropped) if e.side == "sender"
-    )
-    fed = sum(e.samples for e in carried)
-    assert fed == lost_rows or (refused and fed < lost_rows), (carried, lost_rows, refused)
+    fed = [i for e in carried for i in e.sample_ids]
+    lost_ids = {
+        i
+        for events in survivor_events
+        for e in of_kind(events, Dropped)
+        if e.side == "sender"
+        for i in e.sample_ids
+    }
+    assert len(fed) == len(set(fed)), carried  # no row fed again twice
+    assert set(fed) == lost_ids or (refused and set(fed) < lost_ids), (carried, lost_ids, refused)
 
 
 def test_a_killed_stage_zero_replicas_shard_is_fed_by_the_other_until_the_views_drop_it(
