@@ -13,14 +13,23 @@ TOKEN_COST = Path(__file__).resolve().parents[2] / "docs" / "results" / "token_c
 
 
 def load_token_costs(path: Path) -> list[TokenCost]:
-    """The rows of a token_cost.json (a list of rows, or {"rows": [...]}); [] if there is no file."""
+    """The NoLoCo rows of a token_cost.json (a list of rows, or {"rows": [...]}) that reached the
+    dense run's loss; [] if there is no file. bench/token_cost.py also measures DiLoCo (`method`),
+    which the planner does not schedule, and a run that never reached the dense loss in the steps
+    measured has no ratio (null): its schedule stays unmeasured rather than get a guess."""
     if not path.exists():
         return []
     data: Any = json.loads(path.read_text())
     rows = data.get("rows", []) if isinstance(data, dict) else data
     if not isinstance(rows, list):
         raise ValueError(f"{path}: expected a list of rows or {{'rows': [...]}}")
-    return [TokenCost.from_row(row) for row in rows]
+    return [
+        TokenCost.from_row(row)
+        for row in rows
+        if isinstance(row, dict)
+        and row.get("method", "noloco") == "noloco"
+        and row.get("tokens_to_dense_loss_ratio", 0) is not None
+    ]
 
 
 def best(result: Plan, top: int) -> list[Projection]:

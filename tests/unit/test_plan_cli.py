@@ -48,6 +48,12 @@ def test_json_ranks_measured_first_and_says_null_for_unmeasured(
             "loss_ratio_at_equal_tokens": 1.01,
         }
     ]
+    # Rows the planner leaves out: a DiLoCo run's (bench/token_cost.py measures it beside NoLoCo)
+    # and one that never reached the dense loss (no ratio).
+    rows += [
+        {**rows[0], "wire": "fp32", "rank": 0, "method": "diloco", "tokens_to_dense_loss_ratio": 0.5},
+        {**rows[0], "wire": "bf16", "rank": 0, "tokens_to_dense_loss_ratio": None},
+    ]
     (tmp_path / "cost.json").write_text(json.dumps({"rows": rows}))
     assert main([*SMALL_GRID, "--token-cost", str(tmp_path / "cost.json"), "--json", "--top", "0"]) == 0
     data = json.loads(capsys.readouterr().out)
@@ -55,6 +61,7 @@ def test_json_ranks_measured_first_and_says_null_for_unmeasured(
     assert data["candidates"] == len(schedules) == 2 * 4 * 2  # M, wires (subspace at 32), overlap
     measured = [s for s in schedules if s["time_to_target_s"] is not None]
     assert {s["config"]["wire.activations"] for s in measured} == {"fp32", "subspace"}
+    assert {s["token_multiplier"] for s in measured if s["config"]["wire.activations"] == "fp32"} == {1.0}
     assert schedules[: len(measured)] == measured
     times = [s["time_to_target_s"] for s in measured]
     assert times == sorted(times)
