@@ -238,14 +238,9 @@ def test_replies_lost_to_broken_streams_are_recovered_exactly(
     assert exchange_retries == [[], [], [3, 6, 9], [3, 6, 9]], trouble
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "int8"])
-def test_a_swarm_sends_rows_in_its_wire_format_and_ends_with_the_simulators_weights(
-    fmt: str, cache: Path, one_thread: None
-) -> None:
-    """bf16 and int8 rows and gradients: the peers decode exactly what the simulator's round trip
-    gives, so every replica ends with its weights, and the gradients that came back over each hop
-    took the format's bytes (fp32's exact run is the test above)."""
-    cfg = small("noloco", **{"wire.activations": fmt})
+def exact_2x2(cfg: RunConfig) -> tuple[list, list[list]]:
+    """Run a 2 x 2 swarm of `cfg` for STEPS and check that every replica ends with the simulator's
+    exact weights and that no row was dropped; its summaries, and each peer's Retried events."""
     with local_swarm(cfg, STEPS, step_timeout=60) as swarm:
         wait(swarm, timeout=400)
         summaries, retried = swarm.summaries(), [of_kind(p.events(), Retried) for p in swarm.peers]
@@ -254,6 +249,18 @@ def test_a_swarm_sends_rows_in_its_wire_format_and_ends_with_the_simulators_weig
     got = {(s.stage, s.rank): s.state_hash for s in summaries}
     assert got == {(s, r): expected[s][r] for s in range(2) for r in range(2)}, trouble
     assert all(s.dropped_samples == 0 for s in summaries)
+    return summaries, retried
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8"])
+def test_a_swarm_sends_rows_in_its_wire_format_and_ends_with_the_simulators_weights(
+    fmt: str, cache: Path, one_thread: None
+) -> None:
+    """bf16 and int8 rows and gradients: the peers decode exactly what the simulator's round trip
+    gives, so every replica ends with its weights, and the gradients that came back over each hop
+    took the format's bytes (fp32's exact run is the test above)."""
+    cfg = small("noloco", **{"wire.activations": fmt})
+    summaries, retried = exact_2x2(cfg)
     # Stage-0 replicas get B gradient rows per step back from stage 1, in the format's bytes.
     rows = (cfg.inner.batch_size, cfg.model.seq_len, cfg.model.hidden_size)
     stage1 = {s.peer_id for s in summaries if s.stage == 1}
@@ -272,14 +279,7 @@ def test_a_swarm_with_subspace_boundaries_ends_with_the_simulators_weights(
     makes the same round trips in the same groups, so every replica ends with its exact weights,
     and the gradients that came back took k * 2 bytes per token."""
     cfg = small("noloco", **{"wire.activations": "subspace", "model.subspace_rank": "16"})
-    with local_swarm(cfg, STEPS, step_timeout=60) as swarm:
-        wait(swarm, timeout=400)
-        summaries, retried = swarm.summaries(), [of_kind(p.events(), Retried) for p in swarm.peers]
-        trouble = troubles(swarm)
-    expected, _ = simulate(cfg, STEPS)
-    got = {(s.stage, s.rank): s.state_hash for s in summaries}
-    assert got == {(s, r): expected[s][r] for s in range(2) for r in range(2)}, trouble
-    assert all(s.dropped_samples == 0 for s in summaries)
+    summaries, retried = exact_2x2(cfg)
     B, T = cfg.inner.batch_size, cfg.model.seq_len
     stage1 = {s.peer_id for s in summaries if s.stage == 1}
     for s in summaries:
