@@ -17,7 +17,10 @@ Per (wire, rank, H) and seed, against the dense run of the same seed (fp32, H = 
   evaluation at or below it, interpolated linearly between evaluations); `null` where the run
   never reaches it;
 - the final validation loss over the dense run's at equal tokens, with the standard error of the
-  ratio's mean over seeds (paired: each seed against its own dense run).
+  ratio's mean over seeds (paired: each seed against its own dense run);
+- where a run never reaches the dense loss: the tokens the dense run took to reach this run's
+  final loss, over this run's tokens (what this run's tokens were worth in the dense run's; the
+  dense run was then earlier in its learning-rate schedule, so it is a rough guide, not a bound).
 
     nice -n 19 python bench/token_cost.py --out docs/results/token_cost        # run or continue
     # on 2 cores: the same with --shard 0/2 and --shard 1/2, side by side
@@ -119,11 +122,14 @@ def rows(runs: dict[str, dict]) -> list[dict]:
             continue
         token_ratios: list[float | None] = []
         loss_ratios = []
+        worth: list[float | None] = []
         for run, base in paired:
             target = base["final"]["val_loss"]
             ours, theirs = tokens_to(run["curve"], target), tokens_to(base["curve"], target)
             token_ratios.append(ours / theirs if ours is not None and theirs else None)
             loss_ratios.append(run["final"]["val_loss"] / target)
+            dense_to_ours = tokens_to(base["curve"], run["final"]["val_loss"])
+            worth.append(dense_to_ours / run["curve"][-1]["tokens"] if dense_to_ours is not None else None)
         reached = [x for x in token_ratios if x is not None]
         loss_mean, loss_se = mean_se(loss_ratios)
         tok_mean, tok_se = mean_se(reached) if len(reached) == len(token_ratios) else (None, None)
@@ -133,6 +139,7 @@ def rows(runs: dict[str, dict]) -> list[dict]:
             "steps": paired[0][0]["steps"], "tokens_to_dense_loss_ratio": tok_mean,
             "tokens_to_dense_loss_ratio_se": tok_se, "tokens_to_dense_loss_ratio_per_seed": token_ratios,
             "loss_ratio_at_equal_tokens": loss_mean, "loss_ratio_at_equal_tokens_se": loss_se,
+            "dense_tokens_to_final_loss_ratio_per_seed": worth,
             "final_val_loss": statistics.fmean(r["final"]["val_loss"] for r, _ in paired),
             "val_tokens": paired[0][0]["final"]["val_tokens"],
         })  # fmt: skip
