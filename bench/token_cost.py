@@ -110,14 +110,17 @@ def mean_se(xs: list[float]) -> tuple[float, float]:
     return statistics.fmean(xs), (statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else math.nan)
 
 
+def kind_of(run: dict) -> tuple[str, int, int, str]:
+    """What a run measures: (wire, rank, H, method); its seeds share it."""
+    return run["wire"], run["rank"], run["H"], run["method"]
+
+
 def rows(runs: dict[str, dict]) -> list[dict]:
     """One row per (wire, rank, H, method) with every seed's dense run beside it."""
-    dense = {r["seed"]: r for r in runs.values() if (r["wire"], r["rank"], r["H"], r["method"]) == DENSE}
-    kinds = sorted({(r["wire"], r["rank"], r["H"], r["method"]) for r in runs.values()})
+    dense = {r["seed"]: r for r in runs.values() if kind_of(r) == DENSE}
     out = []
-    for kind in kinds:
-        paired = [(r, dense[r["seed"]]) for r in runs.values()
-                  if (r["wire"], r["rank"], r["H"], r["method"]) == kind and r["seed"] in dense]  # fmt: skip
+    for kind in sorted({kind_of(r) for r in runs.values()}):
+        paired = [(r, dense[r["seed"]]) for r in runs.values() if kind_of(r) == kind and r["seed"] in dense]
         if not paired:
             continue
         token_ratios: list[float | None] = []

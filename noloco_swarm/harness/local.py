@@ -20,7 +20,7 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from noloco_swarm.harness.preload import Forked, fork_peer
+from noloco_swarm.harness.preload import Forked, command, fork_peer
 from noloco_swarm.peer import tickets
 from noloco_swarm.peer.directory import RunDirectory
 from noloco_swarm.peer.events import Event, Final, of_kind, read
@@ -134,7 +134,7 @@ class LocalSwarm:
         env |= self.peer_env(stage, d) if self.peer_env is not None else {}
         proc = fork_peer(argv, env, log) if self.preload and not where.prefix else None
         if proc is None:
-            argv = [*where.prefix, sys.executable, "-m", "noloco_swarm.cli.main", *argv]
+            argv = [*where.prefix, *command(argv)]
             with log.open("wb") as out:
                 proc = subprocess.Popen(
                     argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env

@@ -12,7 +12,6 @@ Everything is torn down at exit, Ctrl-C included.
 
 from __future__ import annotations
 
-import sys
 import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -21,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from noloco_swarm.harness.local import LocalSwarm, Placement, local_swarm
+from noloco_swarm.harness.preload import command
 from noloco_swarm.testbed import DelayRelay, Route, Testbed
 from noloco_swarm.testbed.bed import TransportKind
 from noloco_swarm.testbed.schedule import Shape, check_delays
@@ -55,7 +55,7 @@ class NamespaceSwarm:
 def _start_bootstrap(bed: Testbed, workdir: Path, timeout: float = 60.0) -> str:
     """`noloco dht` on host `boot`; returns its --initial-peers address."""
     address_file, log = workdir / "boot.addr", workdir / "boot.log"
-    argv = [sys.executable, "-m", "noloco_swarm.cli.main", "dht", "--identity", str(workdir / "boot.key")]
+    argv = command(["dht", "--identity", str(workdir / "boot.key")])
     argv += ["--host-maddrs", bed.hosts[BOOT].maddr(), "--address-file", str(address_file)]
     with log.open("wb") as out:
         proc = bed.popen(BOOT, argv, stdout=out, stderr=out)

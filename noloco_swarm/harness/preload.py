@@ -45,8 +45,14 @@ import setproctitle
 # What the preloader imports: the modules that make a peer's start-up slow. None of them is ours:
 # our modules read NOLOCO_* variables as they are imported (failpoints), which differ per peer.
 PRELOADED = ("numpy", "torch", "transformers.models.llama.modeling_llama", "hivemind")
+CLI_MODULE = "noloco_swarm.cli.main"  # what a peer runs: `python -m CLI_MODULE join ...`
 MESSAGE_BYTES = 1 << 20  # the largest request (argv and environment) the preloader reads
 READY_TIMEOUT = 120.0  # seconds the preloader may take to import PRELOADED (a loaded 2-core machine)
+
+
+def command(args: Sequence[str]) -> list[str]:
+    """The command line that runs `noloco ARGS` from scratch (and that a forked peer shows)."""
+    return [sys.executable, "-m", CLI_MODULE, *args]
 
 
 class Forked:
@@ -127,7 +133,7 @@ class Preloader:
         if not answer:
             mine.close()
             raise RuntimeError(f"the peer preloader ended (exit {self.process.poll()})")
-        return Forked([sys.executable, "-m", "noloco_swarm.cli.main", *args], json.loads(answer)["pid"], mine)
+        return Forked(command(args), json.loads(answer)["pid"], mine)
 
     def close(self) -> None:
         """End the preloader (peers it forked with --die-with-parent then end too)."""
@@ -227,7 +233,7 @@ def become(request: dict) -> None:
     arguments (sys.argv)."""
     # What ps, top and /proc/PID/cmdline show: the command it runs, not the preloader's. First:
     # setproctitle takes the room of the process's original environment, which must be in place.
-    setproctitle.setproctitle(shlex.join([sys.executable, "-m", "noloco_swarm.cli.main", *request["args"]]))
+    setproctitle.setproctitle(shlex.join(command(request["args"])))
     os.setsid()
     os.chdir(request["cwd"])
     log = request["log"]  # the file descriptor of the log the launcher opened
@@ -250,5 +256,5 @@ if __name__ == "__main__":
     if child is None:
         sys.exit(0)
     become(child)
-    # As `python -m noloco_swarm.cli.main ARGS` runs it (sys.argv is already [.., *ARGS]).
-    runpy.run_module("noloco_swarm.cli.main", run_name="__main__", alter_sys=True)
+    # As `python -m CLI_MODULE ARGS` runs it (sys.argv is already [.., *ARGS]).
+    runpy.run_module(CLI_MODULE, run_name="__main__", alter_sys=True)

@@ -239,9 +239,9 @@ class Dropped(Event):
 
     side "sender": rows this replica sent whose gradient never came back (`reasons`: why, per
     receiver that failed; `sample_ids`: their sample indices, a carried row's from the step it was
-    first fed at, so a row lost twice shows as one sample); side "receiver": rows this replica expected from `senders`, who sent
-    nothing in time, and that no stand-in of theirs brought either (said once the step's rows
-    are collected).
+    first fed at, so a row lost twice shows as one sample); side "receiver": rows this replica
+    expected from `senders`, who sent nothing in time, and that no stand-in of theirs brought
+    either (said once the step's rows are collected).
     """
 
     KIND: ClassVar[str] = "dropped"
