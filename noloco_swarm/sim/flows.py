@@ -7,6 +7,10 @@ uplink and a downlink. A flow from a to b takes a's uplink and b's downlink; flo
 max-min fairly (progressive filling), the flows of one (a, b) pair go out one after another in
 the order they became ready, and a flow ends `latency` seconds after its last byte left.
 
+Peers may share a processor (`processors`: a CPU that runs two peer processes): each peer still
+runs one task at a time, and the peers busy on one processor share it equally, as an operating
+system's fair scheduler shares a core between two busy processes.
+
 A flow of `weight` w stands for w identical flows that start together (w times the bytes, w
 shares of every link it crosses): the wall-clock model folds the D replicas of a symmetric stage
 into one peer this way, and gets the same times as with D peers.
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -40,9 +45,12 @@ class Task:
 class Graph:
     """Tasks with dependencies; `run` plays them out on peers' GPUs and max-min fair links."""
 
-    def __init__(self, up: list[float], down: list[float]) -> None:
+    def __init__(self, up: list[float], down: list[float], processors: list[int] | None = None) -> None:
         self.tasks: list[Task] = []
         self.capacity = up + down  # bytes/s: every peer's uplink, then every peer's downlink
+        if processors is not None and len(processors) != len(up):
+            raise ValueError(f"need one processor per peer: {len(up)} peers, {len(processors)} given")
+        self.processors = processors  # peer -> the processor it runs on; None: one each
 
     def add(self, task: Task, deps: list[int]) -> int:
         tid = len(self.tasks)
@@ -64,6 +72,10 @@ class Graph:
         rates: dict[int, float] = {}
         idle: set[int] = set()  # peers that may pick a task once everything due now is done
         dirty = False
+        shared = self.processors
+        jobs: dict[int, float] = {}  # on shared processors: compute task -> seconds of work left
+        job_rates: dict[int, float] = {}
+        jobs_at, next_job, jobs_dirty = 0.0, (math.inf, -1), False
 
         def start(tid: int) -> None:
             nonlocal dirty
@@ -83,10 +95,14 @@ class Graph:
                 idle.add(task.peer)
 
         def run_next(peer: int) -> None:
+            nonlocal jobs_dirty
             if not busy[peer] and ready[peer]:
                 _, tid = heapq.heappop(ready[peer])
                 busy[peer] = True
-                heapq.heappush(events, (now + tasks[tid].amount, tid))
+                if shared is None:
+                    heapq.heappush(events, (now + tasks[tid].amount, tid))
+                else:
+                    jobs[tid], jobs_dirty = tasks[tid].amount, True
 
         def finish(tid: int) -> None:
             task = tasks[tid]
@@ -106,7 +122,17 @@ class Graph:
             run_next(peer)
         idle.clear()
         rated_at, next_flow = 0.0, (math.inf, -1)
-        while events or flows:
+        while events or flows or jobs:
+            if jobs_dirty:  # the busy peers of a processor changed: share it anew
+                for tid, rate in job_rates.items():
+                    if tid in jobs:
+                        jobs[tid] = max(jobs[tid] - rate * (now - jobs_at), 0.0)
+                where = {tid: shared[tasks[tid].peer] for tid in jobs} if shared else {}
+                busy_on = Counter(where.values())  # processor -> its peers computing now
+                job_rates = {tid: 1 / busy_on[where[tid]] for tid in jobs}
+                jobs_at, jobs_dirty = now, False
+                ends = ((now + left / job_rates[tid], tid) for tid, left in jobs.items())
+                next_job = min(ends, default=(math.inf, -1))
             if dirty:  # flows changed: bring their bytes up to now, share the links anew
                 if now > rated_at:
                     for tid in flows.keys() & rates.keys():
@@ -114,6 +140,13 @@ class Graph:
                 rates, rated_at, dirty = max_min_rates(flows, tasks, self.capacity), now, False
                 ends = ((now + left / rates[tid], tid) for tid, left in flows.items())
                 next_flow = min(ends, default=(math.inf, -1))
+            if next_job[0] < min(next_flow[0], events[0][0] if events else math.inf):
+                now, tid = next_job
+                del jobs[tid]
+                jobs_dirty = True
+                next_job = (math.inf, -1)
+                heapq.heappush(events, (now, tid))  # ends now, with whatever else ends now
+                continue
             if events and events[0][0] <= next_flow[0]:
                 now, tid = heapq.heappop(events)
                 finish(tid)

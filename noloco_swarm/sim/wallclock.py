@@ -6,7 +6,9 @@ link:
 - **Compute.** Each peer runs one task at a time: the forward of a microbatch, or its backward
   (the last stage runs both at once, since the loss is there). Cost is linear in rows:
   `StageCost.forward_s` per sample, backward likewise. Among ready tasks a peer takes the earliest
-  step first, then backwards before forwards (1F1B-like), then the lowest microbatch.
+  step first, then backwards before forwards (1F1B-like), then the lowest microbatch. With
+  `Swarm.colocated`, replica d's stages run on one processor, shared equally while both compute
+  (the testbed on a CPU; bench/plan_validation.py).
 - **Inner step.** The batch of B samples is cut into M microbatches (B/M rows each, or the sizes
   `Schedule.microbatch_sizes` names). Stage s forwards microbatch m
   once the rows of m from every replica of stage s-1 are in (routes are per sample and random, so
@@ -174,6 +176,9 @@ class Swarm:
     exchange_goodput: float | None = None
     """Share of a link's rate the outer exchange's payload gets (EXCHANGE_GOODPUT has measured
     ones); None: the link's `efficiency`, as every other flow."""
+    colocated: bool = False
+    """Replica d's stages share one processor (the testbed on a CPU: `cpu_share` pins the 2x2
+    swarm's stage-0 and stage-1 peers of replica d to CPU d); False: every peer has its own GPU."""
 
     def __post_init__(self) -> None:
         if not self.stages or self.replicas < 1 or self.batch < 1 or self.inner_steps < 1:
@@ -250,8 +255,10 @@ def exchange_bytes(params: int, schedule: Schedule, replicas: int) -> float:
 
 
 def compute_bound_tokens_per_s(swarm: Swarm) -> float:
-    """The rate when the busiest stage computes all the time (no network, no pipeline bubble)."""
-    slowest = max(s.forward_s + s.backward_s + s.optimizer_s / swarm.batch for s in swarm.stages)
+    """The rate when the busiest stage (colocated: every processor) computes all the time (no
+    network, no pipeline bubble)."""
+    per_sample = [s.forward_s + s.backward_s + s.optimizer_s / swarm.batch for s in swarm.stages]
+    slowest = sum(per_sample) if swarm.colocated else max(per_sample)
     return swarm.tokens_per_step / (swarm.batch * slowest) if slowest > 0 else math.inf
 
 
@@ -273,6 +280,8 @@ def resource_bound_s(swarm: Swarm, schedule: Schedule) -> float:
             compute = B * (cost.forward_s + cost.backward_s) + cost.optimizer_s
             sent, got = (up + extra) / link.bytes_per_s(up=True), (down + extra) / link.bytes_per_s(up=False)
             floor = max(floor, compute, sent, got)
+    if swarm.colocated:  # one processor runs every stage's compute
+        floor = max(floor, sum(B * (c.forward_s + c.backward_s) + c.optimizer_s for c in swarm.stages))
     return floor
 
 
@@ -310,7 +319,10 @@ def simulate(swarm: Swarm, schedule: Schedule, exact: bool = False, fold: bool |
     n = 2 * H if exact else w + min(H, k + 3)  # steps played out: the waiting one (w + k + 1) included
     peer = {(s, d): s * R + d for s in range(P) for d in range(R)}
     links = [swarm.link_of(s, d) for s in range(P) for d in range(R)]
-    graph = Graph([x.bytes_per_s(up=True) for x in links], [x.bytes_per_s(up=False) for x in links])
+    processors = [d for s in range(P) for d in range(R)] if swarm.colocated else None  # replica d's CPU
+    graph = Graph(
+        [x.bytes_per_s(up=True) for x in links], [x.bytes_per_s(up=False) for x in links], processors
+    )
 
     def flow(a: int, b: int, nbytes: float, deps: list[int], weight: int = 1, hop: bool = True) -> int:
         """A pipeline message (hop) or an exchange's transfer, of `weight` flows of `nbytes` each."""

@@ -261,3 +261,40 @@ def test_weighted_flows_get_their_shares_of_a_link() -> None:
     a = graph.add(Task("flow", peer=0, dst=1, amount=3.0, weight=3), [])
     b = graph.add(Task("flow", peer=0, dst=0, amount=1.0), [])
     assert max_min_rates({a: 3.0, b: 1.0}, graph.tasks, graph.capacity) == pytest.approx({a: 0.75, b: 0.25})
+
+
+def test_colocated_stages_take_turns_on_one_processor() -> None:
+    # The same pipeline as above with both stages on one processor: nothing overlaps, so a step
+    # is all of both stages' compute (4 x 1 + 4 x 3 + 4 x 2 = 24 s) whatever M is, and that is
+    # also the compute-bound rate's step (utilisation 1) and the resource floor.
+    stages = [StageCost(1.0, 2.0, params=0), StageCost(1.0, 2.0, params=0)]
+    for m in (1, 2, 4):
+        sw = swarm(stages, colocated=True)
+        t = simulate(sw, Schedule(microbatches=m))
+        assert t.step_s == pytest.approx(24)
+        assert t.utilisation == pytest.approx(1.0)
+        assert resource_bound_s(sw, Schedule(microbatches=m)) == pytest.approx(24)
+    # On a link, one stage's compute fills the other's wait: colocated is never faster than
+    # separate GPUs, and never slower than all compute and every transfer of the step in series.
+    link = Link.symmetric(8)  # 1e6 bytes/s
+    sep = simulate(swarm(stages, link), Schedule(microbatches=2))
+    co = simulate(swarm(stages, link, colocated=True), Schedule(microbatches=2))
+    transfers = (wire_bytes(4, 10, 100, "fp32", True) + wire_bytes(4, 10, 100, "fp32", False)) / MB
+    assert sep.step_s < co.step_s < 24 + transfers
+
+
+def test_peers_on_one_processor_share_it_equally_while_both_are_busy() -> None:
+    # Peers 0 and 1 on processor 0, peer 2 on its own: 1 s and 3 s tasks on the shared one run at
+    # half speed together (the 1 s one ends at 2 s), then the 3 s one alone (its 2 s left by 4 s);
+    # peer 2's 1 s task is untouched. Peer 0's second task waits for its first.
+    g = Graph([math.inf] * 3, [math.inf] * 3, processors=[0, 0, 1])
+    a = g.add(Task("compute", peer=0, amount=1.0), [])
+    b = g.add(Task("compute", peer=1, amount=3.0), [])
+    c = g.add(Task("compute", peer=2, amount=1.0), [])
+    d = g.add(Task("compute", peer=0, amount=1.0), [a])
+    g.run()
+    # Peer 0's second task runs beside b from 2 s: both at half speed until it ends at 4 s, when b
+    # has 3 - 1 - 1 = 1 s left, alone from then: b ends at 5 s.
+    assert [g.tasks[i].end for i in (a, b, c, d)] == pytest.approx([2.0, 5.0, 1.0, 4.0])
+    with pytest.raises(ValueError, match="one processor per peer"):
+        Graph([1.0], [1.0], processors=[0, 0])
