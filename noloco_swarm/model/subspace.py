@@ -17,12 +17,17 @@ norm and untied head) is unconstrained: its output never crosses a boundary. The
 `nn.Linear` / `nn.Embedding` modules (`<name>.factor.weight`), initialised N(0, init_std) like
 any weight (stage.py), which is the distribution of U^T W for a dense W so initialised.
 
+U and F are drawn once per process and run (`make_subspace`, cached) and shared, not copied, by
+every CPU module and wire codec of that run: the simulator's N first-stage replicas and a peer's
+codec hold one F between them (V x d floats: 1 GB for medium).
+
 Known limits: U never changes during training (the paper mentions periodic Grassmann updates; no
-code for them was found), and F costs V x d floats on the first stage and on every peer's wire codec.
+code for them was found), and F costs V x d floats on every peer that encodes or decodes rows.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 
 import torch
@@ -58,8 +63,10 @@ def make_table(cfg: ModelConfig, seed: int) -> torch.Tensor:
     return table.normal_(0.0, cfg.init_std, generator=_generator(seed, "table"))
 
 
+@functools.lru_cache(maxsize=2)
 def make_subspace(cfg: ModelConfig, seed: int) -> Subspace:
-    """The run's U and F (what the subspace wire format needs), on the CPU."""
+    """The run's U and F (what the subspace wire format needs), on the CPU: drawn once per process
+    and shared by its callers, who only read them."""
     return Subspace(basis=make_basis(cfg, seed), table=make_table(cfg, seed))
 
 
@@ -104,14 +111,17 @@ class SpanEmbedding(nn.Module):
 
 @torch.no_grad()
 def load_subspace_(module: nn.Module, cfg: ModelConfig, seed: int) -> None:
-    """Fill the basis (and table) buffers of every constrained layer in `module` from the run seed."""
+    """Point the basis (and table) buffers of every constrained layer in `module` at the run's U
+    and F (make_subspace's shared tensors; moving the module to another device copies them)."""
     spans = [m for m in module.modules() if isinstance(m, SpanLinear | SpanEmbedding)]
     if not spans:
         return
-    basis = make_basis(cfg, seed)
-    table = make_table(cfg, seed) if any(isinstance(m, SpanEmbedding) for m in spans) else None
+    run = make_subspace(cfg, seed)
     for m in spans:
-        m.basis.copy_(basis)
+        if m.basis.shape != run.basis.shape:
+            raise ValueError(
+                f"a layer's basis is {tuple(m.basis.shape)}, the run's U {tuple(run.basis.shape)}"
+            )
+        m.basis = run.basis
         if isinstance(m, SpanEmbedding):
-            assert table is not None
-            m.table.copy_(table)
+            m.table = run.table

@@ -216,3 +216,15 @@ def test_subspace_needs_a_rank_within_the_hidden_size() -> None:
     assert build_config("tiny", env={}).model.subspace_rank == 0  # off by default
     with pytest.raises(ValueError, match="needs the run's basis"):
         wire.Boundary("subspace")
+
+
+def test_every_first_stage_and_codec_of_a_run_share_one_token_table() -> None:
+    # F is V x d floats (1 GB for medium): the simulator's replicas of stage 0 and the wire codec
+    # point at the run's one copy, and a different seed draws its own.
+    cfg = get_preset("tiny", subspace_rank=4)
+    first, second = (build_stages(cfg, 2, 7)[0] for _ in range(2))
+    tables = [m.table for s in (first, second) for m in s.modules() if isinstance(m, SpanEmbedding)]
+    run = make_subspace(cfg, 7)
+    assert len(tables) == 2 and all(t.data_ptr() == run.table.data_ptr() for t in tables)
+    assert make_subspace(cfg, 8).table.data_ptr() != run.table.data_ptr()
+    assert not torch.equal(make_subspace(cfg, 8).table, run.table)
