@@ -20,10 +20,15 @@ Per (wire, rank, H) and seed, against the dense run of the same seed (fp32, H = 
   ratio's mean over seeds (paired: each seed against its own dense run);
 - where a run never reaches the dense loss: the tokens the dense run took to reach this run's
   final loss, over this run's tokens (what this run's tokens were worth in the dense run's; the
-  dense run was then earlier in its learning-rate schedule, so it is a rough guide, not a bound).
+  dense run was then earlier in its learning-rate schedule, so it is a rough guide, not a bound);
+- for NoLoCo fp32 at H: its final loss over heavy-ball DiLoCo's at 2H, paired by seed.
+
+Stretched runs (--stretched; STRETCHED) train longer than the dense run, each with its whole
+schedule stretched, so a format that never reaches the dense loss in 1,000 steps gets a measured
+tokens-to-loss multiplier (subspace k = 14 over 2,000 steps).
 
     nice -n 19 python bench/token_cost.py --out docs/results/token_cost        # run or continue
-    # on 2 cores: the same with --shard 0/2 and --shard 1/2, side by side
+    # on 2 cores: the same with --shard 0/2 and --shard 1/2, side by side; then --stretched
     python bench/token_cost.py --out docs/results/token_cost --summarise \\
         --json docs/results/token_cost.json                                     # the rows only
 """
@@ -49,20 +54,25 @@ BASE = {  # the sweep's data and optimiser (bench/sweep.py) on the mini preset's
     "num_replicas": 4,
     "outer.seeded_groups": True,
 }
-DENSE = ("fp32", 0, 50, "noloco")
+DENSE = ("fp32", 0, 50, "noloco", 1)
+# Runs longer than the dense one, each with its own schedule stretched (total steps x s): for a
+# format that never reaches the dense loss in the dense run's steps, how many more tokens it takes.
+STRETCHED = [("subspace", 14, 50, "noloco", 2)]
 
 
-def plan(seeds: int) -> list[dict]:
-    """Every run, most important first: (wire, rank, H, method) x seed."""
-    kinds = [DENSE, ("subspace", 14, 50, "noloco"), ("subspace", 2, 50, "noloco"),
-             ("bf16", 0, 50, "noloco"), ("int8", 0, 50, "noloco")]  # fmt: skip
-    kinds += [("fp32", 0, h, "noloco") for h in (100, 250)]
-    kinds += [("fp32", 0, 2 * h, "diloco") for h in (50, 100, 250)]
+def plan(seeds: int, stretched: bool = False) -> list[dict]:
+    """Every run, most important first: (wire, rank, H, method, stretch) x seed; `stretched`:
+    only the stretched runs."""
+    kinds = [DENSE, ("subspace", 14, 50, "noloco", 1), ("subspace", 2, 50, "noloco", 1),
+             ("bf16", 0, 50, "noloco", 1), ("int8", 0, 50, "noloco", 1)]  # fmt: skip
+    kinds += [("fp32", 0, h, "noloco", 1) for h in (100, 250)]
+    kinds += [("fp32", 0, 2 * h, "diloco", 1) for h in (50, 100, 250)]
     runs = []
-    for wire, rank, h, method in kinds:
+    for wire, rank, h, method, stretch in STRETCHED if stretched else kinds:
         for seed in range(seeds):
-            name = f"{method}-{wire}-k{rank}-H{h}-seed{seed}"
-            runs.append({"name": name, "wire": wire, "rank": rank, "H": h, "method": method, "seed": seed})
+            name = f"{method}-{wire}-k{rank}-H{h}" + (f"-x{stretch}" if stretch > 1 else "") + f"-seed{seed}"
+            runs.append({"name": name, "wire": wire, "rank": rank, "H": h, "method": method, "seed": seed}
+                        | ({"stretch": stretch} if stretch > 1 else {}))  # fmt: skip
     return runs
 
 
@@ -70,6 +80,7 @@ def run_one(run: dict, steps: int, warmup: int, eval_every: int) -> dict:
     from noloco_swarm.sim.run import run_simulation
     from noloco_swarm.train.layering import build_config
 
+    steps *= run.get("stretch", 1)
     a: dict[str, Any] = {
         **BASE,
         "seed": run["seed"],
@@ -110,13 +121,15 @@ def mean_se(xs: list[float]) -> tuple[float, float]:
     return statistics.fmean(xs), (statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else math.nan)
 
 
-def kind_of(run: dict) -> tuple[str, int, int, str]:
-    """What a run measures: (wire, rank, H, method); its seeds share it."""
-    return run["wire"], run["rank"], run["H"], run["method"]
+def kind_of(run: dict) -> tuple[str, int, int, str, int]:
+    """What a run measures: (wire, rank, H, method, stretch); its seeds share it."""
+    return run["wire"], run["rank"], run["H"], run["method"], run.get("stretch", 1)
 
 
 def rows(runs: dict[str, dict]) -> list[dict]:
-    """One row per (wire, rank, H, method) with every seed's dense run beside it."""
+    """One row per (wire, rank, H, method, stretch) with every seed's dense run beside it. A
+    stretched run has no point at equal tokens: its final loss over the dense run's is
+    `final_loss_ratio`, and `loss_ratio_at_equal_tokens` is null."""
     dense = {r["seed"]: r for r in runs.values() if kind_of(r) == DENSE}
     out = []
     for kind in sorted({kind_of(r) for r in runs.values()}):
@@ -136,17 +149,38 @@ def rows(runs: dict[str, dict]) -> list[dict]:
         reached = [x for x in token_ratios if x is not None]
         loss_mean, loss_se = mean_se(loss_ratios)
         tok_mean, tok_se = mean_se(reached) if len(reached) == len(token_ratios) else (None, None)
-        wire, rank, h, method = kind
+        wire, rank, h, method, stretch = kind
+        equal = stretch == 1
         out.append({
             "wire": wire, "rank": rank, "H": h, "method": method, "seeds": len(paired),
             "steps": paired[0][0]["steps"], "tokens_to_dense_loss_ratio": tok_mean,
             "tokens_to_dense_loss_ratio_se": tok_se, "tokens_to_dense_loss_ratio_per_seed": token_ratios,
-            "loss_ratio_at_equal_tokens": loss_mean, "loss_ratio_at_equal_tokens_se": loss_se,
+            "loss_ratio_at_equal_tokens": loss_mean if equal else None,
+            "loss_ratio_at_equal_tokens_se": loss_se if equal else None,
+            **({} if equal else {"stretch": stretch, "final_loss_ratio": loss_mean, "final_loss_ratio_se": loss_se}),
             "dense_tokens_to_final_loss_ratio_per_seed": worth,
             "final_val_loss": statistics.fmean(r["final"]["val_loss"] for r, _ in paired),
             "val_tokens": paired[0][0]["final"]["val_tokens"],
-        })  # fmt: skip
+        } | against_diloco(runs, kind))  # fmt: skip
     return out
+
+
+def against_diloco(runs: dict[str, dict], kind: tuple[str, int, int, str, int]) -> dict:
+    """For NoLoCo fp32 at H: its final loss over heavy-ball DiLoCo's at 2H, paired by seed (both
+    run the same steps, so at equal tokens); {} for other kinds or without DiLoCo runs."""
+    wire, rank, h, method, stretch = kind
+    if (wire, rank, method, stretch) != ("fp32", 0, "noloco", 1):
+        return {}
+    diloco = {r["seed"]: r for r in runs.values() if kind_of(r) == ("fp32", 0, 2 * h, "diloco", 1)}
+    ratios = [
+        r["final"]["val_loss"] / diloco[r["seed"]]["final"]["val_loss"]
+        for r in runs.values()
+        if kind_of(r) == kind and r["seed"] in diloco
+    ]
+    if not ratios:
+        return {}
+    mean, se = mean_se(ratios)
+    return {"loss_ratio_to_diloco_2H": mean, "loss_ratio_to_diloco_2H_se": se, "diloco_2H_seeds": len(ratios)}
 
 
 def main() -> None:
@@ -159,6 +193,7 @@ def main() -> None:
     ap.add_argument(
         "--shard", default="0/1", help="I/N: run only every N-th run from the I-th (one process per core)"
     )
+    ap.add_argument("--stretched", action="store_true", help="run only the stretched runs (STRETCHED)")
     ap.add_argument("--summarise", action="store_true", help="only write the rows")
     ap.add_argument("--json", type=Path, help="write the rows here (default: OUT/rows.json)")
     args = ap.parse_args()
@@ -168,7 +203,7 @@ def main() -> None:
 
         torch.set_num_threads(1)
         index, shards = (int(x) for x in args.shard.split("/"))
-        todo = plan(args.seeds)[index::shards]
+        todo = plan(args.seeds, args.stretched)[index::shards]
         left = [r for r in todo if not (args.out / f"{r['name']}.json").exists()]
         print(f"{len(todo) - len(left)} of {len(todo)} runs done, {len(left)} to go", flush=True)
         for i, run in enumerate(left):

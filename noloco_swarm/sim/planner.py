@@ -65,7 +65,8 @@ class TokenCost:
     steps: int
     tokens_to_dense_loss_ratio: float
     """Tokens this schedule needs to reach the dense run's final loss, over the dense run's."""
-    loss_ratio_at_equal_tokens: float
+    loss_ratio_at_equal_tokens: float | None
+    """None for a run longer than the dense one (a stretched schedule): no equal-token point."""
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> TokenCost:
@@ -89,7 +90,11 @@ class TokenCost:
             seeds=int(row["seeds"]),
             steps=int(row["steps"]),
             tokens_to_dense_loss_ratio=float(row["tokens_to_dense_loss_ratio"]),
-            loss_ratio_at_equal_tokens=float(row["loss_ratio_at_equal_tokens"]),
+            loss_ratio_at_equal_tokens=(
+                None
+                if row["loss_ratio_at_equal_tokens"] is None
+                else float(row["loss_ratio_at_equal_tokens"])
+            ),
         )
         if not (math.isfinite(cost.tokens_to_dense_loss_ratio) and cost.tokens_to_dense_loss_ratio > 0):
             raise ValueError(f"token cost row {dict(row)}: tokens_to_dense_loss_ratio must be a number > 0")

@@ -95,6 +95,12 @@ def test_token_cost_rows_are_checked() -> None:
     with pytest.raises(ValueError, match="must be a number > 0"):
         cost("bf16", 0, 50, -1.0)
     assert cost("bf16", None, 50, 1.0).rank == 0  # type: ignore[arg-type]
+    # A stretched run (longer than the dense one) has a multiplier but no equal-token loss.
+    row = {"wire": "subspace", "rank": 14, "H": 50, "seeds": 3, "steps": 2000}
+    stretched = TokenCost.from_row(
+        row | {"tokens_to_dense_loss_ratio": 1.7, "loss_ratio_at_equal_tokens": None}
+    )
+    assert stretched.loss_ratio_at_equal_tokens is None and stretched.tokens_to_dense_loss_ratio == 1.7
 
 
 def test_measured_schedules_rank_first_by_time_then_unmeasured_by_tokens_per_s() -> None:
