@@ -154,6 +154,10 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None, help="write the rows, one per profile and schedule")
     ap.add_argument("--runs", type=Path, default=None, help="write the command, settings and every run")
     args = ap.parse_args()
+    if args.measured is not None:  # the earlier runs' settings, not this command line's
+        earlier = json.loads(args.measured.read_text())
+        for key in ("seq_len", "batch_size", "inner_steps", "rounds", "profiles", "schedules"):
+            setattr(args, key, earlier["config"][key])
     names = args.schedules.split(",")
     for name in names:
         if name not in SCHEDULES:
@@ -165,7 +169,6 @@ def main() -> None:
         return testbed_config(T, B, H, **settings(name, H, B, rate))
 
     if args.measured is not None:
-        earlier = json.loads(args.measured.read_text())
         command, runs = earlier["command"], earlier["runs"]
     else:
         command = "sudo nice -n 10 python bench/plan_validation.py " + " ".join(sys.argv[1:])
@@ -220,7 +223,8 @@ def main() -> None:
         result = {
             "command": command,
             "config": {"preset": "tiny", "stages": 2, "replicas": 2, "steps": 3 * H, "seq_len": T}
-            | {"batch_size": B, "inner_steps": H, "rounds": args.rounds, "hop_rtts": args.hop_rtts},
+            | {"batch_size": B, "inner_steps": H, "rounds": args.rounds, "hop_rtts": args.hop_rtts}
+            | {"profiles": args.profiles, "schedules": args.schedules},
             "model_inputs": "compute per step: calibrated on the schedule's unshaped run; link = rate x "
             "1448/1514, RTT = 2 x delay; exchange at its capped goodput; both stages of a replica on one CPU",
             "runs": runs,

@@ -23,8 +23,8 @@ Per (wire, rank, H) and seed, against the dense run of the same seed (fp32, H = 
   dense run was then earlier in its learning-rate schedule, so it is a rough guide, not a bound);
 - for NoLoCo fp32 at H: its final loss over heavy-ball DiLoCo's at 2H, paired by seed.
 
-Stretched runs (--stretched; STRETCHED) train longer than the dense run, each with its whole
-schedule stretched, so a format that never reaches the dense loss in 1,000 steps gets a measured
+Stretched runs (--stretched; STRETCHED) train longer than the dense run, their cosine decay
+stretched to the longer run (warmup and evaluation interval unchanged), so a format that never reaches the dense loss in 1,000 steps gets a measured
 tokens-to-loss multiplier (subspace k = 14 over 2,000 steps).
 
     nice -n 19 python bench/token_cost.py --out docs/results/token_cost        # run or continue

@@ -17,9 +17,9 @@ norm and untied head) is unconstrained: its output never crosses a boundary. The
 `nn.Linear` / `nn.Embedding` modules (`<name>.factor.weight`), initialised N(0, init_std) like
 any weight (stage.py), which is the distribution of U^T W for a dense W so initialised.
 
-U and F are drawn once per process and run (`make_subspace`, cached) and shared, not copied, by
-every CPU module and wire codec of that run: the simulator's N first-stage replicas and a peer's
-codec hold one F between them (V x d floats: 1 GB for medium).
+U and F are drawn once per process and run (cached) and shared, not copied, by every CPU module
+and wire codec of that run: the simulator's N first-stage replicas and a peer's codec hold one F
+between them (V x d floats: 1 GB for medium), and a stage without the embedding draws none.
 
 Known limits: U never changes during training (the paper mentions periodic Grassmann updates; no
 code for them was found), and F costs V x d floats on every peer that encodes or decodes rows.
@@ -44,12 +44,21 @@ def _generator(seed: int, name: str) -> torch.Generator:
 
 
 def make_basis(cfg: ModelConfig, seed: int) -> torch.Tensor:
-    """U: (hidden, k) float32 with orthonormal columns, from the run seed.
+    """U: (hidden, k) float32 with orthonormal columns, from the run seed (a fresh tensor).
 
     A Gaussian draw orthonormalised by QR in float64 (signs fixed so that R's diagonal is positive,
     which makes the factor unique), then rounded to float32: the float64 step keeps the columns
     orthonormal to float32's precision."""
-    d, k = cfg.hidden_size, cfg.subspace_rank
+    return _draw_basis(cfg.hidden_size, cfg.subspace_rank, seed)
+
+
+def make_table(cfg: ModelConfig, seed: int) -> torch.Tensor:
+    """F: (vocab, hidden) float32 ~ N(0, init_std), the frozen part of every token's embedding (a
+    fresh tensor)."""
+    return _draw_table(cfg.vocab_size, cfg.hidden_size, cfg.init_std, seed)
+
+
+def _draw_basis(d: int, k: int, seed: int) -> torch.Tensor:
     if not 0 < k <= d:
         raise ValueError(f"model.subspace_rank must be within 1..{d} for a basis, got {k}")
     draw = torch.empty(d, k, dtype=torch.float32).normal_(generator=_generator(seed, "basis"))
@@ -57,17 +66,26 @@ def make_basis(cfg: ModelConfig, seed: int) -> torch.Tensor:
     return (q * torch.sign(torch.diagonal(r))).to(torch.float32).contiguous()
 
 
-def make_table(cfg: ModelConfig, seed: int) -> torch.Tensor:
-    """F: (vocab, hidden) float32 ~ N(0, init_std), the frozen part of every token's embedding."""
-    table = torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=torch.float32)
-    return table.normal_(0.0, cfg.init_std, generator=_generator(seed, "table"))
+def _draw_table(vocab: int, hidden: int, init_std: float, seed: int) -> torch.Tensor:
+    table = torch.empty(vocab, hidden, dtype=torch.float32)
+    return table.normal_(0.0, init_std, generator=_generator(seed, "table"))
 
 
-@functools.lru_cache(maxsize=2)
+# Drawn once per process and shared by their callers, who only read them. A process holds one run
+# (the simulator runs its seeds one after another): the last F drawn is kept, and a few U.
+_shared_basis = functools.lru_cache(maxsize=4)(_draw_basis)
+_shared_table = functools.lru_cache(maxsize=1)(_draw_table)
+
+
+def shared_basis(cfg: ModelConfig, seed: int) -> torch.Tensor:
+    """The run's U, shared (see make_basis)."""
+    return _shared_basis(cfg.hidden_size, cfg.subspace_rank, seed)
+
+
 def make_subspace(cfg: ModelConfig, seed: int) -> Subspace:
-    """The run's U and F (what the subspace wire format needs), on the CPU: drawn once per process
-    and shared by its callers, who only read them."""
-    return Subspace(basis=make_basis(cfg, seed), table=make_table(cfg, seed))
+    """The run's U and F (what the subspace wire format needs), on the CPU, shared."""
+    table = _shared_table(cfg.vocab_size, cfg.hidden_size, cfg.init_std, seed)
+    return Subspace(basis=shared_basis(cfg, seed), table=table)
 
 
 def _in_span(h: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
@@ -116,12 +134,10 @@ def load_subspace_(module: nn.Module, cfg: ModelConfig, seed: int) -> None:
     spans = [m for m in module.modules() if isinstance(m, SpanLinear | SpanEmbedding)]
     if not spans:
         return
-    run = make_subspace(cfg, seed)
+    basis = shared_basis(cfg, seed)
     for m in spans:
-        if m.basis.shape != run.basis.shape:
-            raise ValueError(
-                f"a layer's basis is {tuple(m.basis.shape)}, the run's U {tuple(run.basis.shape)}"
-            )
-        m.basis = run.basis
-        if isinstance(m, SpanEmbedding):
-            m.table = run.table
+        if m.basis.shape != basis.shape:
+            raise ValueError(f"a layer's basis is {tuple(m.basis.shape)}, the run's U {tuple(basis.shape)}")
+        m.basis = basis
+        if isinstance(m, SpanEmbedding):  # only the first stage: F is drawn for it alone
+            m.table = make_subspace(cfg, seed).table

@@ -141,16 +141,21 @@ class Graph:
                 ends = ((now + left / rates[tid], tid) for tid, left in flows.items())
                 next_flow = min(ends, default=(math.inf, -1))
             if next_job[0] < min(next_flow[0], events[0][0] if events else math.inf):
-                now, tid = next_job
-                del jobs[tid]
-                jobs_dirty = True
-                next_job = (math.inf, -1)
-                heapq.heappush(events, (now, tid))  # ends now, with whatever else ends now
+                now = next_job[0]
+                # Every job due now ends now (within float drift), as one batch of events: peers
+                # choose their next tasks only once all of now is done.
+                due = [
+                    tid for tid, left in jobs.items() if jobs_at + left / job_rates[tid] <= now * (1 + 1e-12)
+                ]
+                for tid in due:
+                    del jobs[tid]
+                    heapq.heappush(events, (now, tid))
+                jobs_dirty, next_job = True, (math.inf, -1)
                 continue
             if events and events[0][0] <= next_flow[0]:
                 now, tid = heapq.heappop(events)
                 finish(tid)
-                if not (events and events[0][0] <= now):  # all of now is done: peers choose
+                if not (events and events[0][0] <= now) and not next_job[0] <= now:  # all of now is done
                     for peer in sorted(idle):
                         run_next(peer)
                     idle.clear()

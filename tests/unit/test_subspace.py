@@ -228,3 +228,12 @@ def test_every_first_stage_and_codec_of_a_run_share_one_token_table() -> None:
     assert len(tables) == 2 and all(t.data_ptr() == run.table.data_ptr() for t in tables)
     assert make_subspace(cfg, 8).table.data_ptr() != run.table.data_ptr()
     assert not torch.equal(make_subspace(cfg, 8).table, run.table)
+    # A stage without the embedding draws no F; it shares U all the same.
+    from noloco_swarm.model import build_stage
+    from noloco_swarm.model.subspace import _shared_table
+
+    _shared_table.cache_clear()
+    later = build_stage(cfg, 1, 3, 7)  # a middle stage: constrained, without the embedding
+    assert _shared_table.cache_info().currsize == 0
+    bases = {m.basis.data_ptr() for m in later.modules() if isinstance(m, SpanLinear)}
+    assert bases == {make_subspace(cfg, 7).basis.data_ptr()}

@@ -298,3 +298,17 @@ def test_peers_on_one_processor_share_it_equally_while_both_are_busy() -> None:
     assert [g.tasks[i].end for i in (a, b, c, d)] == pytest.approx([2.0, 5.0, 1.0, 4.0])
     with pytest.raises(ValueError, match="one processor per peer"):
         Graph([1.0], [1.0], processors=[0, 0])
+
+
+def test_jobs_ending_together_finish_before_any_peer_chooses() -> None:
+    # At 1 s both first tasks end; peer 0 then has c (low priority, after a) and d (high, after
+    # b) ready and must take d first. One processor per peer given explicitly behaves exactly as
+    # none given.
+    for processors in (None, [0, 1]):
+        g = Graph([math.inf] * 2, [math.inf] * 2, processors=processors)
+        a = g.add(Task("compute", peer=0, amount=1.0), [])
+        b = g.add(Task("compute", peer=1, amount=1.0), [])
+        c = g.add(Task("compute", peer=0, amount=1.0, priority=(9, 9, 9)), [a])
+        d = g.add(Task("compute", peer=0, amount=1.0, priority=(0, 0, 0)), [b])
+        g.run()
+        assert [g.tasks[i].end for i in (a, b, c, d)] == [1.0, 1.0, 3.0, 2.0], processors
