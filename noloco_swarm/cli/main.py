@@ -287,7 +287,7 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from noloco_swarm.cli.plan import TOKEN_COST, as_json, as_text, load_token_costs
+    from noloco_swarm.cli.plan import TOKEN_COST, as_json, as_text, load_token_costs, schedule_toml
     from noloco_swarm.model.presets import get_preset
     from noloco_swarm.sim.costs import gpu_named
     from noloco_swarm.sim.planner import Problem, plan
@@ -317,6 +317,16 @@ def _plan(args: argparse.Namespace) -> int:
         raise ConfigError("noloco plan: --top must be >= 0")
     result = plan(problem, costs)
     print(as_json(result, args.top) if args.json else as_text(result, args.top, token_cost))
+    if args.write is not None:
+        if not result.schedules:
+            raise ConfigError("noloco plan: no schedule fits, so there is nothing to --write")
+        first = result.schedules[0]
+        title = f"noloco plan's first schedule: {first.candidate.label}; use with --config"
+        try:
+            args.write.write_text(schedule_toml(first, title), encoding="utf-8")
+        except OSError as e:
+            raise ConfigError(f"noloco plan: cannot write {args.write}: {e}") from e
+        print(f"wrote {args.write}", file=sys.stderr)
     return 0
 
 

@@ -272,6 +272,13 @@ def plan_command(sub: Subparsers) -> None:
         "--top", type=int, default=10, help="schedules shown of the measured and of the unmeasured (0: all)"
     )
     plan.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    plan.add_argument(
+        "--write",
+        type=Path,
+        metavar="FILE",
+        default=None,
+        help="also write the first schedule as a TOML config file, for the organiser's --config",
+    )
 
 
 def listing_commands(sub: Subparsers) -> None:

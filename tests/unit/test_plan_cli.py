@@ -91,3 +91,25 @@ def test_the_table_prints_config_lines_and_unmeasured(
 def test_bad_input_is_refused(extra: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*SMALL_GRID, *extra]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_write_saves_the_first_schedule_as_a_config_the_run_reads_back(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--write` turns the first schedule's config lines into a TOML file for `--config`: built
+    from it, the run has exactly the schedule's settings (typed), as `--set` lines would give."""
+    from noloco_swarm.train.layering import build_config
+
+    out = tmp_path / "run.toml"
+    cost = tmp_path / "none.json"  # no token costs: only the dense run is measured
+    assert main([*SMALL_GRID, "--token-cost", str(cost), "--json", "--write", str(out)]) == 0
+    first = json.loads(capsys.readouterr().out)["schedules"][0]["config"]
+    keys = {k: v for k, v in first.items() if k not in ("preset", "method")}
+    from_file = build_config(config_file=out, env={})
+    from_set = build_config(first["preset"], first["method"], assignments=keys, env={})
+    assert from_file.flat() == from_set.flat()
+    assert from_file.flat() != build_config(env={}).flat()  # the schedule differs from the defaults
+    assert "[outer]" in out.read_text() and out.read_text().startswith("# noloco plan's first schedule")
+    # A folder that cannot be written: a clear error, not a traceback.
+    assert main([*SMALL_GRID, "--token-cost", str(cost), "--write", str(tmp_path / "no" / "run.toml")]) == 2
+    assert "cannot write" in capsys.readouterr().err
