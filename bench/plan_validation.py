@@ -27,17 +27,19 @@ import statistics
 import sys
 from pathlib import Path
 
-from wallclock_validation import measure, testbed_config  # bench/ is the script's folder: on sys.path
+from wallclock_validation import (
+    measure,
+    model_swarm,
+    resolve_values,
+    testbed_config,
+)  # bench/ is the script's folder: on sys.path
 
-from noloco_swarm.model.presets import count_stage_parameters
-from noloco_swarm.model.split import split_layers
 from noloco_swarm.sim.wallclock import (
     EXCHANGE_CAP,
     EXCHANGE_GOODPUT,
     TCP_EFFICIENCY,
     Link,
     Schedule,
-    StageCost,
     Swarm,
     simulate,
 )
@@ -70,18 +72,7 @@ SCHEDULES: dict[str, dict[str, str]] = {
 def settings(name: str, inner_steps: int, batch_size: int, rate_mbit: float | None) -> dict[str, str]:
     """A schedule's config values for this H, B and link: "H/2" and "/16" sizes resolved, the
     exchange capped at 93% of a shaped link's rate."""
-    out = {}
-    for key, given in SCHEDULES[name].items():
-        value = given
-        if given == "H/2":
-            value = str(inner_steps // 2)
-        elif given.endswith("/16"):
-            if batch_size % 16:
-                raise SystemExit(
-                    f"schedule {name!r} cuts the batch in sixteenths: needs 16 | B, got {batch_size}"
-                )
-            value = ",".join(str(int(x) * batch_size // 16) for x in given.removesuffix("/16").split(","))
-        out[key] = value
+    out = resolve_values(name, SCHEDULES[name], inner_steps, batch_size)
     if rate_mbit:
         out["peer.exchange_max_mbit"] = f"{EXCHANGE_CAP * rate_mbit:g}"
     return out
@@ -101,24 +92,9 @@ def schedule_of(cfg: RunConfig) -> Schedule:
 def swarm_of(cfg: RunConfig, compute_scale: float, link: Link, hop_rtts: float) -> Swarm:
     """The model's swarm: a step's compute of `compute_scale` seconds per stage, forward 1 :
     backward 2, both stages of a replica on one processor."""
-    P, B = cfg.num_stages, cfg.inner.batch_size
-    forward = compute_scale / (3 * B)
-    ranges = split_layers(cfg.model.num_layers, P)
-    stages = tuple(
-        StageCost(forward, 2 * forward, count_stage_parameters(cfg.model, ranges[s], s == 0, s == P - 1))
-        for s in range(P)
-    )
-    return Swarm(
-        stages,
-        replicas=cfg.num_replicas,
-        batch=B,
-        seq_len=cfg.model.seq_len,
-        hidden=cfg.model.hidden_size,
-        inner_steps=cfg.outer.inner_steps,
-        link=link,
-        hop_rtts=hop_rtts,
-        exchange_goodput=EXCHANGE_GOODPUT["capped"] if cfg.peer.exchange_max_mbit else None,
-        colocated=True,
+    goodput = EXCHANGE_GOODPUT["capped"] if cfg.peer.exchange_max_mbit else None
+    return model_swarm(
+        cfg, compute_scale, link, per_stage=True, hop_rtts=hop_rtts, exchange_goodput=goodput, colocated=True
     )
 
 

@@ -24,6 +24,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from noloco_swarm.harness.local import wait
 from noloco_swarm.harness.namespaces import namespace_swarm, peer_host
@@ -92,10 +93,30 @@ def testbed_config(seq_len: int, batch_size: int, inner_steps: int, **extra: str
     return build_config("tiny", "noloco", assignments=assignments | extra, env={})
 
 
-def model_swarm(cfg: RunConfig, step_compute_s: float, link: Link) -> Swarm:
-    """The run's swarm for the model: a step's compute split as forward 1 : backward 2 per stage."""
+def resolve_values(name: str, values: dict[str, str], inner_steps: int, batch_size: int) -> dict[str, str]:
+    """A named schedule's config values for this H and B: "H/2" becomes H // 2, and microbatch
+    sizes "a,b,.../16" (sixteenths of the batch) become rows."""
+    out = {}
+    for key, given in values.items():
+        value = given
+        if given == "H/2":
+            value = str(inner_steps // 2)
+        elif given.endswith("/16"):
+            if batch_size % 16:
+                raise SystemExit(f"{name!r} cuts the batch in sixteenths: needs 16 | B, got {batch_size}")
+            value = ",".join(str(int(x) * batch_size // 16) for x in given.removesuffix("/16").split(","))
+        out[key] = value
+    return out
+
+
+def model_swarm(
+    cfg: RunConfig, step_compute_s: float, link: Link, per_stage: bool = False, **kw: Any
+) -> Swarm:
+    """The run's swarm for the model: a step's compute split as forward 1 : backward 2 per stage.
+    `step_compute_s` is the whole step's (M = 1 runs every stage's compute in series), or with
+    `per_stage` one stage's; `kw` are further `Swarm` fields."""
     P, B = cfg.num_stages, cfg.inner.batch_size
-    forward = step_compute_s / (3 * P * B)  # per sample; M = 1 runs every stage's compute in series
+    forward = step_compute_s / (3 * B * (1 if per_stage else P))  # per sample
     ranges = split_layers(cfg.model.num_layers, P)
     stages = tuple(
         StageCost(forward, 2 * forward, count_stage_parameters(cfg.model, ranges[s], s == 0, s == P - 1))
@@ -109,6 +130,7 @@ def model_swarm(cfg: RunConfig, step_compute_s: float, link: Link) -> Swarm:
         hidden=cfg.model.hidden_size,
         inner_steps=cfg.outer.inner_steps,
         link=link,
+        **kw,
     )
 
 

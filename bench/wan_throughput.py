@@ -43,7 +43,11 @@ import statistics
 import sys
 from pathlib import Path
 
-from wallclock_validation import measure, testbed_config  # bench/ is the script's folder: on sys.path
+from wallclock_validation import (
+    measure,
+    resolve_values,
+    testbed_config,
+)  # bench/ is the script's folder: on sys.path
 
 from noloco_swarm.protocol import wire
 from noloco_swarm.train.layering import ConfigError, parse_assignments
@@ -102,19 +106,7 @@ VARIANTS["M=5 2:4:4:4:2 int8 overlap H/2 paced"] = VARIANTS["M=5 2:4:4:4:2 int8 
 
 def settings(name: str, inner_steps: int, batch_size: int) -> dict[str, str]:
     """A variant's config values, "H/2" resolved for this H and sizes "a,b,.../16" for this B."""
-    out = {}
-    for key, given in VARIANTS[name].items():
-        value = given
-        if given == "H/2":
-            value = str(inner_steps // 2)
-        elif given.endswith("/16"):
-            if batch_size % 16:
-                raise SystemExit(
-                    f"variant {name!r} cuts the batch in sixteenths: needs 16 | B, got {batch_size}"
-                )
-            value = ",".join(str(int(x) * batch_size // 16) for x in given.removesuffix("/16").split(","))
-        out[key] = value
-    return out
+    return resolve_values(name, VARIANTS[name], inner_steps, batch_size)
 
 
 PINNED = " pinned"  # a variant's name ending so: its peers pinned to CPUs
