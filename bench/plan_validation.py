@@ -160,18 +160,21 @@ def main() -> None:
                     )
     rows = []
     for name in names:
+        mine = [
+            [x["measured"] for x in runs if x["round"] == r and x["schedule"] == name]
+            for r in range(args.rounds)
+        ]
+        # Each round's compute scale, from that round's unshaped run of the schedule.
+        unshaped = [next(m for m in ms if m["rate_mbit"] is None)["tokens_per_s"] for ms in mine]
+        scales = [calibrate(config(name, None), tokens_s) for tokens_s in unshaped]
         for rate, delay in profiles:
+            cfg = config(name, rate)
             model, measured, bare = [], [], []
-            for r in range(args.rounds):
-                mine = [x["measured"] for x in runs if x["round"] == r and x["schedule"] == name]
-                unshaped = next(m for m in mine if m["rate_mbit"] is None)
-                shaped = next(m for m in mine if m["rate_mbit"] == rate and m["rtt_ms"] == 2 * delay)
-                cfg = config(name, rate)
-                scale = calibrate(config(name, None), unshaped["tokens_per_s"])
+            for ms, scale in zip(mine, scales, strict=True):
+                shaped = next(m for m in ms if m["rate_mbit"] == rate and m["rtt_ms"] == 2 * delay)
                 model.append(predict(cfg, scale, rate, 2 * delay, args.hop_rtts))
                 bare.append(predict(cfg, scale, rate, 2 * delay, 0.0))
                 measured.append(shaped["tokens_per_s"])
-            cfg = config(name, rate)
             row = {
                 "profile": f"{rate:g} Mbit/s, RTT {2 * delay:g} ms",
                 "schedule": name,

@@ -99,20 +99,27 @@ def toml_value(key: str, value: Any) -> str:
     return json.dumps(str(value))  # a JSON string is a valid TOML basic string
 
 
-def to_toml(resolved: Resolved, title: str) -> str:
-    """The resolved config as a TOML file for `--config`; each value set by a source says which."""
-    flat = resolved.cfg.flat()
-    values = {key: flat.pop(tree_key) for key, tree_key in CHOICES.items()}
-    # Top-level keys first: in TOML, a key after a [section] header belongs to that section.
-    values.update({k: v for k, v in flat.items() if "." not in k})
-    values.update({k: v for k, v in flat.items() if "." in k})
-    lines = [f"# {title}", "# precedence: defaults < --config FILE < NOLOCO_SET < --set < named flags"]
+def toml_lines(values: dict[str, Any], notes: dict[str, str] | None = None) -> list[str]:
+    """Dotted keys as TOML lines for `--config`: the top-level keys first (in TOML, a key after a
+    [section] header belongs to that section), then each section's keys under its header, in the
+    order given; `notes` puts a comment after a key's value."""
+    notes = notes or {}
+    ordered = [k for k in values if "." not in k] + [k for k in values if "." in k]
+    lines: list[str] = []
     section = ""
-    for key, value in values.items():
+    for key in ordered:
         head, _, name = key.rpartition(".")
         if head != section:
             section = head
             lines += ["", f"[{head}]"]
-        source = resolved.origin.get(key)
-        lines.append(f"{name} = {toml_value(key, value)}" + (f"  # {source}" if source else ""))
-    return "\n".join(lines)
+        note = notes.get(key)
+        lines.append(f"{name} = {toml_value(key, values[key])}" + (f"  # {note}" if note else ""))
+    return lines
+
+
+def to_toml(resolved: Resolved, title: str) -> str:
+    """The resolved config as a TOML file for `--config`; each value set by a source says which."""
+    flat = resolved.cfg.flat()
+    values = {key: flat.pop(tree_key) for key, tree_key in CHOICES.items()} | flat
+    lines = [f"# {title}", "# precedence: defaults < --config FILE < NOLOCO_SET < --set < named flags"]
+    return "\n".join(lines + toml_lines(values, resolved.origin))

@@ -102,19 +102,13 @@ def schedule_toml(p: Projection, title: str) -> str:
     """A schedule's config keys as a TOML file for `--config`, each value typed as the run reads
     it (ConfigError if the planner proposed a config the run refuses). The run-wide keys go into
     the run's manifest when its first peer starts it; `peer.*` keys are that peer's own."""
-    from noloco_swarm.cli.keys import toml_value
+    from noloco_swarm.cli.keys import toml_lines
     from noloco_swarm.train.layering import build_config
 
     keys = dict(p.config)
     preset, method = keys.pop("preset"), keys.pop("method")
     flat = build_config(preset, method, assignments=keys, env={}).flat()
-    lines = [f"# {title}", f"preset = {json.dumps(preset)}", f"method = {json.dumps(method)}"]
-    lines += [f"{k} = {toml_value(k, flat[k])}" for k in keys if "." not in k]
-    section = ""
-    for key in sorted(k for k in keys if "." in k):
-        head, _, name = key.rpartition(".")
-        if head != section:
-            section = head
-            lines += ["", f"[{head}]"]
-        lines.append(f"{name} = {toml_value(key, flat[key])}")
-    return "\n".join(lines) + "\n"
+    top = {k: flat[k] for k in keys if "." not in k}  # as the planner gives them
+    sections = {k: flat[k] for k in sorted(keys) if "." in k}  # sections in name order
+    values = {"preset": preset, "method": method} | top | sections
+    return "\n".join([f"# {title}", *toml_lines(values)]) + "\n"

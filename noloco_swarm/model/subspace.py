@@ -82,10 +82,14 @@ def shared_basis(cfg: ModelConfig, seed: int) -> torch.Tensor:
     return _shared_basis(cfg.hidden_size, cfg.subspace_rank, seed)
 
 
+def shared_table(cfg: ModelConfig, seed: int) -> torch.Tensor:
+    """The run's F, shared (see make_table)."""
+    return _shared_table(cfg.vocab_size, cfg.hidden_size, cfg.init_std, seed)
+
+
 def make_subspace(cfg: ModelConfig, seed: int) -> Subspace:
     """The run's U and F (what the subspace wire format needs), on the CPU, shared."""
-    table = _shared_table(cfg.vocab_size, cfg.hidden_size, cfg.init_std, seed)
-    return Subspace(basis=shared_basis(cfg, seed), table=table)
+    return Subspace(basis=shared_basis(cfg, seed), table=shared_table(cfg, seed))
 
 
 def _in_span(h: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
@@ -140,4 +144,4 @@ def load_subspace_(module: nn.Module, cfg: ModelConfig, seed: int) -> None:
             raise ValueError(f"a layer's basis is {tuple(m.basis.shape)}, the run's U {tuple(basis.shape)}")
         m.basis = basis
         if isinstance(m, SpanEmbedding):  # only the first stage: F is drawn for it alone
-            m.table = make_subspace(cfg, seed).table
+            m.table = shared_table(cfg, seed)
