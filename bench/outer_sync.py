@@ -97,7 +97,7 @@ def measure(
         tag = "stragglers" if straggle else "even"
         workdir = (
             keep
-            / f"{cfg.outer.method}-n{cfg.num_replicas}-{rate_mbit:g}mbit-{tag}-burst{burst or 'auto'}-queue{queue_ms:g}ms-{transport}-cap{cfg.peer.exchange_max_mbit:g}"
+            / f"{cfg.outer.method}-n{cfg.num_replicas}-{rate_mbit:g}mbit-{tag}-burst{burst or 'auto'}-queue{queue_ms:g}ms-{transport}-cap{'auto' if cfg.peer.exchange_max_mbit is None else f'{cfg.peer.exchange_max_mbit:g}'}"
         )
         base = workdir  # a setting run again gets a folder of its own
         for again in itertools.count(2):

@@ -92,7 +92,7 @@ def schedule_of(cfg: RunConfig) -> Schedule:
 def swarm_of(cfg: RunConfig, compute_scale: float, link: Link, hop_rtts: float) -> Swarm:
     """The model's swarm: a step's compute of `compute_scale` seconds per stage, forward 1 :
     backward 2, both stages of a replica on one processor."""
-    goodput = EXCHANGE_GOODPUT["capped"] if cfg.peer.exchange_max_mbit else None
+    goodput = EXCHANGE_GOODPUT["capped"] if cfg.peer.exchange_max_mbit != 0 else None  # None: auto
     return model_swarm(
         cfg, compute_scale, link, per_stage=True, hop_rtts=hop_rtts, exchange_goodput=goodput, colocated=True
     )

@@ -14,7 +14,15 @@ import typing
 from typing import Any
 
 from noloco_swarm.train.config import RunConfig, experimental
-from noloco_swarm.train.layering import AUTO_KEYS, CHOICES, SECTIONS, TOP_LEVEL, Resolved, field_type
+from noloco_swarm.train.layering import (
+    AUTO_KEYS,
+    AUTO_ONLY,
+    CHOICES,
+    SECTIONS,
+    TOP_LEVEL,
+    Resolved,
+    field_type,
+)
 
 EXPERIMENTAL_HEADING = (
     "# experimental keys: lab tuning (model shape, microbatches, overlap, transport, deadlines, pacing, "
@@ -85,7 +93,7 @@ def describe_keys(show_all: bool = False) -> str:
 def toml_value(key: str, value: Any) -> str:
     """A value as TOML that `--config` reads back to the same value (None as "none" or "auto")."""
     if value is None:
-        return '"auto"' if key in AUTO_KEYS else '"none"'
+        return '"auto"' if key in AUTO_KEYS + AUTO_ONLY else '"none"'
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, int):

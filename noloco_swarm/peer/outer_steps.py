@@ -162,6 +162,7 @@ async def finish_outer_step(pending: PendingOuter) -> events.Outer:
         waited=waited,
         spread=spread,
         pace=exchange.pace.rate if exchange.pace is not None else 0.0,
+        uplink=exchange.board.uplink.rate or 0.0,
     )
 
 

@@ -8,6 +8,7 @@ a message of the codec (codec.py); the tensors a header declares stream beside i
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -301,6 +302,13 @@ class Ack(Message):
 
     TAG: ClassVar[str] = "ack"
     note: str = ""
+    # An exchange's confirmation and receipt: bytes/s the other side's tensors arrived at, as
+    # measured here (peer/net/uplink.py); 0: not measured.
+    rate: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rate < math.inf:
+            raise ValueError(f"rate must be a finite number of bytes/s >= 0, got {self.rate}")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -20,8 +20,9 @@ Tokens needed = the dense run's tokens to the target x the schedule's token mult
   within the batches the GPU's memory holds.
 
 The link is the wall-clock model's: TCP payload efficiency, `hop_rtts` round trips per pipeline
-message, and the exchange at its measured goodput, capped at 93% of the link
-(`peer.exchange_max_mbit`) unless the caller plans without the cap.
+message, and the exchange at its measured goodput, capped at 93% of the link (what
+`peer.exchange_max_mbit = auto`, the default, sets from the rate partners measure) unless the
+caller plans without the cap.
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ from typing import Any
 from noloco_swarm.model.presets import SCHEDULES, ModelConfig
 from noloco_swarm.sim.costs import Gpu, preset_stages
 from noloco_swarm.sim.wallclock import (
-    EXCHANGE_CAP,
     EXCHANGE_GOODPUT,
     TCP_EFFICIENCY,
     Link,
@@ -117,7 +117,8 @@ class Problem:
     hop_rtts: float = 1.0
     """Round trips the stack adds to every pipeline message (Swarm.hop_rtts)."""
     capped: bool = True
-    """Cap the exchange at 93% of the link (peer.exchange_max_mbit), at its measured goodput."""
+    """Cap the exchange at 93% of the link (peer.exchange_max_mbit = auto, the default), at its
+    measured goodput; False plans `peer.exchange_max_mbit = 0` (no cap)."""
     target_tokens: float | None = None
     """The dense run's tokens to the target loss; None: the preset's total steps x D x 8 x seq."""
     batches: tuple[int, ...] = (8, 16, 32, 64)
@@ -169,13 +170,13 @@ class Candidate:
     def label(self) -> str:
         wire = f"subspace k={self.rank}" if self.wire == "subspace" else self.wire
         overlap = f"overlap {self.overlap_steps}" if self.overlap_steps else "blocking"
-        cap = ", capped" if self.capped else ""
+        cap = "" if self.capped else ", uncapped"  # the default caps it (peer/net/uplink.py)
         return f"B={self.batch} M={self.microbatches} {wire} H={self.inner_steps} {overlap}{cap}"
 
 
-# `noloco join`'s defaults today: one batch of 8 in flight, bf16 rows, H = 50, a blocking and
-# uncapped exchange.
-BASELINE = Candidate(DEFAULT_BATCH, 1, "bf16", 0, DENSE_H, 0, capped=False)
+# `noloco join`'s defaults today: one batch of 8 in flight, bf16 rows, H = 50, a blocking
+# exchange capped at 93% of the link its partners measured (peer/net/uplink.py).
+BASELINE = Candidate(DEFAULT_BATCH, 1, "bf16", 0, DENSE_H, 0, capped=True)
 
 
 @dataclass(frozen=True)
@@ -269,8 +270,8 @@ def config_of(problem: Problem, candidate: Candidate) -> dict[str, str]:
     }
     if candidate.wire == "subspace":
         config["model.subspace_rank"] = str(candidate.rank)
-    if candidate.capped:
-        config["peer.exchange_max_mbit"] = f"{EXCHANGE_CAP * problem.rate_mbit:g}"
+    if not candidate.capped:  # the default caps it at 93% of the link each peer measures
+        config["peer.exchange_max_mbit"] = "0"
     return config
 
 

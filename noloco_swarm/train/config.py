@@ -108,10 +108,12 @@ class PeerConfig:
     """With an overlapped outer step (outer.overlap_steps = k > 0), spread the exchange's sending over
     this share (0..1) of the k inner steps, leaving a shared link room for the rows; 0: full speed.
     Give every peer of a swarm the same value (docs/config.md)."""
-    exchange_max_mbit: float = 0.0
-    """Mbit/s at most that this peer sends its outer-exchange tensors at (0: no cap); about 93% of its
-    link's upload rate keeps the link's queue empty while both partners send (docs/config.md). A cap
-    that would outlast half the exchange's deadline gives way to one that fits, with a warning."""
+    exchange_max_mbit: float | None = None
+    """Mbit/s at most that this peer sends its outer-exchange tensors at; about 93% of its link's
+    upload rate keeps the link's queue empty while both partners send (docs/config.md). auto (the
+    default): 93% of the rate its partners measured its last exchange arriving at (the first goes
+    uncapped; peer/net/uplink.py); 0: no cap. A cap that would outlast half the exchange's deadline
+    gives way to one that fits, with a warning."""
     heartbeat_ttl: float = 30.0
     """Seconds an announcement lives in the DHT; re-stored every third of it."""
     checkpoint_dir: str | None = None
@@ -150,8 +152,9 @@ class PeerConfig:
             raise ValueError(f"peer.event_loop must be uvloop or asyncio, got {self.event_loop!r}")
         parse_cpus(self.cpus)  # a malformed list is refused here, before any peer starts
         for name, unit in (("state_serve_rate", "MiB/s"), ("exchange_max_mbit", "Mbit/s")):  # caps
-            if not 0 <= getattr(self, name) < float("inf"):
-                raise ValueError(f"peer.{name} must be >= 0 {unit} (0: no cap), got {getattr(self, name)}")
+            value = getattr(self, name)
+            if value is not None and not 0 <= value < float("inf"):
+                raise ValueError(f"peer.{name} must be >= 0 {unit} (0: no cap), got {value}")
         if not 0 <= self.exchange_pacing <= 1:
             raise ValueError(
                 f"peer.exchange_pacing must be within 0..1 of the overlap window (0: off), got {self.exchange_pacing}"

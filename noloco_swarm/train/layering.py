@@ -42,8 +42,11 @@ TOP_LEVEL = [f.name for f in dataclasses.fields(RunConfig) if f.name not in SECT
 CHOICES = {"preset": "model.name", "method": "outer.method"}
 ALIASES = {tree_key: key for key, tree_key in CHOICES.items()}
 # Optional keys read these words as None; peer.stage also reads "auto" (the least-served stage).
+# For peer.exchange_max_mbit None is "auto" (a cap from the measured link), so only that word
+# reads as None there: "none" would read as "no cap", which is 0.
 NONE_WORDS = ("none", "null", "")
 AUTO_KEYS = ("peer.stage",)
+AUTO_ONLY = ("peer.exchange_max_mbit",)
 
 
 class ConfigError(ValueError):
@@ -90,7 +93,7 @@ def coerce(key: str, value: Any, hint: Any = None) -> Any:
     hint = field_type(key) if hint is None else hint
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
-        words = NONE_WORDS + (("auto",) if key in AUTO_KEYS else ())
+        words = ("auto",) if key in AUTO_ONLY else NONE_WORDS + (("auto",) if key in AUTO_KEYS else ())
         if value is None or (isinstance(value, str) and value.strip().lower() in words):
             return None
         return coerce(key, value, next(a for a in args if a is not type(None)))

@@ -17,7 +17,8 @@ import pytest
 
 from noloco_swarm.harness.local import LocalSwarm, cpu_share, wait
 from noloco_swarm.harness.namespaces import BOOT, namespace_swarm, peer_host
-from noloco_swarm.peer.events import Joined, Step, of_kind
+from noloco_swarm.peer.events import Joined, Outer, Step, of_kind
+from noloco_swarm.peer.net.uplink import CAP_SHARE
 from noloco_swarm.testbed import Testbed, namespaces_permitted
 from noloco_swarm.testbed.bed import LINK, NAME, TransportKind, forward_rules, owned_names
 from noloco_swarm.testbed.schedule import Shape
@@ -232,7 +233,11 @@ def test_a_link_profile_with_one_slow_far_peer_keeps_the_simulators_weights(
     the swarm still ends with the simulator's exact weights, and every peer was reached through
     its own delayed path (each announced its relay) and moved its traffic over its shaped link.
     The peers are pinned to CPUs, as `noloco testbed` and bench/wan_throughput.py's pinned
-    variants run them: where a process runs must not change what it computes."""
+    variants run them: where a process runs must not change what it computes.
+
+    The exchange caps itself (peer.exchange_max_mbit = auto): the first exchange goes uncapped,
+    its partner times it arriving, and the second goes out at 93% of that rate, which the
+    shaped link bounds (50 Mbit/s; 10 between s1r0 and s1r1, whose link is the slower)."""
     cfg = small("noloco", **{"inner.batch_size": "4", "inner.microbatches": "2", "wire.activations": "bf16"})
     hosts = [peer_host(s, r) for s in range(2) for r in range(2)]
     shapes = [Shape(h, 10.0 if h == "s1r1" else 50.0) for h in hosts]
@@ -250,6 +255,7 @@ def test_a_link_profile_with_one_slow_far_peer_keeps_the_simulators_weights(
         summaries, trouble = ns.swarm.summaries(), troubles(ns.swarm)
         traffic = {name: ns.bed.counters(name) for name in hosts}
         logs = {peer_host(p.stage, p.replica): p.log.read_text() for p in ns.swarm.peers}
+        outers = {peer_host(p.stage, p.replica): list(of_kind(p.events(), Outer)) for p in ns.swarm.peers}
         relays, gateway = ns.relay_ports, ns.bed.gateway
     expected, _ = simulate(cfg, STEPS)
     got = {(s.stage, s.rank): s.state_hash for s in summaries}
@@ -262,6 +268,10 @@ def test_a_link_profile_with_one_slow_far_peer_keeps_the_simulators_weights(
         assert f"steps, on CPUs {format_cpus(cpu_share(allowed, 4, index))} " in said, said[:300]
         rx, tx = traffic[name]
         assert rx > 4_000_000 and tx > 4_000_000, f"{name}: {rx} bytes in, {tx} out"
+        first, second = outers[name]
+        link = (10.0 if name.startswith("s1") else 50.0) * 1e6 / 8  # bytes/s, the pair's slower
+        assert first.pace == 0.0 and 0.2 * link < second.uplink <= 1.1 * link, (name, outers[name])
+        assert second.pace == pytest.approx(CAP_SHARE * second.uplink), (name, outers[name])
 
 
 def test_a_delay_for_a_host_that_is_not_a_peer_is_refused(tmp_path: Path, nothing_left: None) -> None:

@@ -1,11 +1,13 @@
 """Paced writes (streams.Pacer): the same frame, in small parts, each when the pace allows; and
 the outer exchange's pace (peer.exchange_pacing) spreads its bytes over the overlap window, and
-peer.exchange_max_mbit caps it."""
+peer.exchange_max_mbit caps it: by default at 93% of the rate partners timed our last exchange
+arriving at (peer/net/uplink.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import time
 from types import SimpleNamespace
 
@@ -15,6 +17,8 @@ import torch
 from noloco_swarm.peer.deadlines import WARMUP, Deadlines
 from noloco_swarm.peer.exchange.runner import OuterExchange
 from noloco_swarm.peer.net import streams
+from noloco_swarm.peer.net.streams import Pacer
+from noloco_swarm.peer.net.uplink import CAP_SHARE, Arrivals, Uplink
 from noloco_swarm.protocol.codec import TensorMeta, encode
 from noloco_swarm.protocol.plan import outer_plan
 from noloco_swarm.protocol.rpc import REPLY_VERB, Ack, Envelope
@@ -89,10 +93,12 @@ def exchange(
     steps_seen: int,
     paced: bool = True,
     deadline: float = 120.0,
-    max_mbit: float = 0.0,
+    max_mbit: float | None = 0.0,
+    uplink: Uplink | None = None,
 ) -> OuterExchange:
     """An OuterExchange of a 2-replica NoLoCo stage, whose peer has seen `steps_seen` steps of 0.4 s
-    and no exchange yet (its exchange deadline is `deadline`, its cap `max_mbit`)."""
+    and no exchange yet (its exchange deadline is `deadline`, its cap `max_mbit`, None: auto, from
+    what `uplink` heard)."""
     cfg = build_config(
         "tiny",
         "noloco",
@@ -112,13 +118,13 @@ def exchange(
     ctx = SimpleNamespace(cfg=cfg, stage=0, deadlines=deadlines, rounds=SimpleNamespace(at=lambda r: view))
     plan = outer_plan("noloco", 2, 2, 10, 0, cfg.group_draw_seed)
     assert plan is not None
-    return OuterExchange(ctx, None, plan, 0, paced=paced)  # type: ignore[arg-type]
+    board = SimpleNamespace(uplink=uplink or Uplink())
+    return OuterExchange(ctx, board, plan, 0, paced=paced)  # type: ignore[arg-type]
 
 
 def test_the_exchange_pace_spreads_our_bytes_over_the_share_of_the_window() -> None:
     theta = torch.zeros(1000)
     pacer = exchange(0.5, 5, steps_seen=WARMUP).pacer(theta)
-    assert pacer is not None
     # 4000 bytes of theta to one partner over half of 5 steps of 0.4 s: 4000 / 1.0 s
     assert pacer.rate == pytest.approx(4000 / (0.5 * 5 * 0.4))
 
@@ -126,7 +132,6 @@ def test_the_exchange_pace_spreads_our_bytes_over_the_share_of_the_window() -> N
 def test_a_paced_exchange_keeps_within_half_its_deadline() -> None:
     """Spread over 1.0 x 5 steps x 0.4 s = 2 s, but the exchange's deadline is 3 s: 1.5 s."""
     pacer = exchange(1.0, 5, steps_seen=WARMUP, deadline=3.0).pacer(torch.zeros(1000))
-    assert pacer is not None
     assert pacer.rate == pytest.approx(4000 / 1.5)
 
 
@@ -137,7 +142,7 @@ def test_a_paced_exchange_keeps_within_half_its_deadline() -> None:
 def test_no_pace_when_off_blocking_unmeasured_or_due_at_the_runs_end(
     share: float, overlap: int, steps_seen: int, paced: bool
 ) -> None:
-    assert exchange(share, overlap, steps_seen=steps_seen, paced=paced).pacer(torch.zeros(1000)) is None
+    assert exchange(share, overlap, steps_seen=steps_seen, paced=paced).pacer(torch.zeros(1000)).rate == 0
 
 
 @pytest.mark.parametrize(
@@ -146,7 +151,6 @@ def test_no_pace_when_off_blocking_unmeasured_or_due_at_the_runs_end(
 def test_the_cap_paces_every_exchange(overlap: int, steps_seen: int, paced: bool) -> None:
     """Blocking, before any step is seen, or due at the run's end: the cap still holds."""
     pacer = exchange(0.5, overlap, steps_seen=steps_seen, paced=paced, max_mbit=8.0).pacer(torch.zeros(1000))
-    assert pacer is not None
     assert pacer.rate == 1e6  # 8 Mbit/s in bytes/s
 
 
@@ -154,7 +158,6 @@ def test_the_cap_paces_every_exchange(overlap: int, steps_seen: int, paced: bool
 def test_the_slower_of_cap_and_window_pace_wins(max_mbit: float, rate: float) -> None:
     """The window pace is 4000 bytes over 1 s; a cap of 2 kB/s is slower, one of 100 kB/s is not."""
     pacer = exchange(0.5, 5, steps_seen=WARMUP, max_mbit=max_mbit).pacer(torch.zeros(1000))
-    assert pacer is not None
     assert pacer.rate == pytest.approx(rate)
 
 
@@ -162,6 +165,67 @@ def test_a_cap_too_low_for_the_deadline_gives_way(caplog: pytest.LogCaptureFixtu
     """1 kbit/s would take 32 s for 4000 bytes; the exchange's deadline is 3 s, so the pace is
     the one that sends them in half of it, and the peer says why."""
     pacer = exchange(0.0, 0, steps_seen=0, deadline=3.0, max_mbit=0.001).pacer(torch.zeros(1000))
-    assert pacer is not None
     assert pacer.rate == pytest.approx(4000 / 1.5)
     assert "peer.exchange_max_mbit=0.001 would take 32 s" in caplog.text
+
+
+def heard(rate: float, pace: float = 0.0) -> Uplink:
+    """An uplink whose last exchange, sent at `pace` (0: unpaced), a partner saw arrive at `rate`."""
+    uplink, pacer = Uplink(), Pacer(pace)
+    uplink.track(pacer)
+    pacer.arrived.append(rate)
+    return uplink
+
+
+def test_the_default_cap_is_93_percent_of_what_partners_measured() -> None:
+    """auto (None): the first exchange goes uncapped; once a partner timed one arriving at
+    1 MB/s, the next is capped at 0.93 MB/s; a set cap (8 Mbit/s) or 0 (none) overrides it."""
+    first = exchange(0.0, 0, steps_seen=0, max_mbit=None).pacer(torch.zeros(1000))
+    assert first.rate == 0
+    auto = exchange(0.0, 0, steps_seen=0, max_mbit=None, uplink=heard(1e6)).pacer(torch.zeros(1000))
+    assert auto.rate == pytest.approx(CAP_SHARE * 1e6)
+    assert (
+        exchange(0.0, 0, steps_seen=0, max_mbit=8.0, uplink=heard(1e5)).pacer(torch.zeros(1000)).rate == 1e6
+    )
+    assert exchange(0.0, 0, steps_seen=0, max_mbit=0.0, uplink=heard(1e5)).pacer(torch.zeros(1000)).rate == 0
+    # The window's pace is 4000 bytes over 1 s: a measured link of 1 MB/s leaves it alone.
+    paced = exchange(0.5, 5, steps_seen=WARMUP, max_mbit=None, uplink=heard(1e6)).pacer(torch.zeros(1000))
+    assert paced.rate == pytest.approx(4000 / (0.5 * 5 * 0.4))
+
+
+def test_the_uplink_learns_from_reports_the_link_set() -> None:
+    uplink = heard(2e6)  # unpaced: the link set the rate
+    assert uplink.cap() == pytest.approx(CAP_SHARE * 2e6)
+    # Sent at the cap and arrived at it: only says the link carries that much; the estimate stays.
+    uplink.track(pacer := Pacer(CAP_SHARE * 2e6))
+    pacer.arrived.append(0.99 * CAP_SHARE * 2e6)
+    assert uplink.cap() == pytest.approx(CAP_SHARE * 2e6)
+    # Arrived well below the pace: the link got slower, and the cap follows it down.
+    uplink.track(pacer := Pacer(CAP_SHARE * 2e6))
+    pacer.arrived += [0.5e6, 1e6, 0.0]  # the best partner counts; 0 is "not measured"
+    assert uplink.cap() == pytest.approx(CAP_SHARE * 1e6)
+    # A paced exchange that arrived faster than the estimate: measure again, uncapped.
+    uplink.track(pacer := Pacer(3e6))
+    pacer.arrived.append(2.9e6)
+    assert uplink.cap() is None
+    # Reports that are no measurement change nothing.
+    uplink = heard(2e6)
+    uplink.heard(0.0, [0.0, -1.0, math.inf, math.nan])
+    assert uplink.cap() == pytest.approx(CAP_SHARE * 2e6)
+
+
+def test_arrivals_time_the_transfer_after_its_first_quarter() -> None:
+    """1 MiB arrives in 16 parts, one every 10 ms after a 4-part burst at t = 0: the rate counts
+    the 12 parts after the first quarter over their 120 ms."""
+    times = [0.0] * 4 + [0.01 * i for i in range(1, 13)]
+    arrivals = Arrivals(16 * 65536)
+    for now in times:
+        arrivals.got(65536, now)
+    assert arrivals.rate() == pytest.approx(12 * 65536 / 0.12)
+    short = Arrivals(65536)  # too small to time
+    short.got(65536, 1.0)
+    assert short.rate() == 0.0
+    incomplete = Arrivals(16 * 65536)  # a transfer that broke off says nothing
+    for now in times[:8]:
+        incomplete.got(65536, now)
+    assert incomplete.rate() == 0.0

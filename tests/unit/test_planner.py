@@ -149,11 +149,13 @@ def test_config_lines_are_the_runs_keys() -> None:
         "outer.inner_steps": "100",
         "outer.overlap_steps": "50",
         "model.subspace_rank": "32",
-        "peer.exchange_max_mbit": "93",
     }
     # Every key but the subspace rank (which the subspace format's branch adds) is a key today.
     assert set(config) - {"preset", "method", "model.subspace_rank"} <= set(valid_keys())
+    # The default caps the exchange from the measured link; an uncapped schedule says so.
     assert "peer.exchange_max_mbit" not in config_of(pr, BASELINE)
+    uncapped = config_of(pr, Candidate(16, 4, "int8", 0, 100, 50, capped=False))
+    assert uncapped["peer.exchange_max_mbit"] == "0"
 
 
 def test_a_figure_worked_out_by_hand() -> None:

@@ -23,6 +23,7 @@ from noloco_swarm.peer.net import streams
 from noloco_swarm.peer.net.limits import Accepts
 from noloco_swarm.peer.net.streams import InboundStream, PeerUnavailable, Refused, StreamClosed
 from noloco_swarm.peer.net.transport import Transport
+from noloco_swarm.peer.net.uplink import Arrivals, Uplink
 from noloco_swarm.protocol import plausible
 from noloco_swarm.protocol.codec import Message, MessageError, TensorMeta
 from noloco_swarm.protocol.plausible import Implausible
@@ -49,6 +50,7 @@ class ExchangeBoard:
         """Serve rpc_exchange on `transport` for a stage of `numel` flat weights: a request
         carrying more than that stage's theta and phi is refused unread (peer/net/limits.py)."""
         self.transport = transport
+        self.uplink = Uplink()  # our exchanges' upload rate, as partners measured it
         self._provided: dict[Key, Tensors] = {}
         self._provided_to: dict[tuple[Key, str], Tensors] = {}  # per partner (an all-reduce shard)
         self._changed = asyncio.Event()
@@ -177,7 +179,7 @@ class ExchangeBoard:
         key, slot = header.key, (header.key, stream.peer)
         if (kept := self._served.get(slot)) is not None:  # it lost our answer: the same again
             _, _, confirmed = await self._duplex(stream, envelope, lambda: _given(kept), key)
-            await self._release_on_receipt(stream, slot, kept, confirmed)
+            await self._release_on_receipt(stream, slot, kept, confirmed, self._paces.get(key))
             return
         if self.avoidance.avoided(stream.peer, header.step):
             raise Refused(
@@ -222,15 +224,25 @@ class ExchangeBoard:
         future = self._received.setdefault(slot, asyncio.get_running_loop().create_future())
         if future is not None and not future.done():
             future.set_result(theirs)
-        await self._release_on_receipt(stream, slot, ours, confirmed)
+        # The pace our answer went out at hears how fast it arrived (peer/net/uplink.py).
+        await self._release_on_receipt(stream, slot, ours, confirmed, self._paces.get(key))
 
     async def _release_on_receipt(
-        self, stream: InboundStream, slot: tuple[Key, str], ours: Tensors, confirmed: bool
+        self,
+        stream: InboundStream,
+        slot: tuple[Key, str],
+        ours: Tensors,
+        confirmed: bool,
+        pace: streams.Pacer | None,
     ) -> None:
-        """Forget the answer kept for `slot` once the caller says it has it (see `_served`)."""
+        """Forget the answer kept for `slot` once the caller says it has it (see `_served`); the
+        rate the caller says it arrived at goes to `pace`."""
         self._delivering.add(slot)
         try:
-            if confirmed and await streams.receipt(stream, RECEIPT_WAIT) and self._served.get(slot) is ours:
+            rate = await streams.receipt(stream, RECEIPT_WAIT) if confirmed else None
+            if rate is not None and pace is not None:
+                pace.arrived.append(rate)
+            if rate is not None and self._served.get(slot) is ours:
                 del self._served[slot]
         finally:
             self._delivering.discard(slot)
@@ -258,9 +270,10 @@ class ExchangeBoard:
         """(theirs, ours, confirmed): read the caller's tensors while ours become ready, then send
         ours; `confirmed`: we told the caller we have all of its tensors (it then sends a receipt)."""
         part = self.transport.config.part_bytes
+        arrivals = Arrivals(sum(meta.nbytes for meta in envelope.tensors))  # the caller's uplink
         receiving = asyncio.create_task(
             streams.read_tensors(
-                stream.reader, envelope.tensors, stream.counts, part, stream.writer.transport
+                stream.reader, envelope.tensors, stream.counts, part, stream.writer.transport, arrivals
             )
         )
         try:
@@ -285,7 +298,7 @@ class ExchangeBoard:
             confirmed = False
             if not failpoints.fire("close_unconfirmed", VERB):
                 with contextlib.suppress(OSError):
-                    await streams.confirm(stream)
+                    await streams.confirm(stream, arrivals.rate())
                     confirmed = True
             return theirs, ours, confirmed
         finally:

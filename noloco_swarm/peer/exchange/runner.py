@@ -107,40 +107,45 @@ class OuterExchange:
                 self._own.cancel()
             await asyncio.gather(self._own, return_exceptions=True)
 
-    def pacer(self, theta: torch.Tensor) -> streams.Pacer | None:
-        """The pace all we send in this exchange goes out at: the slower of `peer.exchange_max_mbit`
-        and the pace that spreads it over `peer.exchange_pacing` of the k inner steps it overlaps
-        (their length estimated from recent steps), but never so slow that sending takes more than
-        half the exchange's deadline: pacing alone must not fail a healthy partner. None: as fast
-        as the link takes it. The window's pace applies only to an overlapped exchange that is
-        `paced`, once enough steps have been seen. On a link the pipeline's rows share, an
-        exchange sent at full speed fills the link's queue and every row waits behind it; a paced
-        one leaves the rows room."""
+    def pacer(self, theta: torch.Tensor) -> streams.Pacer:
+        """The pace all we send in this exchange goes out at: the slowest of the exchange cap
+        (`peer.exchange_max_mbit`; by default 93% of the rate our partners measured our last
+        exchanges arriving at, peer/net/uplink.py) and the pace that spreads it over
+        `peer.exchange_pacing` of the k inner steps it overlaps (their length estimated from
+        recent steps), but never so slow that sending takes more than half the exchange's
+        deadline: pacing alone must not fail a healthy partner. Rate 0: as fast as the link takes
+        it. The window's pace applies only to an overlapped exchange that is `paced`, once enough
+        steps have been seen. On a link the pipeline's rows share, an exchange sent at full speed
+        fills the link's queue and every row waits behind it; a paced one leaves the rows room."""
         peer, outer = self.ctx.cfg.peer, self.ctx.cfg.outer
         n = len(self.plan.group)
         copies = (  # sharded: a shard to each other member, twice (reduce-scatter, all-gather)
             2 * (n - 1) / n if self.plan.sharded else len(self.members) * (2 if outer.sends_phi else 1)
         )
         nbytes = theta.numel() * theta.element_size() * copies
-        cap = peer.exchange_max_mbit * 1e6 / 8
+        uplink = self.board.uplink
+        measured = uplink.cap()
+        cap = (measured or 0.0) if peer.exchange_max_mbit is None else peer.exchange_max_mbit * 1e6 / 8
         rates = [cap] if cap else []
         step = self.ctx.deadlines.typical_step
         if self.paced and peer.exchange_pacing and outer.overlap_steps and step:  # step None: too few seen
             rates.append(nbytes / (peer.exchange_pacing * outer.overlap_steps * step))
-        if not rates:
-            return None
         slowest = nbytes / (self.ctx.deadlines.exchange / 2)
         if cap and cap < slowest:
             logger.warning(
-                "peer.exchange_max_mbit=%g would take %.0f s to send this exchange's %.1f MB, more than "
-                "half its deadline (%.0f s): sending at %.1f Mbit/s instead",
-                peer.exchange_max_mbit,
+                "%s would take %.0f s to send this exchange's %.1f MB, more than half its deadline "
+                "(%.0f s): sending at %.1f Mbit/s instead",
+                "the measured link"
+                if peer.exchange_max_mbit is None
+                else f"peer.exchange_max_mbit={cap * 8 / 1e6:g}",
                 nbytes / cap,
                 nbytes / 1e6,
                 self.ctx.deadlines.exchange,
                 slowest * 8 / 1e6,
             )
-        return streams.Pacer(max(min(rates), slowest))
+        pace = streams.Pacer(max(min(rates), slowest) if rates else 0.0)
+        uplink.track(pace)
+        return pace
 
     async def _allreduce_mean(self, theta: torch.Tensor) -> torch.Tensor:
         """The stage's mean theta by reduce-scatter then all-gather over equal padded shards.

@@ -32,6 +32,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from noloco_swarm.peer.net.uplink import Arrivals
 from noloco_swarm.protocol import codec, rpc
 from noloco_swarm.protocol.codec import Message, MessageError, TensorMeta
 from noloco_swarm.protocol.plausible import Implausible
@@ -135,6 +136,8 @@ class Pacer:
             raise ValueError(f"a pace must be >= 0 bytes/s (0: no cap), got {bytes_per_s}")
         self.rate = bytes_per_s
         self._free_at = 0.0
+        # Bytes/s the receivers measured what we sent at this pace arriving at (peer/net/uplink.py).
+        self.arrived: list[float] = []
 
     async def wait(self, nbytes: int) -> None:
         """Return when `nbytes` more may be written."""
@@ -212,18 +215,24 @@ async def call_frames(
     sending = asyncio.create_task(write_frame(writer, envelope, wire, part, counts, pace))
     try:
         reply_envelope, header = await _read_reply(peer, reader, counts, config, expect)
-        tensors = await read_tensors(reader, reply_envelope.tensors, counts, part, writer.transport)
+        arrivals = Arrivals(sum(meta.nbytes for meta in reply_envelope.tensors)) if confirmed else None
+        tensors = await read_tensors(reader, reply_envelope.tensors, counts, part, writer.transport, arrivals)
         await sending  # our frame is with p2pd; unless confirmed, the remote has read it before replying
         if confirmed:
             _, ack = await _read_reply(peer, reader, counts, config, expect=())
             if not isinstance(ack, rpc.Ack):
                 raise MessageError(f"expected the confirmation frame, got {ack.TAG!r}")
+            if pace is not None:  # how fast our frame reached the remote (peer/net/uplink.py)
+                pace.arrived.append(ack.rate)
         if lost is not None and lost():
             return header, tensors
         if confirmed:
             # Our receipt: the remote then need not keep its answer for a call of ours again. A
-            # receipt that never arrives only makes it keep that answer longer.
-            receipt = Envelope(envelope.verb, codec.encode(rpc.Ack(RECEIPT)), ())
+            # receipt that never arrives only makes it keep that answer longer. It says how fast
+            # the answer arrived, which the remote's exchange cap follows.
+            receipt = Envelope(
+                envelope.verb, codec.encode(rpc.Ack(RECEIPT, rate=arrivals.rate() if arrivals else 0.0)), ()
+            )
             with contextlib.suppress(OSError):
                 await write_frame(writer, receipt, [], part, counts)
         return header, tensors
@@ -264,20 +273,24 @@ async def reply(
 RECEIPT = "got your reply"  # the caller's last frame of a confirmed call (call_frames)
 
 
-async def confirm(stream: InboundStream) -> None:
-    """Server side, after the reply: we have read all of the caller's frame (see call_frames)."""
-    await reply(stream, rpc.Ack("received"), ())
+async def confirm(stream: InboundStream, rate: float = 0.0) -> None:
+    """Server side, after the reply: we have read all of the caller's frame (see call_frames),
+    which arrived at `rate` bytes/s (0: not measured)."""
+    await reply(stream, rpc.Ack("received", rate=rate), ())
 
 
-async def receipt(stream: InboundStream, timeout: float) -> bool:
-    """Server side, after `confirm`: did the caller say it has all of our reply (within `timeout`)?"""
+async def receipt(stream: InboundStream, timeout: float) -> float | None:
+    """Server side, after `confirm`: the rate (bytes/s, 0: not measured) our reply reached the
+    caller at, if it said it has all of it within `timeout`; None if it did not."""
     try:
         async with asyncio.timeout(timeout):
             envelope = await read_envelope(stream.reader, stream.counts)
         header = open_envelope(envelope, 1 << 16)
     except (TimeoutError, OSError, PeerUnavailable, MessageError, asyncio.IncompleteReadError):
-        return False
-    return isinstance(header, rpc.Ack) and header.note == RECEIPT and not envelope.tensors
+        return None
+    if isinstance(header, rpc.Ack) and header.note == RECEIPT and not envelope.tensors:
+        return header.rate
+    return None
 
 
 async def refuse(stream: InboundStream, code: str, reason: str, linger: float = REFUSAL_DEADLINE) -> None:
@@ -310,13 +323,14 @@ async def write_frame(
     writer.write(MAGIC + len(encoded).to_bytes(4, "big") + encoded)
     counts.sent_total += _PREAMBLE + len(encoded)
     await writer.drain()
-    if pace is not None:
+    paced = pace is not None and pace.rate > 0
+    if paced:
         part_bytes = min(part_bytes, PACED_PART)
     for tensor in tensors:
         data = tensor_bytes(tensor)
         for offset in range(0, len(data), part_bytes):
             part = data[offset : offset + part_bytes]
-            if pace is not None:
+            if paced:
                 await pace.wait(len(part))
             writer.write(part)
             await writer.drain()
@@ -369,10 +383,12 @@ async def read_tensors(
     counts: ByteCounts,
     part_bytes: int,
     transport: asyncio.BaseTransport | None = None,
+    arrivals: Arrivals | None = None,
 ) -> list[torch.Tensor]:
     """Read the raw bytes that follow an envelope into fresh tensors, checking floats as they land.
 
-    With the stream's `transport`, the bytes go from the socket straight into the tensors.
+    With the stream's `transport`, the bytes go from the socket straight into the tensors; with
+    `arrivals`, their arrival is timed (peer/net/uplink.py).
     """
     tensors = []
     source = _PayloadSource(reader, transport)
@@ -386,6 +402,8 @@ async def read_tensors(
                 if n == 0:
                     raise StreamTruncated(f"stream ended after {filled} of {meta.nbytes} bytes of a {meta}")
                 filled += n
+                if arrivals is not None:
+                    arrivals.got(n)
                 counts.received_payload += n
                 counts.received_total += n
                 complete = filled // item

@@ -1,0 +1,96 @@
+"""How fast this peer's tensors reach its exchange partners, measured by them, and the exchange
+cap that follows from it (`peer.exchange_max_mbit = auto`, the default).
+
+An outer exchange sent at full speed fills the sender's link queue: the pipeline's rows wait
+behind it, and so do the partner's acknowledgements. Capped at 93% of the link the queue stays
+empty (docs/config.md), but a volunteer does not know their link's rate, and the rate that matters
+is what the link carries to this partner now, rows included. So every exchange measures it:
+
+- the receiver of an exchange's tensors times their arrival (`Arrivals`): the rate over all
+  bytes after the first quarter, which skips a token bucket's burst, TCP's slow start and the
+  time the sender waited for its own tensors;
+- it says the rate in the frame it sends anyway (the callee's confirmation, the caller's receipt:
+  peer/net/streams.py), so the sender hears it on the pacer it sent with (`Pacer.arrived`);
+- `Uplink` keeps the last rate the link set, and caps the next exchange at CAP_SHARE of it.
+
+A report counts as the link's rate only when it is well below the pace we sent at (LINK_LIMITED):
+a paced send arrives at its pace, which says only that the link carries at least that much. The
+first exchange, and any after a report faster than the estimate, goes uncapped and measures anew.
+The estimate never probes upward while the cap holds: a link that became faster is seen only when
+an exchange that was not capped (its pace set by `peer.exchange_pacing`) arrives faster.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Protocol
+
+CAP_SHARE = 0.93  # of the measured rate: keeps the link's queue empty (docs/config.md)
+LINK_LIMITED = 0.8  # a report below this share of our pace was set by the link, not by us
+SKIP = 0.25  # share of a transfer's bytes left out of its rate (burst, slow start, waiting)
+MIN_BYTES = 256 << 10  # smaller transfers are too short to time
+MIN_SPAN = 0.02  # seconds: a rate needs the counted bytes to take at least this long
+MAX_RATE = 1e11  # bytes/s: a report above this is not a measurement (800 Gbit/s)
+
+
+class Arrivals:
+    """Times one transfer's bytes as they land; `rate()` is its arrival rate after the first
+    SKIP of its bytes (0.0: too short to say)."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.bytes = total, 0
+        self._mark: tuple[float, int] | None = None  # (time, bytes) once SKIP of them arrived
+        self._last = 0.0
+
+    def got(self, nbytes: int, now: float | None = None) -> None:
+        """`nbytes` more arrived, `now` (time.monotonic(), unless given)."""
+        now = time.monotonic() if now is None else now
+        self.bytes += nbytes
+        self._last = now
+        if self._mark is None and self.bytes >= SKIP * self.total:
+            self._mark = (now, self.bytes)
+
+    def rate(self) -> float:
+        if self._mark is None or self.total < MIN_BYTES or self.bytes < self.total:
+            return 0.0
+        start, counted = self._mark
+        span = self._last - start
+        return (self.bytes - counted) / span if span >= MIN_SPAN else 0.0
+
+
+class Paced(Protocol):
+    rate: float  # bytes/s we sent at (0: as fast as the link took it)
+    arrived: list[float]  # bytes/s partners measured our tensors arriving at
+
+
+class Uplink:
+    """This peer's upload rate as its partners measured it (bytes/s; None: not known)."""
+
+    def __init__(self) -> None:
+        self.rate: float | None = None
+        self._last: Paced | None = None  # the latest exchange's pacer, whose reports may still come
+
+    def cap(self) -> float | None:
+        """Bytes/s the next exchange goes out at at most (None: no cap, measure first)."""
+        if self._last is not None:
+            self.heard(self._last.rate, self._last.arrived)
+            self._last = None
+        return CAP_SHARE * self.rate if self.rate else None
+
+    def track(self, pacer: Paced) -> None:
+        """`pacer` sends the exchange that starts now; its partners' reports are read at the next."""
+        if self._last is not None:
+            self.heard(self._last.rate, self._last.arrived)
+        self._last = pacer
+
+    def heard(self, pace: float, arrived: Sequence[float]) -> None:
+        """Partners measured `arrived` (bytes/s) for tensors we sent at `pace` (0: unpaced)."""
+        reports = [r for r in arrived if 0 < r < MAX_RATE]
+        if not reports:
+            return
+        best = max(reports)  # our link carried at least this much
+        if not pace or best < LINK_LIMITED * pace:
+            self.rate = best
+        elif self.rate is not None and best > self.rate:
+            self.rate = None  # faster than we thought: the next exchange goes uncapped and measures
