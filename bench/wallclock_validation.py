@@ -75,6 +75,8 @@ def measure(
         "exchange_s": statistics.median(outer_s),
         "tokens_per_s": tokens_per_s,
         "link_mib_in_out": {h: [rx / 2**20, tx / 2**20] for h, (rx, tx) in link_bytes.items()},
+        # What the peers measured their uplinks at (bytes/s; peer/net/uplink.py), exchange by exchange.
+        "uplink_bytes_s": [e.uplink for _, ev in peers for e in of_kind(ev, Outer) if e.uplink],
         "wall_s": time.monotonic() - started,
     }
 

@@ -104,7 +104,7 @@ class PeerConfig:
     state_serve_rate: float = 0.0
     """MiB/s at most that this peer sends its state to joiners at, to spare a volunteer's upload
     (0: no cap)."""
-    exchange_pacing: float = 0.0
+    exchange_pacing: float = 0.5
     """With an overlapped outer step (outer.overlap_steps = k > 0), spread the exchange's sending over
     this share (0..1) of the k inner steps, leaving a shared link room for the rows; 0: full speed.
     Give every peer of a swarm the same value (docs/config.md)."""
