@@ -4,14 +4,17 @@ item 5: one allocator default within 5% of the fastest setting's step time).
 The two stages of the testbed benches' tiny swarm (sequence 128), in one process on one thread,
 run whole inner steps as a peer's replica does: both forwards, the loss, both backwards and an
 AdamW step over both stages (foreach, as `StageReplica`). Each setting runs in a process of its
-own, because glibc reads its tunables at start:
+own, because glibc reads its tunables, and the loader LD_PRELOAD, at start:
 
 - off: glibc's own (its mmap threshold grows to the largest block freed);
 - map: `peer.release_memory=map` (blocks of 1.125 MiB and more get mappings of their own);
 - trim: `peer.release_memory=trim` (malloc_trim after every step);
-- map 4 MiB, map 16 MiB: map with a larger threshold (activation-sized blocks stay in the heap);
+- map 16 MiB: map with a larger threshold (activation-sized blocks stay in the heap);
 - ...+thp: the same with `GLIBC_TUNABLES=glibc.malloc.hugetlb=1`, which asks for
-  transparent huge pages on what malloc maps (the kernel's THP mode must be `madvise` or `always`).
+  transparent huge pages on what malloc maps (the kernel's THP mode must be `madvise` or `always`);
+- thp: `peer.release_memory=thp`: map at 4 MiB, with huge pages;
+- jemalloc, jemalloc keep: Debian's libjemalloc2 preloaded (`apt-get install libjemalloc2`), with
+  its own defaults, and keeping all it frees (no decay): not settings of a peer.
 
 Settings alternate within each repetition, in a fresh process each time; a setting's time is the
 median of its repetitions' median steps, and its memory the peak resident set over the resident
@@ -34,16 +37,27 @@ import sys
 import time
 from pathlib import Path
 
-SETTINGS = {  # name: (peer.release_memory, huge pages, mmap threshold in MiB for map; 0: the peer's)
-    "off": ("off", False, 0),
-    "map": ("map", False, 0),
-    "trim": ("trim", False, 0),
-    "map+thp": ("map", True, 0),
-    "off+thp": ("off", True, 0),
-    "map 4 MiB+thp": ("map", True, 4),
-    "map 16 MiB+thp": ("map", True, 16),
+from noloco_swarm.peer.net.lifetime import allocator_env
+
+THP = allocator_env("thp", {})  # what peer.release_memory=thp starts a peer with
+JEMALLOC = "/lib/x86_64-linux-gnu/libjemalloc.so.2"  # Debian's libjemalloc2, where installed
+SETTINGS = {  # name: (peer.release_memory, environment, mmap threshold in MiB for map; 0: the peer's)
+    "off": ("off", {}, 0),
+    "map": ("map", {}, 0),
+    "trim": ("trim", {}, 0),
+    "thp": ("thp", THP, 0),  # map at 4 MiB, on huge pages
+    "map+thp": ("map", THP, 0),
+    "off+thp": ("off", THP, 0),
+    "map 16 MiB+thp": ("map", THP, 16),
+    # Not settings of a peer: jemalloc preloaded, with its own decay (freed pages handed back over
+    # 10 s) and keeping everything freed.
+    "jemalloc": ("off", {"LD_PRELOAD": JEMALLOC}, 0),
+    "jemalloc keep": (
+        "off",
+        {"LD_PRELOAD": JEMALLOC, "MALLOC_CONF": "dirty_decay_ms:-1,muzzy_decay_ms:-1"},
+        0,
+    ),
 }
-THP = "glibc.malloc.hugetlb=1"
 
 
 def resident_bytes() -> int:
@@ -116,10 +130,12 @@ def main() -> None:
     runs: dict[str, list[dict]] = {n: [] for n in names}
     for rep in range(args.reps):
         for name in names if rep % 2 == 0 else reversed(names):
-            env = dict(os.environ)
-            env.pop("GLIBC_TUNABLES", None)
-            if SETTINGS[name][1]:
-                env["GLIBC_TUNABLES"] = THP
+            env = {
+                k: v
+                for k, v in os.environ.items()
+                if k not in ("GLIBC_TUNABLES", "LD_PRELOAD", "MALLOC_CONF")
+            }
+            env |= SETTINGS[name][1]
             command = [sys.executable, __file__, "--child", name, "--batch-size", str(args.batch_size)]
             done = subprocess.run(
                 [*command, "--steps", str(args.steps)], env=env, capture_output=True, text=True, check=True

@@ -73,6 +73,11 @@ def run_join(
     stage = "auto" if cfg.peer.stage is None else str(cfg.peer.stage)
     cpus = f", on CPUs {cfg.peer.cpus}" if cfg.peer.cpus else ""
     console.print(f"[bold]noloco join[/]: run {cfg.peer.run_id}, stage {stage}, {steps} steps{cpus}")
+    if cfg.peer.release_memory == "thp":
+        from noloco_swarm.peer.net.lifetime import STARTED_WITH_HUGE_PAGES
+
+        pages = "on" if STARTED_WITH_HUGE_PAGES else "off (glibc.malloc.hugetlb=1 is not in GLIBC_TUNABLES)"
+        console.print(f"peer.release_memory = thp: huge pages {pages}")
     if net.announce_maddrs:
         console.print(f"announcing {', '.join(net.announce_maddrs)} to other peers")
     if not net.use_relay:

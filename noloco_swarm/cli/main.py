@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -158,8 +159,13 @@ def _join(args: argparse.Namespace) -> int:
     if args.print_config:
         return _print_config(resolved, "join")
     from noloco_swarm.cli.join import run_join
+    from noloco_swarm.peer.net import lifetime
     from noloco_swarm.peer.net.lifetime import die_with_parent, pin_to_cpus, release_memory
 
+    if lifetime.needs_restart_for(cfg.peer.release_memory):  # glibc reads its tunables at start only
+        argv = [sys.executable, "-m", "noloco_swarm.cli.main", *sys.argv[1:]]
+        env = lifetime.allocator_env(cfg.peer.release_memory, dict(os.environ))
+        os.execve(sys.executable, argv, env | {lifetime.RESTARTED: "1"})
     if args.die_with_parent:
         die_with_parent()
     cpus = parse_cpus(cfg.peer.cpus)

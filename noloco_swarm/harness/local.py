@@ -25,7 +25,7 @@ from noloco_swarm.peer import tickets
 from noloco_swarm.peer.directory import RunDirectory
 from noloco_swarm.peer.events import Event, Final, of_kind, read
 from noloco_swarm.peer.net import identity
-from noloco_swarm.peer.net.lifetime import sweep_sockets
+from noloco_swarm.peer.net.lifetime import allocator_env, sweep_sockets
 from noloco_swarm.peer.net.node import start_dht
 from noloco_swarm.protocol.records import RunManifest
 from noloco_swarm.train.config import NetworkConfig, RunConfig, format_cpus
@@ -132,6 +132,9 @@ class LocalSwarm:
         # run config in every peer (a mismatched manifest) and hand them one shared identity file.
         env = {k: v for k, v in os.environ.items() if k != "NOLOCO_SET"}
         env |= self.peer_env(stage, d) if self.peer_env is not None else {}
+        # glibc reads its tunables at start: a thp peer is forked from a preloader that started
+        # with them, or started with them (peer/net/lifetime.py).
+        env = allocator_env(self.cfg.peer.release_memory, env)
         proc = fork_peer(argv, env, log) if self.preload and not where.prefix else None
         if proc is None:
             argv = [*where.prefix, *command(argv)]

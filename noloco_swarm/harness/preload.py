@@ -99,13 +99,16 @@ class Forked:
 class Preloader:
     """The launching side: starts the preloader process and asks it for peers."""
 
-    def __init__(self) -> None:
+    def __init__(self, env: Mapping[str, str] | None = None) -> None:
+        """A preloader started with `env` (this process's environment by default)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.env = dict(os.environ)
+        self.env = dict(os.environ if env is None else env)
         argv = [sys.executable, "-m", __name__, str(theirs.fileno())]
         # A session of its own: a terminal's Ctrl-C reaches the launcher, which ends its peers
         # gracefully, and not the preloader, whose end would end them at once.
-        self.process = subprocess.Popen(argv, pass_fds=[theirs.fileno()], start_new_session=True)
+        self.process = subprocess.Popen(
+            argv, pass_fds=[theirs.fileno()], start_new_session=True, env=self.env
+        )
         theirs.close()
         self._control = ours
         self._lock = threading.Lock()
@@ -151,23 +154,33 @@ def imported_with(env: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if not k.startswith("NOLOCO_") and k != "PYTEST_CURRENT_TEST"}
 
 
-_shared: list[Preloader] = []
+ALLOCATOR_VARS = ("GLIBC_TUNABLES",)  # read by malloc as a process starts: a fork keeps its preloader's
+_shared: dict[tuple[str | None, ...], Preloader] = {}
 _shared_lock = threading.Lock()
 
 
-def shared() -> Preloader:
-    """This process's preloader, started on first use and ended when this process exits."""
+def shared(env: Mapping[str, str] | None = None) -> Preloader:
+    """This process's preloader for peers started with `env`'s allocator settings (ALLOCATOR_VARS,
+    which malloc reads as a process starts, so a fork keeps its preloader's: the huge pages of
+    peer.release_memory = thp), started on first use and ended when this process exits."""
+    env = os.environ if env is None else env
+    key = tuple(env.get(name) for name in ALLOCATOR_VARS)
     with _shared_lock:
-        if not _shared or _shared[0].process.poll() is not None:
-            _shared[:] = [Preloader()]
-            atexit.register(_shared[0].close)
-        return _shared[0]
+        preloader = _shared.get(key)
+        if preloader is None or preloader.process.poll() is not None:
+            ours = {k: v for k, v in os.environ.items() if k not in ALLOCATOR_VARS}
+            ours |= {
+                name: value for name, value in zip(ALLOCATOR_VARS, key, strict=True) if value is not None
+            }
+            preloader = _shared[key] = Preloader(ours)
+            atexit.register(preloader.close)
+        return preloader
 
 
 def fork_peer(args: Sequence[str], env: Mapping[str, str], log: Path) -> Forked | None:
-    """Fork `noloco ARGS` from this process's preloader, or None where it cannot be forked (its
-    environment differs from the preloader's; see the module's docstring)."""
-    preloader = shared()
+    """Fork `noloco ARGS` from the preloader of its allocator, or None where it cannot be forked
+    (its environment differs from the preloader's; see the module's docstring)."""
+    preloader = shared(env)
     return preloader.spawn(args, env, log) if preloader.forks(env) else None
 
 

@@ -29,7 +29,7 @@ from noloco_swarm.protocol.plan import RunPlan
 EVENT_LOOPS = ("uvloop", "asyncio")
 
 
-RELEASE_MEMORY = ("map", "trim", "off")  # peer.release_memory; the first is the default
+RELEASE_MEMORY = ("map", "thp", "trim", "off")  # peer.release_memory
 
 
 MAX_CPUS = 8192  # Linux's largest CPU count (NR_CPUS); a CPU list names CPUs below it
@@ -123,8 +123,10 @@ class PeerConfig:
     checkpoint_keep: int = 3
     """Checkpoints kept; older ones are deleted after each write."""
     release_memory: str = "map"
-    """How the peer process hands freed memory back to the system: map (large blocks get mappings of
-    their own, returned when freed), trim (malloc_trim after every inner step) or off (glibc's own)."""
+    """How the peer process hands freed memory back to the system: map (blocks of 1.125 MiB and more
+    get mappings of their own, returned when freed), thp (blocks of 4 MiB and more, and malloc on
+    transparent huge pages: glibc's tunable, so `noloco join` starts itself again with it; faster,
+    more memory), trim (malloc_trim after every inner step) or off (glibc's own)."""
     event_loop: str = "uvloop"
     """The peer's asyncio event loop: uvloop (libuv-based, the default) or asyncio (the standard one)."""
     cpus: str = ""

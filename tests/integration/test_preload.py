@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from noloco_swarm.harness.local import end_group
-from noloco_swarm.harness.preload import Forked, Preloader, fork_peer
+from noloco_swarm.harness.preload import Forked, Preloader, command, fork_peer, shared
+from noloco_swarm.peer.net.lifetime import HUGE_PAGES, allocator_env
 
 pytestmark = pytest.mark.integration
 
@@ -92,3 +93,44 @@ def test_only_an_environment_the_preloaded_modules_agree_with_is_forked(tmp_path
     assert isinstance(forked, Forked) and forked.wait(timeout=60) == 0
     assert fork_peer(["presets"], env | {"HIVEMIND_LOGLEVEL": "DEBUG"}, tmp_path / "b.log") is None
     assert not (tmp_path / "b.log").exists()
+
+
+THP_SAID = "peer.release_memory = thp: huge pages on"
+
+
+def test_a_thp_peer_starts_with_glibcs_huge_page_tunable_whether_started_or_forked(tmp_path: Path) -> None:
+    """glibc reads GLIBC_TUNABLES once, as a process starts: `noloco join` with
+    peer.release_memory=thp starts itself again with the tunable (once), and a launcher forks such
+    a peer from a preloader that started with it, so the fork has its malloc."""
+    argv = ["join", "--run-id", "thp-test", "--host-maddrs", "/ip4/127.0.0.1/tcp/0"]
+    argv += ["--set", "peer.release_memory=thp", "--set", "peer.start_timeout=60", "--steps", "5"]
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    with (tmp_path / "a.log").open("wb") as out:
+        started = subprocess.Popen(
+            command(argv), env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    forked = fork_peer(argv, allocator_env("thp", env), tmp_path / "b.log")
+    try:
+        assert isinstance(forked, Forked), "a thp peer is forked from a preloader that has its tunable"
+        for peer, log in ((started, tmp_path / "a.log"), (forked, tmp_path / "b.log")):
+            wait_for(lambda log=log, peer=peer: THP_SAID in log.read_text() or peer.poll() is not None)
+            assert THP_SAID in log.read_text(), log.read_text()
+        # The restarted process's own environment (its exec's) holds the tunable, as does the
+        # preloader's that the other was forked from.
+        preloader = shared(allocator_env("thp", env))
+        for pid in (started.pid, preloader.process.pid):
+            assert f"GLIBC_TUNABLES={HUGE_PAGES}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(
+                b"\0"
+            )
+    finally:
+        end_group(started)
+        if forked is not None:
+            end_group(forked)
+
+
+def test_huge_pages_join_the_tunables_already_set() -> None:
+    env = allocator_env(
+        "thp", {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0:glibc.malloc.arena_max=2", "A": "b"}
+    )
+    assert env == {"GLIBC_TUNABLES": f"glibc.malloc.arena_max=2:{HUGE_PAGES}", "A": "b"}
+    assert allocator_env("map", {"A": "b"}) == {"A": "b"}

@@ -29,5 +29,5 @@ def test_map_sets_glibc_s_threshold_and_the_others_set_nothing() -> None:
 def test_an_unknown_mode_is_refused_with_the_choices() -> None:
     from noloco_swarm.train.config import PeerConfig
 
-    with pytest.raises(ValueError, match="map, trim, off"):
+    with pytest.raises(ValueError, match="map, thp, trim, off"):
         PeerConfig(release_memory="sometimes")
