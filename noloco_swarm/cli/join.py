@@ -74,10 +74,10 @@ def run_join(
     cpus = f", on CPUs {cfg.peer.cpus}" if cfg.peer.cpus else ""
     console.print(f"[bold]noloco join[/]: run {cfg.peer.run_id}, stage {stage}, {steps} steps{cpus}")
     if cfg.peer.release_memory == "thp":
-        from noloco_swarm.peer.net.lifetime import STARTED_WITH_HUGE_PAGES
+        from noloco_swarm.peer.net.lifetime import STARTED_WITH_HUGE_PAGES, huge_pages_unavailable
 
-        pages = "on" if STARTED_WITH_HUGE_PAGES else "off (glibc.malloc.hugetlb=1 is not in GLIBC_TUNABLES)"
-        console.print(f"peer.release_memory = thp: huge pages {pages}")
+        why = huge_pages_unavailable() or (None if STARTED_WITH_HUGE_PAGES else "GLIBC_TUNABLES lacks it")
+        console.print(f"peer.release_memory = thp: huge pages {'on' if why is None else f'off: {why}'}")
     if net.announce_maddrs:
         console.print(f"announcing {', '.join(net.announce_maddrs)} to other peers")
     if not net.use_relay:

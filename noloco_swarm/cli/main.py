@@ -17,6 +17,9 @@ from noloco_swarm.train.layering import ConfigError, Layer, Resolved, UnknownKey
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    # A command that must start its process again (join with peer.release_memory=thp) does so
+    # only when it is the process's own command line, never for a call from inside a program.
+    args.restartable = argv is None
     try:
         if args.command == "presets":
             return _presets()
@@ -162,7 +165,7 @@ def _join(args: argparse.Namespace) -> int:
     from noloco_swarm.peer.net import lifetime
     from noloco_swarm.peer.net.lifetime import die_with_parent, pin_to_cpus, release_memory
 
-    if lifetime.needs_restart_for(cfg.peer.release_memory):  # glibc reads its tunables at start only
+    if args.restartable and lifetime.needs_restart_for(cfg.peer.release_memory):  # glibc reads them at start
         argv = [sys.executable, "-m", "noloco_swarm.cli.main", *sys.argv[1:]]
         env = lifetime.allocator_env(cfg.peer.release_memory, dict(os.environ))
         os.execve(sys.executable, argv, env | {lifetime.RESTARTED: "1"})

@@ -18,7 +18,7 @@ from noloco_swarm.peer.deadlines import WARMUP, Deadlines
 from noloco_swarm.peer.exchange.runner import OuterExchange
 from noloco_swarm.peer.net import streams
 from noloco_swarm.peer.net.streams import Pacer
-from noloco_swarm.peer.net.uplink import CAP_SHARE, Arrivals, Uplink
+from noloco_swarm.peer.net.uplink import CAP_SHARE, KEEP_FOR, Arrivals, Uplink
 from noloco_swarm.protocol.codec import TensorMeta, encode
 from noloco_swarm.protocol.plan import outer_plan
 from noloco_swarm.protocol.rpc import REPLY_VERB, Ack, Envelope
@@ -204,14 +204,33 @@ def test_the_uplink_learns_from_reports_the_link_set() -> None:
     uplink.track(pacer := Pacer(CAP_SHARE * 2e6))
     pacer.arrived += [0.5e6, 1e6, 0.0]  # the best partner counts; 0 is "not measured"
     assert uplink.cap() == pytest.approx(CAP_SHARE * 1e6)
-    # A paced exchange that arrived faster than the estimate: measure again, uncapped.
-    uplink.track(pacer := Pacer(3e6))
-    pacer.arrived.append(2.9e6)
+    # Reports that are no measurement (or no link worth capping for) change nothing.
+    uplink.heard(0.0, [0.0, -1.0, 1.0, math.inf, math.nan])
+    assert uplink.cap() == pytest.approx(CAP_SHARE * 1e6)
+
+
+def test_an_estimate_caps_a_few_exchanges_then_one_measures_again() -> None:
+    """A cap never lets an exchange arrive faster than itself: after KEEP_FOR capped exchanges the
+    next goes uncapped, so a low report (or a link that got faster) is measured anew."""
+    uplink = heard(1e6)
+    for _ in range(KEEP_FOR):
+        assert uplink.cap() == pytest.approx(CAP_SHARE * 1e6)
     assert uplink.cap() is None
-    # Reports that are no measurement change nothing.
-    uplink = heard(2e6)
-    uplink.heard(0.0, [0.0, -1.0, math.inf, math.nan])
-    assert uplink.cap() == pytest.approx(CAP_SHARE * 2e6)
+    assert uplink.cap() is None  # nothing measured since: still uncapped
+
+
+def test_streams_sharing_a_pace_are_judged_by_their_share() -> None:
+    """Two streams at once at 1 MB/s in all: each arriving at 0.5 MB/s kept to the pace, which
+    says nothing of the link; each at 0.2 MB/s was held back by a link of about 0.4 MB/s."""
+    uplink = Uplink()
+    uplink.track(pacer := Pacer(1e6))
+    pacer.most_writers = 2
+    pacer.arrived += [0.49e6, 0.5e6]
+    assert uplink.cap() is None
+    uplink.track(pacer := Pacer(1e6))
+    pacer.most_writers = 2
+    pacer.arrived += [0.2e6, 0.2e6]
+    assert uplink.cap() == pytest.approx(CAP_SHARE * 0.4e6)
 
 
 def test_arrivals_time_the_transfer_after_its_first_quarter() -> None:

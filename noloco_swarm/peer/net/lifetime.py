@@ -251,11 +251,34 @@ def allocator_env(mode: str, env: dict[str, str]) -> dict[str, str]:
     return env | {"GLIBC_TUNABLES": ":".join([*tunables, HUGE_PAGES])}
 
 
+THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def huge_pages_unavailable() -> str | None:
+    """Why glibc's huge-page tunable would do nothing here (None: it works): it needs glibc 2.35
+    or later and a kernel whose THP mode is `madvise` or `always`."""
+    libc = _glibc()
+    if libc is None:
+        return "this C library is not glibc"
+    libc.gnu_get_libc_version.restype = ctypes.c_char_p
+    version = libc.gnu_get_libc_version().decode()
+    if tuple(int(x) for x in version.split(".")[:2]) < (2, 35):
+        return f"glibc {version} has no glibc.malloc.hugetlb tunable (2.35 and later do)"
+    try:
+        mode = THP_MODE.read_text()
+    except OSError:
+        return "this kernel has no transparent huge pages"
+    return "the kernel's transparent huge pages are off ([never])" if "[never]" in mode else None
+
+
 def needs_restart_for(mode: str) -> bool:
     """Whether this process must start again to run `mode` (peer.release_memory): thp needs the
-    tunable from the start, on glibc; one restart at most."""
+    tunable from the start, where it works; one restart at most."""
     return (
-        mode == "thp" and not STARTED_WITH_HUGE_PAGES and _glibc() is not None and RESTARTED not in os.environ
+        mode == "thp"
+        and not STARTED_WITH_HUGE_PAGES
+        and RESTARTED not in os.environ
+        and huge_pages_unavailable() is None
     )
 
 

@@ -136,8 +136,10 @@ class Pacer:
             raise ValueError(f"a pace must be >= 0 bytes/s (0: no cap), got {bytes_per_s}")
         self.rate = bytes_per_s
         self._free_at = 0.0
-        # Bytes/s the receivers measured what we sent at this pace arriving at (peer/net/uplink.py).
+        # Bytes/s the receivers measured what we sent at this pace arriving at (peer/net/uplink.py),
+        # one report per stream, and the most streams that wrote at once (they share the pace).
         self.arrived: list[float] = []
+        self.writers = self.most_writers = 0
 
     async def wait(self, nbytes: int) -> None:
         """Return when `nbytes` more may be written."""
@@ -326,16 +328,23 @@ async def write_frame(
     paced = pace is not None and pace.rate > 0
     if paced:
         part_bytes = min(part_bytes, PACED_PART)
-    for tensor in tensors:
-        data = tensor_bytes(tensor)
-        for offset in range(0, len(data), part_bytes):
-            part = data[offset : offset + part_bytes]
-            if paced:
-                await pace.wait(len(part))
-            writer.write(part)
-            await writer.drain()
-            counts.sent_payload += len(part)
-            counts.sent_total += len(part)
+    if pace is not None:
+        pace.writers += 1
+        pace.most_writers = max(pace.most_writers, pace.writers)
+    try:
+        for tensor in tensors:
+            data = tensor_bytes(tensor)
+            for offset in range(0, len(data), part_bytes):
+                part = data[offset : offset + part_bytes]
+                if paced:
+                    await pace.wait(len(part))
+                writer.write(part)
+                await writer.drain()
+                counts.sent_payload += len(part)
+                counts.sent_total += len(part)
+    finally:
+        if pace is not None:
+            pace.writers -= 1
 
 
 async def read_envelope(reader: asyncio.StreamReader, counts: ByteCounts) -> Envelope:

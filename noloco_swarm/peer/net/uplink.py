@@ -11,13 +11,16 @@ is what the link carries to this partner now, rows included. So every exchange m
   time the sender waited for its own tensors;
 - it says the rate in the frame it sends anyway (the callee's confirmation, the caller's receipt:
   peer/net/streams.py), so the sender hears it on the pacer it sent with (`Pacer.arrived`);
-- `Uplink` keeps the last rate the link set, and caps the next exchange at CAP_SHARE of it.
+- `Uplink` keeps the last rate the link set, and caps the next exchanges at CAP_SHARE of it.
 
-A report counts as the link's rate only when it is well below the pace we sent at (LINK_LIMITED):
-a paced send arrives at its pace, which says only that the link carries at least that much. The
-first exchange, and any after a report faster than the estimate, goes uncapped and measures anew.
-The estimate never probes upward while the cap holds: a link that became faster is seen only when
-an exchange that was not capped (its pace set by `peer.exchange_pacing`) arrives faster.
+Several streams may share one pacer (a group of three, DiLoCo's shards): each gets about an equal
+share of the pace and of the link, so a report is judged against the pace per stream, and the
+link's rate is the report times the streams. A report counts as the link's rate only when it is
+well below the pace per stream (LINK_LIMITED): a paced send arrives at its pace, which says only
+that the link carries at least that much. The first exchange goes uncapped, and so does one after
+an estimate has capped KEEP_FOR of them: a cap never lets an exchange arrive faster than itself,
+so a link that became faster (or a low report, from a partner with a slow downlink or a busy
+receiver) is seen only by measuring again.
 """
 
 from __future__ import annotations
@@ -27,10 +30,12 @@ from collections.abc import Sequence
 from typing import Protocol
 
 CAP_SHARE = 0.93  # of the measured rate: keeps the link's queue empty (docs/config.md)
-LINK_LIMITED = 0.8  # a report below this share of our pace was set by the link, not by us
+LINK_LIMITED = 0.8  # a report below this share of our pace per stream was set by the link
+KEEP_FOR = 8  # exchanges an estimate caps before the next goes uncapped and measures again
 SKIP = 0.25  # share of a transfer's bytes left out of its rate (burst, slow start, waiting)
 MIN_BYTES = 256 << 10  # smaller transfers are too short to time
 MIN_SPAN = 0.02  # seconds: a rate needs the counted bytes to take at least this long
+MIN_RATE = 1e4  # bytes/s (80 kbit/s): a report below this is not a link to cap an exchange for
 MAX_RATE = 1e11  # bytes/s: a report above this is not a measurement (800 Gbit/s)
 
 
@@ -61,7 +66,8 @@ class Arrivals:
 
 class Paced(Protocol):
     rate: float  # bytes/s we sent at (0: as fast as the link took it)
-    arrived: list[float]  # bytes/s partners measured our tensors arriving at
+    arrived: list[float]  # bytes/s partners measured our tensors arriving at, one per stream
+    most_writers: int  # streams that sent at this pace at once
 
 
 class Uplink:
@@ -69,28 +75,36 @@ class Uplink:
 
     def __init__(self) -> None:
         self.rate: float | None = None
+        self.uses = 0  # exchanges the estimate has capped
         self._last: Paced | None = None  # the latest exchange's pacer, whose reports may still come
 
     def cap(self) -> float | None:
-        """Bytes/s the next exchange goes out at at most (None: no cap, measure first)."""
-        if self._last is not None:
-            self.heard(self._last.rate, self._last.arrived)
-            self._last = None
-        return CAP_SHARE * self.rate if self.rate else None
+        """Bytes/s the next exchange goes out at at most (None: no cap, it measures); asked once
+        per exchange."""
+        self._digest()
+        if self.rate is None or self.uses >= KEEP_FOR:
+            self.rate, self.uses = None, 0
+            return None
+        self.uses += 1
+        return CAP_SHARE * self.rate
 
     def track(self, pacer: Paced) -> None:
         """`pacer` sends the exchange that starts now; its partners' reports are read at the next."""
-        if self._last is not None:
-            self.heard(self._last.rate, self._last.arrived)
+        self._digest()
         self._last = pacer
 
-    def heard(self, pace: float, arrived: Sequence[float]) -> None:
-        """Partners measured `arrived` (bytes/s) for tensors we sent at `pace` (0: unpaced)."""
-        reports = [r for r in arrived if 0 < r < MAX_RATE]
+    def _digest(self) -> None:
+        if self._last is not None:
+            self.heard(self._last.rate, self._last.arrived, self._last.most_writers)
+            self._last = None
+
+    def heard(self, pace: float, arrived: Sequence[float], streams: int = 1) -> None:
+        """Partners measured `arrived` (bytes/s) for tensors we sent at `pace` (0: unpaced) over
+        `streams` streams at once."""
+        reports = [r for r in arrived if MIN_RATE <= r < MAX_RATE]
         if not reports:
             return
-        best = max(reports)  # our link carried at least this much
-        if not pace or best < LINK_LIMITED * pace:
-            self.rate = best
-        elif self.rate is not None and best > self.rate:
-            self.rate = None  # faster than we thought: the next exchange goes uncapped and measures
+        streams = max(1, streams)
+        best = max(reports)
+        if not pace or best < LINK_LIMITED * pace / streams:  # the link set the rate, not our pace
+            self.rate, self.uses = best * streams, 0
