@@ -30,7 +30,7 @@ ready, side by side for the same N, rate and stragglers.
         --methods noloco --stragglers off     # the exchange capped just under the link's rate
 
 `--caps` are shares of the link rate that the peers' exchange is capped at (peer.exchange_max_mbit;
-0: no cap). `--repeat R` runs the whole set of settings R times over, alternating, so that settings
+0: no cap), or `auto`: 93% of the rate partners measured (the default, peer/net/uplink.py). `--repeat R` runs the whole set of settings R times over, alternating, so that settings
 compared side by side meet the machine in the same state.
 """
 
@@ -60,9 +60,12 @@ from noloco_swarm.train.layering import build_config
 METHODS = ("noloco", "diloco")
 
 
-def config(method: str, replicas: int, hidden: int, inner_steps: int, max_mbit: float = 0.0) -> RunConfig:
+def config(
+    method: str, replicas: int, hidden: int, inner_steps: int, max_mbit: float | None = 0.0
+) -> RunConfig:
     """One stage of the tiny preset (hidden size `hidden`), a one-row batch of 16 tokens; the
-    exchange capped at `max_mbit` (peer.exchange_max_mbit, 0: no cap)."""
+    exchange capped at `max_mbit` (peer.exchange_max_mbit, 0: no cap, None: auto, the measured
+    link)."""
     assignments = {
         "num_stages": "1",
         "num_replicas": str(replicas),
@@ -72,7 +75,7 @@ def config(method: str, replicas: int, hidden: int, inner_steps: int, max_mbit: 
         "outer.inner_steps": str(inner_steps),
         "eval_windows": "1",
         "eval_every": "0",
-        "peer.exchange_max_mbit": str(max_mbit),
+        "peer.exchange_max_mbit": "auto" if max_mbit is None else str(max_mbit),
     }
     return build_config("tiny", method, assignments=assignments, env={})
 
@@ -134,6 +137,9 @@ def measure(
         # steps' DHT traffic included), against the payload it had to receive.
         "link_received_per_outer_step": statistics.fmean(rx for rx, _ in link) / rounds,
         "outer_steps": len(outers),
+        # The peers' exchange paces and measured uplinks (bytes/s; 0: none), outer step by step.
+        "paces": [e.pace for e in outers],
+        "uplinks": [e.uplink for e in outers],
         "wall_s": time.monotonic() - started,
     }
 
@@ -173,9 +179,11 @@ def main() -> None:
     transports = args.transports.split(",")
     if unknown := set(transports) - set(get_args(TransportKind)):
         sys.exit(f"unknown transports {sorted(unknown)}: choose from {', '.join(get_args(TransportKind))}")
-    caps = [float(x) for x in args.caps.split(",")]
-    if any(not 0 <= cap <= 1 for cap in caps):
-        sys.exit(f"--caps are shares of the link rate, each within 0..1 (0: no cap); got {args.caps}")
+    caps = [None if x == "auto" else float(x) for x in args.caps.split(",")]
+    if any(cap is not None and not 0 <= cap <= 1 for cap in caps):
+        sys.exit(
+            f"--caps are shares of the link rate, each within 0..1 (0: no cap), or auto; got {args.caps}"
+        )
     rates = [float(x) for x in args.rates.split(",")]
     bursts = [None if x == "auto" else float(x) for x in args.bursts.split(",")]
     queues = [float(x) for x in args.queues.split(",")]
@@ -189,14 +197,14 @@ def main() -> None:
         ):
             runs = {}
             for method in args.methods.split(","):  # side by side: the same N, rate and draws
-                cfg = config(method, n, args.hidden, args.inner_steps, cap * rate)
+                cfg = config(method, n, args.hidden, args.inner_steps, None if cap is None else cap * rate)
                 run = measure(cfg, args.rounds, rate, straggle, args.keep, burst, queue, transport)
                 share = 1.0 if method == "noloco" else 2 * (n - 1) / n
                 run["floor_s"] = share * stage_bytes * 8 / (rate * 1e6)
                 run["ready_over_floor"] = run["ready_s"] / run["floor_s"]
                 runs[method] = run
                 print(
-                    f"N={n} {rate:g} Mbit/s {transport} burst {burst or 'auto'} queue {queue:g} ms cap {cap:g} "
+                    f"N={n} {rate:g} Mbit/s {transport} burst {burst or 'auto'} queue {queue:g} ms cap {'auto' if cap is None else f'{cap:g}'} "
                     f"{'stragglers' if straggle else 'even      '} "
                     f"{method:6s}: "
                     f"sync {run['sync_s']:.2f} s, ready {run['ready_s']:.2f} s "
@@ -210,7 +218,7 @@ def main() -> None:
                 "burst_kbit": burst or default_burst_kbit(rate),
                 "queue_ms": queue,
                 "transport": transport,
-                "cap": cap,
+                "cap": "auto" if cap is None else cap,
                 "repeat": repeat,
                 "stragglers": straggle or None,
                 "stage_bytes": stage_bytes,

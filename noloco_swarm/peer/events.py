@@ -73,7 +73,7 @@ class Outer(Event):
     spread: float | None = None
     pace: float = 0.0  # bytes/s our tensors went out at (exchange_pacing, exchange_max_mbit); 0: unpaced
     # bytes/s our link carried our last measured exchange at, as partners timed it (peer/net/uplink.py);
-    # 0: not measured yet. The next exchange is capped at 93% of it unless peer.exchange_max_mbit is set.
+    # 0: not measured yet. The next exchanges are capped at 97% of it unless peer.exchange_max_mbit is set.
     uplink: float = 0.0
 
 

@@ -175,7 +175,8 @@ class Candidate:
 
 
 # `noloco join`'s defaults today: one batch of 8 in flight, bf16 rows, H = 50, a blocking
-# exchange capped at 93% of the link its partners measured (peer/net/uplink.py).
+# exchange capped near 93% of the link (peer.exchange_max_mbit = auto: 97% of the payload rate its
+# partners measured, peer/net/uplink.py).
 BASELINE = Candidate(DEFAULT_BATCH, 1, "bf16", 0, DENSE_H, 0, capped=True)
 
 
@@ -270,7 +271,7 @@ def config_of(problem: Problem, candidate: Candidate) -> dict[str, str]:
     }
     if candidate.wire == "subspace":
         config["model.subspace_rank"] = str(candidate.rank)
-    if not candidate.capped:  # the default caps it at 93% of the link each peer measures
+    if not candidate.capped:  # the default caps it near 93% of the link, measured by each peer
         config["peer.exchange_max_mbit"] = "0"
     return config
 

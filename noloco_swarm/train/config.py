@@ -111,7 +111,7 @@ class PeerConfig:
     exchange_max_mbit: float | None = None
     """Mbit/s at most that this peer sends its outer-exchange tensors at; about 93% of its link's
     upload rate keeps the link's queue empty while both partners send (docs/config.md). auto (the
-    default): 93% of the rate its partners measured its last exchange arriving at (the first goes
+    default): 97% of the payload rate its partners measured its exchanges arriving at (the first goes
     uncapped; peer/net/uplink.py); 0: no cap. A cap that would outlast half the exchange's deadline
     gives way to one that fits, with a warning."""
     heartbeat_ttl: float = 30.0

@@ -236,7 +236,7 @@ def test_a_link_profile_with_one_slow_far_peer_keeps_the_simulators_weights(
     variants run them: where a process runs must not change what it computes.
 
     The exchange caps itself (peer.exchange_max_mbit = auto): the first exchange goes uncapped,
-    its partner times it arriving, and the second goes out at 93% of that rate, which the
+    its partner times it arriving, and the second goes out at 97% of that rate, which the
     shaped link bounds (50 Mbit/s; 10 between s1r0 and s1r1, whose link is the slower)."""
     cfg = small("noloco", **{"inner.batch_size": "4", "inner.microbatches": "2", "wire.activations": "bf16"})
     hosts = [peer_host(s, r) for s in range(2) for r in range(2)]

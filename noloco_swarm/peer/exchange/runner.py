@@ -109,7 +109,7 @@ class OuterExchange:
 
     def pacer(self, theta: torch.Tensor) -> streams.Pacer:
         """The pace all we send in this exchange goes out at: the slowest of the exchange cap
-        (`peer.exchange_max_mbit`; by default 93% of the rate our partners measured our last
+        (`peer.exchange_max_mbit`; by default 97% of the payload rate our partners measured our last
         exchanges arriving at, peer/net/uplink.py) and the pace that spreads it over
         `peer.exchange_pacing` of the k inner steps it overlaps (their length estimated from
         recent steps), but never so slow that sending takes more than half the exchange's
