@@ -127,6 +127,11 @@ def main() -> None:
     unknown = [n for n in names if n not in SETTINGS]
     if unknown:
         raise SystemExit(f"unknown settings {unknown}; known: {', '.join(SETTINGS)}")
+    # A library LD_PRELOAD cannot find is skipped with a warning: the setting would time glibc.
+    if any(SETTINGS[n][1].get("LD_PRELOAD") == JEMALLOC for n in names) and not Path(JEMALLOC).exists():
+        raise SystemExit(
+            f"{JEMALLOC} is missing: apt-get install libjemalloc2, or leave out the jemalloc settings"
+        )
     runs: dict[str, list[dict]] = {n: [] for n in names}
     for rep in range(args.reps):
         for name in names if rep % 2 == 0 else reversed(names):
