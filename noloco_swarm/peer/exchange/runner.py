@@ -123,9 +123,8 @@ class OuterExchange:
             2 * (n - 1) / n if self.plan.sharded else len(self.members) * (2 if outer.sends_phi else 1)
         )
         nbytes = theta.numel() * theta.element_size() * copies
-        uplink = self.board.uplink
-        measured = uplink.cap()
-        cap = (measured or 0.0) if peer.exchange_max_mbit is None else peer.exchange_max_mbit * 1e6 / 8
+        auto = peer.exchange_max_mbit is None
+        cap = (self.board.uplink.cap() or 0.0) if auto else peer.exchange_max_mbit * 1e6 / 8
         rates = [cap] if cap else []
         step = self.ctx.deadlines.typical_step
         if self.paced and peer.exchange_pacing and outer.overlap_steps and step:  # step None: too few seen
@@ -135,16 +134,14 @@ class OuterExchange:
             logger.warning(
                 "%s would take %.0f s to send this exchange's %.1f MB, more than half its deadline "
                 "(%.0f s): sending at %.1f Mbit/s instead",
-                "the measured link"
-                if peer.exchange_max_mbit is None
-                else f"peer.exchange_max_mbit={cap * 8 / 1e6:g}",
+                "the measured link" if auto else f"peer.exchange_max_mbit={peer.exchange_max_mbit:g}",
                 nbytes / cap,
                 nbytes / 1e6,
                 self.ctx.deadlines.exchange,
                 slowest * 8 / 1e6,
             )
         pace = streams.Pacer(max(min(rates), slowest) if rates else 0.0)
-        uplink.track(pace)
+        self.board.uplink.track(pace)  # partners' reports on it still count, whatever set the cap
         return pace
 
     async def _allreduce_mean(self, theta: torch.Tensor) -> torch.Tensor:

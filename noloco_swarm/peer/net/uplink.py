@@ -15,9 +15,9 @@ is what the link carries to this partner now, rows included. So every exchange m
 
 Several streams may share one pacer (a group of three, DiLoCo's shards): each gets about an equal
 share of the pace and of the link, so a report is judged against the pace per stream, and the
-link's rate is the streams' mean report times the streams. A report counts as the link's rate only when it is
-well below the pace per stream (LINK_LIMITED): a paced send arrives at its pace, which says only
-that the link carries at least that much. The first exchange goes uncapped, and so does one after
+link's rate is the streams' mean report times the streams. A report counts as the link's rate
+only when it is well below the pace per stream (LINK_LIMITED): a paced send arrives at its pace,
+which says only that the link carries at least that much. The first exchange goes uncapped, and so does one after
 an estimate has capped KEEP_FOR of them: a cap never lets an exchange arrive faster than itself,
 so a link that became faster (or a low report, from a partner with a slow downlink or a busy
 receiver) is seen only by measuring again.
