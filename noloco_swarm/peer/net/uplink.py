@@ -15,12 +15,24 @@ is what the link carries to this partner now, rows included. So every exchange m
 
 Several streams may share one pacer (a group of three, DiLoCo's shards): each gets about an equal
 share of the pace and of the link, so a report is judged against the pace per stream, and the
-link's rate is the streams' mean report times the streams. A report counts as the link's rate
-only when it is well below the pace per stream (LINK_LIMITED): a paced send arrives at its pace,
-which says only that the link carries at least that much. The first exchange goes uncapped, and so does one after
-an estimate has capped KEEP_FOR of them: a cap never lets an exchange arrive faster than itself,
-so a link that became faster (or a low report, from a partner with a slow downlink or a busy
-receiver) is seen only by measuring again.
+link's rate is the streams' mean report times the streams.
+
+A cap never lets an exchange arrive faster than itself, so the estimate is also probed upward,
+the way TCP probes for bandwidth:
+
+- a report below KEPT_PACE of the pace per stream (or from an unpaced send) was set by the link:
+  it becomes the estimate;
+- the first exchange goes uncapped, and both partners' tensors then cross the link at once, which
+  measures it low (0.62-0.81 of a 100 Mbit/s link's rate on the testbed, docs/benchmarks.md). So
+  an estimate from an unpaced send is probed at once, CLIMB above it;
+- an estimate a capped send measured is trusted: it caps HOLD exchanges, then one probes PROBE
+  above it;
+- a probe whose tensors kept to its pace raises the estimate to what it tried, and the next
+  exchange probes again with twice the step; one the link held back sets a trusted estimate.
+
+So a trusted estimate costs a link queue of a few percent of one exchange in HOLD + 2, a low report
+(a partner with a slow downlink, a busy receiver) is outgrown in a few probes, and a link that got
+faster is found the same way.
 """
 
 from __future__ import annotations
@@ -33,8 +45,11 @@ from typing import Protocol
 # nominal rate (docs/config.md); what a receiver measures is payload goodput, 0.91-0.96 of the
 # nominal rate on the testbed, so the same cap is nearly all of it (docs/benchmarks.md).
 CAP_SHARE = 0.97
-LINK_LIMITED = 0.8  # a report below this share of our pace per stream was set by the link
-KEEP_FOR = 8  # exchanges an estimate caps before the next goes uncapped and measures again
+KEPT_PACE = 0.97  # a report at or above this share of our pace per stream: the link kept up
+HOLD = 8  # exchanges a trusted estimate caps before the next probes above it
+PROBE = 0.03  # the first probe's step above a trusted estimate
+CLIMB = 0.1  # the first probe's step above an estimate an unpaced send measured
+MAX_STEP = 1.0  # probes that keep up double their step up to this
 SKIP = 0.25  # share of a transfer's bytes left out of its rate (burst, slow start, waiting)
 MIN_BYTES = 256 << 10  # smaller transfers are too short to time
 MIN_SPAN = 0.02  # seconds: a rate needs the counted bytes to take at least this long
@@ -78,36 +93,49 @@ class Uplink:
 
     def __init__(self) -> None:
         self.rate: float | None = None
-        self.uses = 0  # exchanges the estimate has capped
-        self._last: Paced | None = None  # the latest exchange's pacer, whose reports may still come
+        self.step = 0.0  # how far above the estimate the next probe goes (0: none due)
+        self.held = 0  # exchanges the estimate has capped since it was set or probed
+        self._asked = 0.0  # the cap `cap()` last gave out, if it was a probe
+        self._last: tuple[Paced, float] | None = None  # the latest exchange's pacer and probe
 
     def cap(self) -> float | None:
         """Bytes/s the next exchange goes out at at most (None: no cap, it measures); asked once
         per exchange."""
         self._digest()
-        if self.rate is None or self.uses >= KEEP_FOR:
-            self.rate, self.uses = None, 0
+        if self.rate is None:
             return None
-        self.uses += 1
+        if self.held >= HOLD and not self.step:
+            self.step = PROBE
+        if self.step:
+            self._asked = CAP_SHARE * self.rate * (1 + self.step)
+            return self._asked
+        self.held += 1
         return CAP_SHARE * self.rate
 
     def track(self, pacer: Paced) -> None:
         """`pacer` sends the exchange that starts now; its partners' reports are read at the next."""
         self._digest()
-        self._last = pacer
+        self._last, self._asked = (pacer, self._asked), 0.0
 
     def _digest(self) -> None:
         if self._last is not None:
-            self.heard(self._last.rate, self._last.arrived, self._last.most_writers)
-            self._last = None
+            (pacer, probe), self._last = self._last, None
+            self.heard(pacer.rate, pacer.arrived, pacer.most_writers, probe)
 
-    def heard(self, pace: float, arrived: Sequence[float], streams: int = 1) -> None:
+    def heard(self, pace: float, arrived: Sequence[float], streams: int = 1, probe: float = 0.0) -> None:
         """Partners measured `arrived` (bytes/s) for tensors we sent at `pace` (0: unpaced) over
-        `streams` streams at once."""
+        `streams` streams at once; `probe` is the cap it tried above the estimate (0: none)."""
         reports = [r for r in arrived if MIN_RATE <= r < MAX_RATE]
         if not reports:
             return
         streams = max(1, streams)
         each = sum(reports) / len(reports)  # streams at once share the link about equally
-        if not pace or each < LINK_LIMITED * pace / streams:  # the link set the rate, not our pace
-            self.rate, self.uses = each * streams, 0
+        if not pace:  # the link set the rate, and both directions may have shared it: probe soon
+            self.rate, self.step, self.held = each * streams, CLIMB, 0
+        elif each < KEPT_PACE * pace / streams:  # the link held our pace back: that is its rate
+            self.rate, self.step, self.held = each * streams, 0.0, 0
+        elif probe and pace >= probe * (1 - 1e-9) and self.rate is not None:  # the probe kept up
+            self.rate = probe / CAP_SHARE
+            self.step, self.held = min(MAX_STEP, 2 * self.step), 0
+        # Otherwise the exchange kept to a pace at or below the cap, which says only that the link
+        # carries that much; a probe that a slower pace (the window's) hid is tried again.
