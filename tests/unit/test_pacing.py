@@ -229,6 +229,17 @@ def test_a_link_measured_low_unpaced_is_climbed_to_its_rate() -> None:
     assert uplink.rate == pytest.approx(link)
 
 
+def test_a_probe_held_back_low_keeps_the_links_last_measurement() -> None:
+    """A probe's overshoot fills the queue both directions' acknowledgements wait in, so its
+    report may read below the link: the estimate stays at the last measurement. A capped exchange
+    the link holds back lowers it."""
+    uplink = heard(1e6)  # unpaced: the next probes CLIMB above it
+    probe = sent(uplink, 0.8e6)
+    assert probe == pytest.approx(CAP_SHARE * 1e6 * (1 + CLIMB))
+    assert sent(uplink, 0.5e6) == pytest.approx(CAP_SHARE * 1e6)  # held there, then the link slowed
+    assert uplink.cap() == pytest.approx(CAP_SHARE * 0.5e6)
+
+
 def test_the_uplink_learns_from_reports_the_link_set() -> None:
     uplink = heard(2e6, pace=3e6)  # the link held a pace of 3 MB/s back to 2 MB/s: trusted
     assert sent(uplink, 0.99 * CAP_SHARE * 2e6) == pytest.approx(CAP_SHARE * 2e6)
