@@ -20,22 +20,21 @@ link's rate is the streams' mean report times the streams.
 A cap never lets an exchange arrive faster than itself, so the estimate is also probed upward,
 the way TCP probes for bandwidth:
 
-- a report below KEPT_PACE of the pace per stream (or from an unpaced send) was set by the link:
-  it becomes the estimate;
 - the first exchange goes uncapped, and both partners' tensors then cross the link at once, which
   measures it low (0.62-0.81 of a 100 Mbit/s link's rate on the testbed, docs/benchmarks.md). So
   an estimate from an unpaced send is probed at once, CLIMB above it;
-- an estimate a capped send measured is trusted: it caps HOLD exchanges, then one probes PROBE
-  above it;
-- a probe whose tensors kept to its pace raises the estimate to what it tried, and the next
-  exchange probes again with twice the step; one the link held back sets a trusted estimate, never
-  below the link's last measurement (a probe's overshoot fills the queue the partner's
-  acknowledgements wait in: on the testbed it measured 0.83 of a link whose capped sends measured
-  0.96).
+- a probe whose tensors kept to its pace (KEPT_PACE of it per stream) raises the estimate to what
+  it tried, and the next exchange probes again with twice the step;
+- a report below KEPT_PACE of the pace was set by the link: its rate becomes the estimate, which
+  caps HOLD exchanges before the next probe (PROBE above it);
+- but a partner's overshoot (its own probe, its unpaced first exchange) fills the queue that our
+  acknowledgements wait in, and the report then reads low (a probe at 102 Mbit/s on a 100 Mbit/s
+  link read 82.7, where its unpaced exchange had read 95.7): one such report is doubted, and a
+  probe that reads below the last measurement is tried again. Two in a row are believed.
 
-So a trusted estimate costs a link queue of a few percent of one exchange in HOLD + 2, a low report
+So a held estimate costs a link queue of a few percent of one exchange in HOLD + 2, a low report
 (a partner with a slow downlink, a busy receiver) is outgrown in a few probes, and a link that got
-faster is found the same way.
+faster is found the same way; one that got slower costs one exchange over it.
 """
 
 from __future__ import annotations
@@ -97,6 +96,7 @@ class Uplink:
     def __init__(self) -> None:
         self.rate: float | None = None
         self.measured = 0.0  # the last rate a report said the link set (probes raise `rate` above it)
+        self.doubt = False  # the last report read below the pace, and is not believed until another does
         self.step = 0.0  # how far above the estimate the next probe goes (0: none due)
         self.held = 0  # exchanges the estimate has capped since it was set or probed
         self._asked = 0.0  # the cap `cap()` last gave out, if it was a probe
@@ -133,17 +133,21 @@ class Uplink:
         if not reports:
             return
         streams = max(1, streams)
-        each = sum(reports) / len(reports)  # streams at once share the link about equally
+        link = streams * sum(reports) / len(reports)  # streams at once share the link about equally
         if not pace:  # the link set the rate, and both directions may have shared it: probe soon
-            self.rate = self.measured = each * streams
-            self.step, self.held = CLIMB, 0
-        elif each < KEPT_PACE * pace / streams:  # the link held our pace back: that is its rate
-            # unless this was a probe: its overshoot fills the queue that both directions'
-            # acknowledgements wait in, so it measures low, and the link's last measurement stands.
-            self.rate = self.measured = max(each * streams, self.measured if probe else 0.0)
-            self.step, self.held = 0.0, 0
+            self.rate = self.measured = link
+            self.step, self.held, self.doubt = CLIMB, 0, False
+        elif link < KEPT_PACE * pace:  # the link held our pace back
+            # A partner's overshoot (its own probe, its unpaced first exchange) fills the queue our
+            # acknowledgements wait in, which reads low once: a first low report is doubted, and a
+            # probe is tried again; a second in a row is the link's rate.
+            if self.rate is not None and not self.doubt and (not probe or link < self.measured):
+                self.doubt = True
+                return
+            self.rate = self.measured = link
+            self.step, self.held, self.doubt = 0.0, 0, False
         elif probe and pace >= probe * (1 - 1e-9) and self.rate is not None:  # the probe kept up
             self.rate = probe / CAP_SHARE
-            self.step, self.held = min(MAX_STEP, 2 * self.step), 0
-        # Otherwise the exchange kept to a pace at or below the cap, which says only that the link
-        # carries that much; a probe that a slower pace (the window's) hid is tried again.
+            self.step, self.held, self.doubt = min(MAX_STEP, 2 * self.step), 0, False
+        else:  # kept to a pace at or below the cap: the link carries that much; a probe a slower
+            self.doubt = False  # pace (the window's) hid is tried again
