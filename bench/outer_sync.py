@@ -30,7 +30,8 @@ ready, side by side for the same N, rate and stragglers.
         --methods noloco --stragglers off     # the exchange capped just under the link's rate
 
 `--caps` are shares of the link rate that the peers' exchange is capped at (peer.exchange_max_mbit;
-0: no cap), or `auto`: 93% of the rate partners measured (the default, peer/net/uplink.py). `--repeat R` runs the whole set of settings R times over, alternating, so that settings
+0: no cap), or `auto`: the cap each peer sets from what its partners measured (the default,
+peer/net/uplink.py). `--repeat R` runs the whole set of settings R times over, alternating, so that settings
 compared side by side meet the machine in the same state.
 """
 

@@ -104,7 +104,12 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--batch-size", type=int, default=2)
     ap.add_argument("--set", action="append", default=[], help="more config keys, KEY=VALUE")
-    ap.add_argument("--modes", default="map,trim,off", help="peer.release_memory values to run side by side")
+    ap.add_argument(
+        "--modes",
+        default="map,trim,off",
+        help="peer.release_memory values to run side by side; MODE+NAME=V adds glibc.malloc.NAME=V to "
+        "the peers' GLIBC_TUNABLES (e.g. thp+arena_max=1)",
+    )
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--timeline", type=Path, default=None, help="write every sample and event time here")
     args = ap.parse_args()
@@ -119,12 +124,14 @@ def main() -> None:
         **dict(kv.split("=", 1) for kv in args.set),
     }
     results = {}
-    for mode in args.modes.split(","):
+    for spec in args.modes.split(","):
+        mode, *tunables = spec.split("+")
         cfg = build_config(
             args.preset, "noloco", assignments={**assignments, "peer.release_memory": mode}, env={}
         )
-        print(f"peer.release_memory = {mode}:")
-        results[mode] = measure(cfg, args, f"{args.timeline}.{mode}" if args.timeline else None)
+        print(f"peer.release_memory = {spec}:")
+        tunables_env = ":".join(f"glibc.malloc.{t}" for t in tunables)
+        results[spec] = measure(cfg, args, f"{args.timeline}.{spec}" if args.timeline else None, tunables_env)
     result = {
         "command": "python bench/peer_memory.py " + " ".join(sys.argv[1:]),
         "preset": args.preset,
@@ -135,12 +142,15 @@ def main() -> None:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
 
 
-def measure(cfg: RunConfig, args: argparse.Namespace, timeline: str | None) -> list[dict]:
-    """Run the swarm once and sample it; one row of figures per peer."""
+def measure(cfg: RunConfig, args: argparse.Namespace, timeline: str | None, tunables: str = "") -> list[dict]:
+    """Run the swarm once and sample it; one row of figures per peer (`tunables`: glibc's, for the
+    peers' GLIBC_TUNABLES)."""
     formula = {s: estimate(cfg, s).state for s in range(cfg.num_stages)}  # 6 x 4 bytes x parameters
     # peer.* keys are each peer's own (not in the run config its launcher hands it): through its
     # environment, as a volunteer would set them.
     env = {"NOLOCO_SET": f"peer.release_memory={cfg.peer.release_memory}"}
+    if tunables:
+        env["GLIBC_TUNABLES"] = tunables
     # Each peer started from scratch (preload=False): a forked peer shares its imports' pages with the
     # preloader, which would change what RSS and PSS mean against the figures recorded before.
     with local_swarm(

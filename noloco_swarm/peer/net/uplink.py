@@ -29,8 +29,9 @@ the way TCP probes for bandwidth:
   caps HOLD exchanges before the next probe (PROBE above it);
 - but a partner's overshoot (its own probe, its unpaced first exchange) fills the queue that our
   acknowledgements wait in, and the report then reads low (a probe at 102 Mbit/s on a 100 Mbit/s
-  link read 82.7, where its unpaced exchange had read 95.7): one such report is doubted, and a
-  probe that reads below the last measurement is tried again. Two in a row are believed.
+  link read 82.7, where its unpaced exchange had read 95.7). Partners probe at the same exchanges,
+  so a probe never lowers the estimate below the last measurement, and a capped exchange's low
+  report is doubted once: two in a row are believed.
 
 So a held estimate costs a link queue of a few percent of one exchange in HOLD + 2, a low report
 (a partner with a slow downlink, a busy receiver) is outgrown in a few probes, and a link that got
@@ -139,12 +140,13 @@ class Uplink:
             self.step, self.held, self.doubt = CLIMB, 0, False
         elif link < KEPT_PACE * pace:  # the link held our pace back
             # A partner's overshoot (its own probe, its unpaced first exchange) fills the queue our
-            # acknowledgements wait in, which reads low once: a first low report is doubted, and a
-            # probe is tried again; a second in a row is the link's rate.
-            if self.rate is not None and not self.doubt and (not probe or link < self.measured):
+            # acknowledgements wait in, which reads low: a probe (partners probe at the same
+            # exchanges) never lowers the estimate below the last measurement, and a capped
+            # exchange's first low report is doubted; a second in a row is the link's rate.
+            if self.rate is not None and not probe and not self.doubt:
                 self.doubt = True
                 return
-            self.rate = self.measured = link
+            self.rate = self.measured = max(link, self.measured) if probe else link
             self.step, self.held, self.doubt = 0.0, 0, False
         elif probe and pace >= probe * (1 - 1e-9) and self.rate is not None:  # the probe kept up
             self.rate = probe / CAP_SHARE
