@@ -287,6 +287,16 @@ class Rejected(Event):
 
 
 @dataclass(frozen=True)
+class Declined(Event):
+    """A partner avoids us at the outer step after inner step `step` (it rejected our weights
+    lately: its `rejected` event) and said so, at once: we stepped without it, without waiting."""
+
+    KIND: ClassVar[str] = "declined"
+    step: int
+    peer: str
+
+
+@dataclass(frozen=True)
 class Retried(Event):
     """A forward or outer exchange call whose stream broke was made again (the peer still answers)."""
 

@@ -32,8 +32,9 @@ import torch
 # the step before that stage 0 feeds again (`carried`); 6: status answers say which microbatch
 # a receiver collected last (`collected`), so a peer that fell behind sends it nothing stale;
 # 7: forward rows in the subspace format (bf16 coefficients with int32 token windows);
-# 8: an exchange's confirmation and receipt say how fast the other side's tensors arrived (`rate`)
-PROTOCOL_VERSION = 8
+# 8: an exchange's confirmation and receipt say how fast the other side's tensors arrived (`rate`);
+# 9: a caller that avoids its callee says so (`rpc_decline`), which a version-8 peer would refuse
+PROTOCOL_VERSION = 9
 MAX_MESSAGE_BYTES = 1 << 20  # headers only; tensor payloads are streamed separately
 MAX_SEQUENCE = 1 << 16
 MAX_STRING = 4096

@@ -143,6 +143,30 @@ class ExchangeHeader(Message):
 
 
 @dataclass(frozen=True)
+class Decline(Message):
+    """The caller of an exchange will not call: it avoids the callee (it rejected the callee's
+    outer weights lately), which may step without it at once. Names the exchange as its header
+    would; answered with an Ack."""
+
+    TAG: ClassVar[str] = "decline"
+    run_id: str
+    round: int
+    step: int
+    stage: int
+    phase: int = 0
+
+    def __post_init__(self) -> None:
+        check_run_id(self.run_id)
+        check_counters(self.round, self.step, self.stage)
+        if self.phase not in (0, 1, 2):
+            raise ValueError(f"an exchange has phases 0, 1 and 2, not {self.phase}")
+
+    @property
+    def key(self) -> tuple[int, ...]:
+        return exchange_key(self.round, self.step, self.phase)
+
+
+@dataclass(frozen=True)
 class StateRequest(Message):
     """A joining peer asks a live replica of `stage` for the manifest of its state at `round`."""
 

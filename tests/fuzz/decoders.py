@@ -47,6 +47,7 @@ EXAMPLES: list[codec.Message] = [
     rpc.ChunkRequest("run-1", 1, 7, HASH, 11),
     rpc.StateChunk("run-1", 1, 7, HASH, 11, codec.TensorMeta((4,), "float32")),
     rpc.StatusRequest("run-1"),
+    rpc.Decline("run-1", 2, 150, 1, 2),
     rpc.PeerStatus("run-1", "12D3KooWabc", 0, 71, 7, 1, 7, 9088, 4.5, True, 70),
     rpc.ErrorReply("busy", "try again next round"),
     rpc.Ack("received"),

@@ -67,6 +67,7 @@ VERB_OF = {
     "fetch_chunk": "rpc_fetch_chunk",
     "status": "rpc_status",
     "exchange": "rpc_exchange",
+    "decline": "rpc_decline",
 }
 
 
@@ -275,6 +276,7 @@ def _requests() -> list[codec.Message]:
         rpc.ExchangeHeader(
             cfg.peer.run_id, 0, 8, 1, 0, ("theta",), codec.TensorMeta((8,), "float32"), 1 << 20
         ),
+        rpc.Decline(cfg.peer.run_id, 0, 4, 1),
     ]
 
 
@@ -285,6 +287,7 @@ VERBS = (
     "rpc_fetch_chunk",
     "rpc_status",
     "rpc_exchange",
+    "rpc_decline",
     "rpc_nope",
     "reply",
 )
@@ -300,6 +303,7 @@ def inbound(draw: st.DrawFn) -> tuple[str, bytes, list[int]]:
         "forward": CALLER,
         "eval": CALLER,
         "exchange": JOINER,
+        "decline": JOINER,
         "fetch_state": JOINER,
         "fetch_chunk": JOINER,
     }

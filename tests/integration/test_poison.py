@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from noloco_swarm.harness.local import local_swarm, wait
-from noloco_swarm.peer.events import Membership, Outer, PeerGone, Rejected, Step, of_kind
+from noloco_swarm.peer.events import Declined, Membership, Outer, PeerGone, Rejected, Step, of_kind
+from noloco_swarm.peer.net import identity
 from noloco_swarm.sim.engine import Simulator
 from noloco_swarm.sim.run import data_batches
 from noloco_swarm.train.config import RunConfig
@@ -101,3 +102,51 @@ def test_a_hostile_members_poisoned_thetas_are_rejected_and_its_partner_trains_o
         assert loss is not None and math.isfinite(loss), (t, loss)
         assert abs(loss - expected[t][rank]) <= LOSS_TOLERANCE, (t, loss, expected[t][rank], trouble)
     assert losses[1] == pytest.approx(expected[1][rank], abs=1e-5)  # the same run until poisoned
+
+
+def test_a_member_avoided_as_callee_on_stage_0_is_told_and_steps_alone_at_once(
+    cache: Path, one_thread: None, tmp_path: Path
+) -> None:
+    """Two stages, two replicas; the liar is stage 0's callee (the higher peer id of the pair: the
+    lower rank calls). Its first exchange carries theta x 1000: its partner rejects it and avoids
+    it at the next two outer steps. Where it avoids the liar it does not call, and says so at
+    once: the liar's wait for the call ends with that word (a `declined` event naming the
+    partner), not with its deadline or a probe, and the liar steps alone. Before, the liar waited
+    as callee while stage 1 waited for its rows: every peer stood for the 10 s minimum deadline
+    at such boundaries (issue 36)."""
+    avoid = 2
+    cfg = small(
+        "noloco",
+        **{"outer.inner_steps": "2", "inner.total_steps": "8", "outer.avoid_rounds": str(avoid)},
+    )
+    keys = {d: tmp_path / f"peer-0-{d}.key" for d in range(2)}  # where a durable swarm looks
+    for key in keys.values():
+        identity.generate(key)
+    ids = {d: identity.load(key).peer_id for d, key in keys.items()}
+    liar = max(ids, key=lambda d: ids[d])  # rank 1 of stage 0: the callee
+    hostile_env = {"NOLOCO_FAILPOINTS": "poison_scale:rpc_exchange=1"}
+    with local_swarm(
+        cfg,
+        8,
+        step_timeout=60,
+        workdir=tmp_path,
+        durable=True,
+        peer_env=lambda stage, replica: hostile_env if (stage, replica) == (0, liar) else {},
+    ) as swarm:
+        wait(swarm, timeout=300)
+        trouble = troubles(swarm)
+        by = {(p.stage, p.replica): p.events() for p in swarm.peers}
+    honest, hostile = by[(0, 1 - liar)], by[(0, liar)]
+    assert [(e.step, e.peer) for e in of_kind(honest, Rejected)] == [(2, ids[liar])], trouble
+    avoided = [4, 6]  # outer.avoid_rounds = 2 after the rejection at step 2
+    assert [(e.step, e.peer) for e in of_kind(hostile, Declined)] == [(t, ids[1 - liar]) for t in avoided], (
+        trouble
+    )
+    for events_, partner in ((honest, 1), (hostile, 0)):  # alone at 4 and 6 (and the honest one at 2)
+        failed = {e.step: e.failed for e in of_kind(events_, Outer)}
+        assert sorted(failed) == [2, 4, 6, 8], (failed, trouble)
+        assert failed[4] == failed[6] == [partner] and failed[8] == [], (failed, trouble)
+        assert failed[2] == ([partner] if events_ is honest else []), (failed, trouble)
+    assert not of_kind(honest, Declined), "the honest partner was never avoided"
+    for p_events in by.values():
+        assert not of_kind(p_events, PeerGone), trouble  # nobody waited out a deadline or a probe

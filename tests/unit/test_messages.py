@@ -34,6 +34,8 @@ EXAMPLES: list[codec.Message] = [
     rpc.ChunkRequest("run-1", 1, 7, "a" * 64, 11),
     rpc.StateChunk("run-1", 1, 7, "a" * 64, 11, codec.TensorMeta((1,), "float32")),
     rpc.StatusRequest("run-1"),
+    rpc.Decline("run-1", 2, 150, 1),
+    rpc.Decline("run-1", 2, 150, 1, 2),
     rpc.PeerStatus("run-1", "12D3KooWabc", 0, 71, 7, 1, 7, 9088, 4.5),
     rpc.PeerStatus("run-1", "12D3KooWabc", 0, 0, 0, 0, 0, 0, None),
     rpc.PeerStatus("run-1", "12D3KooWabc", 1, 71, 7, 1, 7, 9088, 4.5, collected=(71, 1)),

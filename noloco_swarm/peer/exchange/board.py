@@ -21,15 +21,18 @@ import torch
 from noloco_swarm.peer import failpoints
 from noloco_swarm.peer.net import streams
 from noloco_swarm.peer.net.limits import Accepts
-from noloco_swarm.peer.net.streams import InboundStream, PeerUnavailable, Refused, StreamClosed
+from noloco_swarm.peer.net.streams import InboundStream, PeerUnavailable, Refused, RemoteRefused, StreamClosed
 from noloco_swarm.peer.net.transport import Transport
 from noloco_swarm.peer.net.uplink import Arrivals, Uplink
 from noloco_swarm.protocol import plausible
 from noloco_swarm.protocol.codec import Message, MessageError, TensorMeta
 from noloco_swarm.protocol.plausible import Implausible
-from noloco_swarm.protocol.rpc import Ack, Envelope, ExchangeHeader
+from noloco_swarm.protocol.rpc import Ack, Decline, Envelope, ExchangeHeader
 
 VERB = "rpc_exchange"
+# A caller that avoids its callee (its weights were rejected lately) says so at once with this
+# verb, so that the callee steps alone instead of waiting for a call that will not come.
+DECLINE = "rpc_decline"
 Key = tuple[int, ...]  # protocol.plan.exchange_key: (outer round, inner step[, phase])
 Tensors = tuple[torch.Tensor, ...]
 # Failed slots a caller's implausible weights may create before the local peer asked for them.
@@ -68,7 +71,9 @@ class ExchangeBoard:
         self._retired: Key | None = None  # newest finished key; older ones are refused
         self._paces: dict[Key, streams.Pacer] = {}  # the pace our answers for a key go out at
         self.avoidance = plausible.Avoidance()  # members whose weights we rejected lately
+        self._declines: set[asyncio.Task[None]] = set()  # our declines still on their way
         transport.register_stream(VERB, self._serve, on_close=self.close, accepts=Accepts.weights(numel))
+        transport.register(DECLINE, self._declined)
 
     # -- the local peer's side -------------------------------------------------------------
 
@@ -131,6 +136,36 @@ class ExchangeBoard:
         )
         return tuple(theirs)
 
+    def decline(self, peer: str, header: ExchangeHeader, *, timeout: float) -> None:
+        """Tell the callee `peer` now that we will not call it for the exchange `header` names
+        (we avoid it), so that it steps alone at once; sent in the background. A callee that
+        does not hear it waits out its deadline as before."""
+        task = asyncio.create_task(_send_decline(self.transport, peer, header, timeout))
+        self._declines.add(task)
+        task.add_done_callback(self._declines.discard)
+
+    async def _declined(
+        self, peer: str, header: Message, tensors: list[torch.Tensor]
+    ) -> tuple[Message, list[torch.Tensor]]:
+        """`peer`, our caller for the exchange `header` names, will not call: it avoids us. The
+        local peer's wait for that call (now or when it comes to it) ends with RemoteRefused."""
+        if not isinstance(header, Decline):
+            raise MessageError(f"{DECLINE} needs a decline, got {header.TAG!r}")
+        key, slot = header.key, (header.key, peer)
+        if self._retired is not None and key <= self._retired:
+            return Ack(), []  # that exchange is over here already
+        future = self._received.get(slot)
+        if future is None and slot not in self._received and len(self._received) < REJECTED_SLOTS:
+            future = self._received[slot] = asyncio.get_running_loop().create_future()
+        if future is not None and not future.done():
+            future.set_exception(
+                RemoteRefused(
+                    peer, "avoided", f"{peer} rejected our outer weights lately and steps without us"
+                )
+            )
+            future.exception()  # retrieved: the local peer may not be waiting yet
+        return Ack(), []
+
     def serving(self, key: Key, peer: str) -> bool:
         """Is a call of `peer`'s for exchange `key` being served right now?"""
         return (key, peer) in self._serving
@@ -154,6 +189,8 @@ class ExchangeBoard:
     def close(self) -> None:
         for key in self._keys():
             self.forget(key)
+        for task in self._declines:
+            task.cancel()
 
     def _keys(self) -> set[Key]:
         """Every exchange this board holds anything of."""
@@ -304,6 +341,12 @@ class ExchangeBoard:
         finally:
             receiving.cancel()
             await asyncio.gather(receiving, return_exceptions=True)
+
+
+async def _send_decline(transport: Transport, peer: str, h: ExchangeHeader, timeout: float) -> None:
+    decline = Decline(h.run_id, h.round, h.step, h.stage, h.phase)
+    with contextlib.suppress(PeerUnavailable, RemoteRefused, MessageError, OSError, TimeoutError):
+        await transport.call(peer, DECLINE, decline, timeout=timeout)
 
 
 async def _given(tensors: Tensors) -> Tensors:

@@ -10,8 +10,9 @@ reported if it does not answer), RemoteRefused, MessageError (it sent garbage: n
 Implausible (it sent weights that fail protocol/plausible.py: non-finite, of another shape or
 dtype, or too far from our slow weights). A member that fails is left out of this step's mean; the
 replica steps with the rest (alone, when that was its only partner). An implausible member is
-reported (`Rejected`) and avoided for `outer.avoid_rounds` outer steps: we do not call it and
-refuse its calls at once, so neither side waits for the other. The checks only read the tensors:
+reported (`Rejected`) and avoided for `outer.avoid_rounds` outer steps: we refuse its calls at
+once, and where we would call it we tell it at once that we will not (`board.decline`), so neither
+side waits for the other. The checks only read the tensors:
 an honest swarm's weights are the simulator's, bit for bit.
 
 With `outer.overlap_steps` = k > 0 the exchange of boundary t runs in the background while the
@@ -222,9 +223,9 @@ class OuterExchange:
         ctx, peer = self.ctx, self.members[m]
         if peer in ctx.rounds.dead:
             return PeerUnavailable(f"{peer} is gone")
-        if self.board.avoidance.avoided(peer, self.plan.step):
-            return Avoided(f"{peer}'s outer weights were rejected lately")
-        ours = failpoints.poison(VERB, key, ours)  # a test's hostile member lies here (or below)
+        avoided = self.board.avoidance.avoided(peer, self.plan.step)
+        if not avoided:
+            ours = failpoints.poison(VERB, key, ours)  # a test's hostile member lies here (or below)
         header = ExchangeHeader(
             run_id=ctx.run_id,
             round=self.round,
@@ -236,6 +237,10 @@ class OuterExchange:
             chunk_bytes=ctx.transport.config.part_bytes,
             phase=phase,
         )
+        if avoided:  # it would wait for our call as callee: tell it not to (it calls: refused)
+            if self.plan.calls(m):
+                self.board.decline(peer, header, timeout=ctx.deadlines.exchange)
+            return Avoided(f"{peer}'s outer weights were rejected lately")
         if not self.plan.calls(m):
             try:
                 return await self._await_caller(key, peer)
@@ -307,6 +312,9 @@ class OuterExchange:
                     detail=str(error),
                 )
             )
+        elif isinstance(error, RemoteRefused) and error.code == "avoided":
+            logger.warning("%s avoids us at the outer step of step %d: stepping without it", peer, t)
+            self.ctx.events.emit(events.Declined(step=t, peer=peer))
         elif isinstance(error, PeerUnavailable):
             await self.ctx.rounds.suspect(peer, f"outer exchange at step {t} failed: {error}")
         elif isinstance(error, MessageError):
