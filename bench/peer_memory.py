@@ -15,7 +15,8 @@ Per peer it reports:
   peak - idle    what training adds, over the formula
 and the exchange's seconds and bytes and the mean inner step, from the peers' own events.
 
-    python bench/peer_memory.py --out docs/results/peer_memory.json     # map, trim and off side by side
+    python bench/peer_memory.py --modes thp,map,off --repeat 2 --out docs/results/peer_memory.json
+    python bench/peer_memory.py --modes thp,thp+arena_max=2   # a glibc tunable added to a setting
     python bench/peer_memory.py --preset tiny --steps 6 --inner-steps 3      # a quick look
 """
 
@@ -110,6 +111,7 @@ def main() -> None:
         help="peer.release_memory values to run side by side; MODE+NAME=V adds glibc.malloc.NAME=V to "
         "the peers' GLIBC_TUNABLES (e.g. thp+arena_max=1)",
     )
+    ap.add_argument("--repeat", type=int, default=1, help="run the modes this many times over, alternating")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--timeline", type=Path, default=None, help="write every sample and event time here")
     args = ap.parse_args()
@@ -123,19 +125,44 @@ def main() -> None:
         **({"model.vocab_size": "4096"} if args.preset != "tiny" else {}),
         **dict(kv.split("=", 1) for kv in args.set),
     }
-    results = {}
-    for spec in args.modes.split(","):
-        mode, *tunables = spec.split("+")
-        cfg = build_config(
-            args.preset, "noloco", assignments={**assignments, "peer.release_memory": mode}, env={}
+    results: dict[str, list[dict]] = {}
+    for repeat in range(args.repeat):
+        for spec in args.modes.split(","):
+            mode, *tunables = spec.split("+")
+            cfg = build_config(
+                args.preset, "noloco", assignments={**assignments, "peer.release_memory": mode}, env={}
+            )
+            print(f"peer.release_memory = {spec} (run {repeat + 1} of {args.repeat}):")
+            tunables_env = ":".join(f"glibc.malloc.{t}" for t in tunables)
+            timeline = f"{args.timeline}.{spec}.{repeat}" if args.timeline else None
+            rows = measure(cfg, args, timeline, tunables_env)
+            results.setdefault(spec, []).extend({**row, "repeat": repeat} for row in rows)
+    # Per setting, over every peer of every run: the medians the claims are made of, and the step
+    # time over the fastest setting's.
+    summary = {
+        spec: {
+            "training_over_formula": statistics.median(r["training_over_formula"] for r in rows),
+            "training_over_formula_range": [
+                min(r["training_over_formula"] for r in rows),
+                max(r["training_over_formula"] for r in rows),
+            ],
+            "inner_step_seconds": statistics.median(r["inner_step_seconds"] for r in rows),
+        }
+        for spec, rows in results.items()
+    }
+    fastest = min(s["inner_step_seconds"] for s in summary.values())
+    for spec, s in summary.items():
+        s["step_over_fastest"] = s["inner_step_seconds"] / fastest
+        print(
+            f"{spec}: training adds {s['training_over_formula']:.2f}x of the formula (median; "
+            f"{s['training_over_formula_range'][0]:.2f}-{s['training_over_formula_range'][1]:.2f}), "
+            f"inner step {s['inner_step_seconds']:.2f} s = {s['step_over_fastest']:.3f}x the fastest"
         )
-        print(f"peer.release_memory = {spec}:")
-        tunables_env = ":".join(f"glibc.malloc.{t}" for t in tunables)
-        results[spec] = measure(cfg, args, f"{args.timeline}.{spec}" if args.timeline else None, tunables_env)
     result = {
         "command": "python bench/peer_memory.py " + " ".join(sys.argv[1:]),
         "preset": args.preset,
         "assignments": assignments,
+        "summary": summary,
         "by_release_memory": results,
     }
     if args.out:

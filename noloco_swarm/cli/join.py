@@ -77,7 +77,8 @@ def run_join(
         from noloco_swarm.peer.net.lifetime import STARTED_WITH_HUGE_PAGES, huge_pages_unavailable
 
         why = huge_pages_unavailable() or (None if STARTED_WITH_HUGE_PAGES else "GLIBC_TUNABLES lacks it")
-        console.print(f"peer.release_memory = thp: huge pages {'on' if why is None else f'off: {why}'}")
+        said = "on" if why is None else f"off ({why}): freed memory is handled as with map"
+        console.print(f"peer.release_memory = thp: huge pages {said}")
     if net.announce_maddrs:
         console.print(f"announcing {', '.join(net.announce_maddrs)} to other peers")
     if not net.use_relay:

@@ -24,6 +24,7 @@ from noloco_swarm.peer.context import PeerContext
 from noloco_swarm.peer.exchange.board import ExchangeBoard
 from noloco_swarm.peer.exchange.ledger import ByteLedger
 from noloco_swarm.peer.exchange.runner import OuterExchange
+from noloco_swarm.peer.net.lifetime import trim_heap
 from noloco_swarm.protocol.plausible import SLICE
 
 
@@ -123,6 +124,8 @@ async def start_outer_step(
     rank = view.rank_of(ctx.me)[1]
     plan = ctx.run_plan.outer_plan(t, rank, len(view.stages[ctx.stage]))
     assert plan is not None, "only methods with an outer step get here"
+    if ctx.cfg.peer.release_memory == "thp":  # the heap's freed blocks, before the exchange's copies
+        await asyncio.to_thread(trim_heap)
     theta = await asyncio.to_thread(ctx.replica.theta)  # a copy: training may change the weights
     exchange = OuterExchange(ctx, board, plan, view.round, drift, paced=paced)
     return PendingOuter(ctx, exchange, theta, ledger)

@@ -122,11 +122,13 @@ class PeerConfig:
     """Outer steps between checkpoints."""
     checkpoint_keep: int = 3
     """Checkpoints kept; older ones are deleted after each write."""
-    release_memory: str = "map"
-    """How the peer process hands freed memory back to the system: map (blocks of 1.125 MiB and more
-    get mappings of their own, returned when freed), thp (blocks of 4 MiB and more, and malloc on
-    transparent huge pages: glibc's tunable, so `noloco join` starts itself again with it; faster,
-    more memory), trim (malloc_trim after every inner step) or off (glibc's own)."""
+    release_memory: str = "thp"
+    """How the peer process hands freed memory back to the system: thp (blocks of 2 MiB and more
+    get mappings of their own, returned when freed, and malloc works on transparent huge pages with
+    one arena and trims its heap at every boundary: glibc's tunables, so `noloco join` starts itself
+    again with them; where huge pages do not work it is map), map (blocks of 1.125 MiB and more
+    get mappings of their own: the leanest, and slower), trim (malloc_trim after every inner step)
+    or off (glibc's own: fast, and keeps what it frees)."""
     event_loop: str = "uvloop"
     """The peer's asyncio event loop: uvloop (libuv-based, the default) or asyncio (the standard one)."""
     cpus: str = ""

@@ -14,7 +14,7 @@ import pytest
 
 from noloco_swarm.harness.local import end_group
 from noloco_swarm.harness.preload import Forked, Preloader, command, fork_peer, shared
-from noloco_swarm.peer.net.lifetime import HUGE_PAGES, allocator_env
+from noloco_swarm.peer.net.lifetime import HUGE_PAGES, ONE_ARENA, allocator_env
 
 pytestmark = pytest.mark.integration
 
@@ -119,9 +119,8 @@ def test_a_thp_peer_starts_with_glibcs_huge_page_tunable_whether_started_or_fork
         # preloader's that the other was forked from.
         preloader = shared(allocator_env("thp", env))
         for pid in (started.pid, preloader.process.pid):
-            assert f"GLIBC_TUNABLES={HUGE_PAGES}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(
-                b"\0"
-            )
+            tunables = f"GLIBC_TUNABLES={ONE_ARENA}:{HUGE_PAGES}".encode()
+            assert tunables in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     finally:
         end_group(started)
         if forked is not None:
@@ -132,5 +131,6 @@ def test_huge_pages_join_the_tunables_already_set() -> None:
     env = allocator_env(
         "thp", {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0:glibc.malloc.arena_max=2", "A": "b"}
     )
-    assert env == {"GLIBC_TUNABLES": f"glibc.malloc.arena_max=2:{HUGE_PAGES}", "A": "b"}
+    assert env == {"GLIBC_TUNABLES": f"glibc.malloc.arena_max=2:{HUGE_PAGES}", "A": "b"}  # theirs kept
+    assert allocator_env("thp", {"A": "b"}) == {"GLIBC_TUNABLES": f"{ONE_ARENA}:{HUGE_PAGES}", "A": "b"}
     assert allocator_env("map", {"A": "b"}) == {"A": "b"}

@@ -228,7 +228,7 @@ class DHT(hivemind.DHT):
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 MAP_THRESHOLD = 1152 * 1024  # just above the transport's 1 MiB parts, which stay in the heap
-THP_MAP_THRESHOLD = 4 << 20  # peer.release_memory = thp: activation-sized blocks stay in the heap
+THP_MAP_THRESHOLD = 2 << 20  # peer.release_memory = thp: smaller blocks stay in the heap
 # peer.release_memory = thp: glibc's tunable that makes malloc ask for transparent huge pages on
 # its heap and its mappings, so a block mapped again costs 2 MiB faults, not 4 KiB ones
 # (bench/allocator.py). glibc reads its tunables once, as a process starts, so `noloco join` starts
@@ -236,19 +236,25 @@ THP_MAP_THRESHOLD = 4 << 20  # peer.release_memory = thp: activation-sized block
 # started with it (harness/preload.py). Whether this process started with it is seen on import: a
 # peer forked from the preloader has the preloader's malloc, whatever its os.environ says later.
 HUGE_PAGES = "glibc.malloc.hugetlb=1"
+# With thp, one arena for every thread: blocks under the mapping threshold stay in the heap, and a
+# thread's own arena (the exchange's, the transport's) keeps what it freed out of the training
+# thread's reach: 0.13x of the state less at the peak, at the same step time (bench/peer_memory.py).
+ONE_ARENA = "glibc.malloc.arena_max=1"
 STARTED_WITH_HUGE_PAGES = HUGE_PAGES in os.environ.get("GLIBC_TUNABLES", "").split(":")
 RESTARTED = "NOLOCO_ALLOCATOR_RESTARTED"
 
 
 def allocator_env(mode: str, env: dict[str, str]) -> dict[str, str]:
     """`env` with what a process of `mode` (peer.release_memory) must start with: for thp, glibc's
-    huge-page tunable in GLIBC_TUNABLES; `env` itself otherwise."""
+    huge-page tunable in GLIBC_TUNABLES, and one arena unless `env` chose a number; `env` itself
+    otherwise."""
     if mode != "thp":
         return env
     tunables = [
         t for t in env.get("GLIBC_TUNABLES", "").split(":") if t and not t.startswith("glibc.malloc.hugetlb=")
     ]
-    return env | {"GLIBC_TUNABLES": ":".join([*tunables, HUGE_PAGES])}
+    arenas = [] if any(t.startswith("glibc.malloc.arena_max=") for t in tunables) else [ONE_ARENA]
+    return env | {"GLIBC_TUNABLES": ":".join([*tunables, *arenas, HUGE_PAGES])}
 
 
 THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -297,9 +303,13 @@ def _glibc() -> ctypes.CDLL | None:
 
 def release_memory(mode: str) -> bool:
     """Set up how this process hands freed memory back (peer.release_memory): `map` gives blocks
-    of MAP_THRESHOLD and more their own mapping, `thp` those of THP_MAP_THRESHOLD and more (on huge
-    pages if the process started with HUGE_PAGES). False where there is nothing to set."""
+    of MAP_THRESHOLD and more their own mapping, `thp` those of THP_MAP_THRESHOLD and more, on huge
+    pages, if the process started with HUGE_PAGES (else it is `map`: without huge pages every
+    mapped block costs 4 KiB faults, and only the lean setting is worth them). False where there
+    is nothing to set."""
     libc = _glibc()
+    if mode == "thp" and not STARTED_WITH_HUGE_PAGES:
+        mode = "map"
     threshold = {"map": MAP_THRESHOLD, "thp": THP_MAP_THRESHOLD}.get(mode)
     if threshold is None or libc is None:
         return False
