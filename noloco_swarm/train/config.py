@@ -123,7 +123,7 @@ class PeerConfig:
     checkpoint_keep: int = 3
     """Checkpoints kept; older ones are deleted after each write."""
     release_memory: str = "thp"
-    """How the peer process hands freed memory back to the system: thp (blocks of 2 MiB and more
+    """How the peer process hands freed memory back to the system: thp (blocks of 4 MiB and more
     get mappings of their own, returned when freed, and malloc works on transparent huge pages with
     one arena and trims its heap at every boundary: glibc's tunables, so `noloco join` starts itself
     again with them; where huge pages do not work it is map), map (blocks of 1.125 MiB and more

@@ -58,18 +58,18 @@ def mapped(nbytes):
     libc.free(block)
     return after > before
 
-print(mapped(1536 << 10), mapped(3 << 20))
+print(mapped(3 << 20), mapped(6 << 20))
 """
 
 
 @pytest.mark.parametrize(
     ("tunables", "expected"),
     [
-        ("glibc.malloc.hugetlb=1", "False True"),  # 1.5 MiB stays in the heap, 3 MiB is mapped
+        ("glibc.malloc.hugetlb=1", "False True"),  # 3 MiB stays in the heap, 6 MiB is mapped
         ("", "True True"),  # no huge pages: as map, both are mapped
     ],
 )
-def test_thp_maps_blocks_of_2_mib_on_huge_pages_and_is_map_without_them(tunables: str, expected: str) -> None:
+def test_thp_maps_blocks_of_4_mib_on_huge_pages_and_is_map_without_them(tunables: str, expected: str) -> None:
     from noloco_swarm.peer.net.lifetime import huge_pages_unavailable
 
     if tunables and (why := huge_pages_unavailable()):

@@ -228,7 +228,7 @@ class DHT(hivemind.DHT):
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 MAP_THRESHOLD = 1152 * 1024  # just above the transport's 1 MiB parts, which stay in the heap
-THP_MAP_THRESHOLD = 2 << 20  # peer.release_memory = thp: smaller blocks stay in the heap
+THP_MAP_THRESHOLD = 4 << 20  # peer.release_memory = thp: smaller blocks stay in the heap
 # peer.release_memory = thp: glibc's tunable that makes malloc ask for transparent huge pages on
 # its heap and its mappings, so a block mapped again costs 2 MiB faults, not 4 KiB ones
 # (bench/allocator.py). glibc reads its tunables once, as a process starts, so `noloco join` starts
