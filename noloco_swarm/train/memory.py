@@ -12,7 +12,7 @@ Known limits: the activation term counts the tensors a Llama layer keeps per tok
 q/k/v, attention output, the SwiGLU's three ffn-wide tensors) and, under eager attention, the
 T x T probabilities; allocator slack and the outer exchange's two stage-sized copies (our theta
 snapshot and the partner's) are not counted. Measured (bench/peer_memory.py, small preset on
-the CPU), a peer's own process peaks at 1.2-1.5x of the state term beyond its idle size,
+the CPU), a peer's own process peaks at 1.2-1.3x of the state term beyond its idle size,
 depending on peer.release_memory (docs/benchmarks.md).
 It is meant for "does this fit", not for sizing to the last megabyte, and errs high: a
 microbatch's logits, log-softmax and gradient are counted as alive at once, which has not yet been
