@@ -118,9 +118,13 @@ def test_a_thp_peer_starts_with_glibcs_huge_page_tunable_whether_started_or_fork
         # The restarted process's own environment (its exec's) holds the tunable, as does the
         # preloader's that the other was forked from.
         preloader = shared(allocator_env("thp", env))
+        # (glibc writes a NUL over each ':' of GLIBC_TUNABLES in the process's first copy of its
+        # environment, the one /proc shows, as it parses them: read them back joined.)
         for pid in (started.pid, preloader.process.pid):
-            tunables = f"GLIBC_TUNABLES={ONE_ARENA}:{HUGE_PAGES}".encode()
-            assert tunables in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            tunables = f"\0GLIBC_TUNABLES={ONE_ARENA}:{HUGE_PAGES}\0".encode()
+            assert tunables in b"\0" + Path(f"/proc/{pid}/environ").read_bytes().replace(
+                b"\0glibc.", b":glibc."
+            )
     finally:
         end_group(started)
         if forked is not None:

@@ -301,3 +301,28 @@ def test_arrivals_time_the_transfer_after_its_first_quarter() -> None:
     for now in times[:8]:
         incomplete.got(65536, now)
     assert incomplete.rate() == 0.0
+
+
+def test_a_probe_is_judged_by_its_slowest_stream() -> None:
+    """Two streams share the pace: one report far above it must not pass a probe the other fell
+    short of (a high report would otherwise lift the cap a probe at a time)."""
+    uplink = heard(1e6, pace=2e6)  # held back at 1 MB/s: trusted
+    for _ in range(HOLD):
+        assert sent(uplink, 0) == pytest.approx(CAP_SHARE * 1e6)
+    probe = uplink.cap()
+    assert probe == pytest.approx(CAP_SHARE * 1e6 * (1 + PROBE))
+    uplink.track(pacer := Pacer(probe or 0.0))
+    pacer.most_writers = 2
+    pacer.arrived += [0.4 * (probe or 0.0), 5 * (probe or 0.0)]  # one slow, one reading high
+    uplink.cap()
+    assert uplink.rate == pytest.approx(1e6)  # not raised: the slow stream's 0.4 x 2 is below it
+
+
+def test_a_probe_that_kept_up_is_a_floor_for_later_ones() -> None:
+    """A probe that kept to its pace showed the link carries that much: a later probe that reads
+    lower (a partner overshooting at the same time) keeps at least that rate."""
+    uplink = heard(1e6)  # unpaced: the next probes CLIMB above it
+    first = sent(uplink, 0)  # kept to its pace
+    assert first == pytest.approx(CAP_SHARE * 1e6 * (1 + CLIMB))
+    assert sent(uplink, 0.5e6) == pytest.approx(CAP_SHARE * 1e6 * (1 + CLIMB) * (1 + 2 * CLIMB))
+    assert uplink.cap() == pytest.approx(CAP_SHARE * (first or 0.0))  # held at what the first carried

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Awaitable, Callable
 
@@ -29,6 +30,8 @@ from noloco_swarm.protocol.codec import Message, MessageError, TensorMeta
 from noloco_swarm.protocol.plausible import Implausible
 from noloco_swarm.protocol.rpc import Ack, Decline, Envelope, ExchangeHeader
 
+logger = logging.getLogger(__name__)
+
 VERB = "rpc_exchange"
 # A caller that avoids its callee (its weights were rejected lately) says so at once with this
 # verb, so that the callee steps alone instead of waiting for a call that will not come.
@@ -37,6 +40,7 @@ Key = tuple[int, ...]  # protocol.plan.exchange_key: (outer round, inner step[, 
 Tensors = tuple[torch.Tensor, ...]
 # Failed slots a caller's implausible weights may create before the local peer asked for them.
 REJECTED_SLOTS = 16
+EARLY_DECLINES = 16  # callers whose decline came before the local peer waited for their call
 # Seconds a callee waits for the caller's receipt of its answer; without one it keeps the answer
 # (for a call again) until a newer exchange.
 RECEIPT_WAIT = 10.0
@@ -72,6 +76,7 @@ class ExchangeBoard:
         self._paces: dict[Key, streams.Pacer] = {}  # the pace our answers for a key go out at
         self.avoidance = plausible.Avoidance()  # members whose weights we rejected lately
         self._declines: set[asyncio.Task[None]] = set()  # our declines still on their way
+        self._declined_early = EarlyDeclines()  # declines that came before the local peer waited
         transport.register_stream(VERB, self._serve, on_close=self.close, accepts=Accepts.weights(numel))
         transport.register(DECLINE, self._declined)
 
@@ -110,6 +115,8 @@ class ExchangeBoard:
         slot = (key, peer)
         if slot in self._received and self._received[slot] is None:
             raise RuntimeError(f"exchange {key} with {peer} was already delivered")
+        if self._declined_early.take(peer, key):
+            raise _avoided_by(peer)
         future = self._received.get(slot) or asyncio.get_running_loop().create_future()
         self._received[slot] = future
         try:
@@ -155,15 +162,11 @@ class ExchangeBoard:
         if self._retired is not None and key <= self._retired:
             return Ack(), []  # that exchange is over here already
         future = self._received.get(slot)
-        if future is None and slot not in self._received and len(self._received) < REJECTED_SLOTS:
-            future = self._received[slot] = asyncio.get_running_loop().create_future()
         if future is not None and not future.done():
-            future.set_exception(
-                RemoteRefused(
-                    peer, "avoided", f"{peer} rejected our outer weights lately and steps without us"
-                )
-            )
-            future.exception()  # retrieved: the local peer may not be waiting yet
+            future.set_exception(_avoided_by(peer))
+            future.exception()  # retrieved: the local peer may have given up already
+        elif slot not in self._received:  # before the local peer waits
+            self._declined_early.keep(peer, key)
         return Ack(), []
 
     def serving(self, key: Key, peer: str) -> bool:
@@ -173,6 +176,7 @@ class ExchangeBoard:
     def forget(self, key: Key) -> None:
         """Finish exchange `key`: drop our tensors and partners', abort its streams, fail its waiters."""
         self._retired = max(key, self._retired or key)
+        self._declined_early.retire(self._retired)
         self._provided.pop(key, None)
         self._paces.pop(key, None)
         for slot in [s for s in self._provided_to if s[0] == key]:
@@ -343,10 +347,40 @@ class ExchangeBoard:
             await asyncio.gather(receiving, return_exceptions=True)
 
 
+class EarlyDeclines:
+    """Exchanges callers declined before the local peer waited for their call: the latest per
+    caller, at most EARLY_DECLINES callers (the oldest go first), forgotten as their keys retire."""
+
+    def __init__(self) -> None:
+        self.keys: dict[str, Key] = {}
+
+    def keep(self, peer: str, key: Key) -> None:
+        self.keys.pop(peer, None)
+        while len(self.keys) >= EARLY_DECLINES:
+            del self.keys[next(iter(self.keys))]
+        self.keys[peer] = key
+
+    def take(self, peer: str, key: Key) -> bool:
+        """Did `peer` decline `key`? (Once: the answer is used up.)"""
+        if self.keys.get(peer) != key:
+            return False
+        del self.keys[peer]
+        return True
+
+    def retire(self, retired: Key) -> None:
+        self.keys = {p: k for p, k in self.keys.items() if k > retired}
+
+
 async def _send_decline(transport: Transport, peer: str, h: ExchangeHeader, timeout: float) -> None:
     decline = Decline(h.run_id, h.round, h.step, h.stage, h.phase)
-    with contextlib.suppress(PeerUnavailable, RemoteRefused, MessageError, OSError, TimeoutError):
+    try:
         await transport.call(peer, DECLINE, decline, timeout=timeout)
+    except Exception as e:  # noqa: BLE001 - a word of courtesy: the callee's deadline still ends its wait
+        logger.debug("could not tell %s that we decline exchange %s: %s", peer, decline.key, e)
+
+
+def _avoided_by(peer: str) -> RemoteRefused:
+    return RemoteRefused(peer, "avoided", f"{peer} rejected our outer weights lately and steps without us")
 
 
 async def _given(tensors: Tensors) -> Tensors:

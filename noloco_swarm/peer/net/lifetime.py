@@ -308,7 +308,7 @@ def release_memory(mode: str) -> bool:
     mapped block costs 4 KiB faults, and only the lean setting is worth them). False where there
     is nothing to set."""
     libc = _glibc()
-    if mode == "thp" and not STARTED_WITH_HUGE_PAGES:
+    if mode == "thp" and (not STARTED_WITH_HUGE_PAGES or huge_pages_unavailable() is not None):
         mode = "map"
     threshold = {"map": MAP_THRESHOLD, "thp": THP_MAP_THRESHOLD}.get(mode)
     if threshold is None or libc is None:

@@ -15,7 +15,7 @@ is what the link carries to this partner now, rows included. So every exchange m
 
 Several streams may share one pacer (a group of three, DiLoCo's shards): each gets about an equal
 share of the pace and of the link, so a report is judged against the pace per stream, and the
-link's rate is the streams' mean report times the streams.
+rate the pace may take is the slowest stream's report times the streams.
 
 A cap never lets an exchange arrive faster than itself, so the estimate is also probed upward,
 the way TCP probes for bandwidth:
@@ -33,9 +33,12 @@ the way TCP probes for bandwidth:
   so a probe never lowers the estimate below the last measurement, and a capped exchange's low
   report is doubted once: two in a row are believed.
 
-So a held estimate costs a link queue of a few percent of one exchange in HOLD + 2, a low report
-(a partner with a slow downlink, a busy receiver) is outgrown in a few probes, and a link that got
-faster is found the same way; one that got slower costs one exchange over it.
+So a held estimate costs a link queue of a few percent of one exchange in HOLD + 2; one low
+report (a busy receiver) is outgrown in a few probes, and a link that got faster is found the same
+way; one that got slower costs two or three exchanges over it (reports are read an exchange late,
+and the first low one is doubted). A partner whose reports stay low (a slow downlink, or a lie)
+holds the estimate down for as long as it does, never below the pace that sends an exchange in
+half its deadline.
 """
 
 from __future__ import annotations
@@ -96,7 +99,7 @@ class Uplink:
 
     def __init__(self) -> None:
         self.rate: float | None = None
-        self.measured = 0.0  # the last rate a report said the link set (probes raise `rate` above it)
+        self.measured = 0.0  # the last rate the link set, or a probe showed it carries (a floor for probes)
         self.doubt = False  # the last report read below the pace, and is not believed until another does
         self.step = 0.0  # how far above the estimate the next probe goes (0: none due)
         self.held = 0  # exchanges the estimate has capped since it was set or probed
@@ -134,11 +137,15 @@ class Uplink:
         if not reports:
             return
         streams = max(1, streams)
-        link = streams * sum(reports) / len(reports)  # streams at once share the link about equally
+        # Streams at once share the pace equally, so the slowest sets what the pace may be; and a
+        # report that reads high (a liar) must not pass a probe, or lift the estimate, that the
+        # other streams fell short of.
+        link = streams * min(reports)
+        held_back = link < KEPT_PACE * pace
         if not pace:  # the link set the rate, and both directions may have shared it: probe soon
             self.rate = self.measured = link
             self.step, self.held, self.doubt = CLIMB, 0, False
-        elif link < KEPT_PACE * pace:  # the link held our pace back
+        elif held_back:  # the link held our pace back
             # A partner's overshoot (its own probe, its unpaced first exchange) fills the queue our
             # acknowledgements wait in, which reads low: a probe (partners probe at the same
             # exchanges) never lowers the estimate below the last measurement, and a capped
@@ -150,6 +157,7 @@ class Uplink:
             self.step, self.held, self.doubt = 0.0, 0, False
         elif probe and pace >= probe * (1 - 1e-9) and self.rate is not None:  # the probe kept up
             self.rate = probe / CAP_SHARE
+            self.measured = max(self.measured, pace)  # the link carried that much: a floor for probes
             self.step, self.held, self.doubt = min(MAX_STEP, 2 * self.step), 0, False
         else:  # kept to a pace at or below the cap: the link carries that much; a probe a slower
             self.doubt = False  # pace (the window's) hid is tried again
