@@ -74,9 +74,9 @@ def run_join(
     cpus = f", on CPUs {cfg.peer.cpus}" if cfg.peer.cpus else ""
     console.print(f"[bold]noloco join[/]: run {cfg.peer.run_id}, stage {stage}, {steps} steps{cpus}")
     if cfg.peer.release_memory == "thp":
-        from noloco_swarm.peer.net.lifetime import STARTED_WITH_HUGE_PAGES, huge_pages_unavailable
+        from noloco_swarm.peer.net.lifetime import huge_pages_off
 
-        why = huge_pages_unavailable() or (None if STARTED_WITH_HUGE_PAGES else "GLIBC_TUNABLES lacks it")
+        why = huge_pages_off()
         said = "on" if why is None else f"off ({why}): freed memory is handled as with map"
         console.print(f"peer.release_memory = thp: huge pages {said}")
     if net.announce_maddrs:

@@ -277,6 +277,12 @@ def huge_pages_unavailable() -> str | None:
     return "the kernel's transparent huge pages are off ([never])" if "[never]" in mode else None
 
 
+def huge_pages_off() -> str | None:
+    """Why this process's malloc is not on huge pages (None: it is): they do not work here, or
+    the process did not start with HUGE_PAGES."""
+    return huge_pages_unavailable() or (None if STARTED_WITH_HUGE_PAGES else "GLIBC_TUNABLES lacks it")
+
+
 def needs_restart_for(mode: str) -> bool:
     """Whether this process must start again to run `mode` (peer.release_memory): thp needs the
     tunable from the start, where it works; one restart at most."""
@@ -308,7 +314,7 @@ def release_memory(mode: str) -> bool:
     mapped block costs 4 KiB faults, and only the lean setting is worth them). False where there
     is nothing to set."""
     libc = _glibc()
-    if mode == "thp" and (not STARTED_WITH_HUGE_PAGES or huge_pages_unavailable() is not None):
+    if mode == "thp" and huge_pages_off() is not None:
         mode = "map"
     threshold = {"map": MAP_THRESHOLD, "thp": THP_MAP_THRESHOLD}.get(mode)
     if threshold is None or libc is None:

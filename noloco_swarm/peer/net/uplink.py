@@ -155,7 +155,7 @@ class Uplink:
                 return
             self.rate = self.measured = max(link, self.measured) if probe else link
             self.step, self.held, self.doubt = 0.0, 0, False
-        elif probe and pace >= probe * (1 - 1e-9) and self.rate is not None:  # the probe kept up
+        elif probe and pace >= probe * (1 - 1e-9):  # the probe kept up (probes need an estimate)
             self.rate = probe / CAP_SHARE
             self.measured = max(self.measured, pace)  # the link carried that much: a floor for probes
             self.step, self.held, self.doubt = min(MAX_STEP, 2 * self.step), 0, False
