@@ -57,7 +57,7 @@ BASE = {  # the sweep's data and optimiser (bench/sweep.py) on the mini preset's
 DENSE = ("fp32", 0, 50, "noloco", 1)
 # Runs longer than the dense one, each with its own schedule stretched (total steps x s): for a
 # format that never reaches the dense loss in the dense run's steps, how many more tokens it takes.
-STRETCHED = [("subspace", 14, 50, "noloco", 2)]
+STRETCHED = [("subspace", 14, 50, "noloco", 2), ("subspace", 2, 50, "noloco", 3)]
 
 
 def plan(seeds: int, stretched: bool = False) -> list[dict]:
