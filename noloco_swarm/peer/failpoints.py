@@ -14,6 +14,12 @@ after the first `skip` (unset: no point ever fires). Points:
                         caller's frame and sent its reply, then closes the stream without the
                         confirmation that ends the caller's call (it counts itself done)
 
+A DHT that is late for one peer (VERB: dht_read, the directory read at a round boundary; the
+point is reached only at a boundary whose read lists a peer entering at the next round):
+
+  miss_joiners:dht_read the read leaves out the announcements of the peers entering at the next
+                        round, as if they had not reached this peer yet
+
 A hostile member, for the tests that prove a partner rejects what it sends (VERB: rpc_exchange;
 each point is reached once per exchange, at its start, whether this peer calls, is called or is
 avoided; a call made again sends the same):
@@ -49,8 +55,8 @@ import torch
 ENV = "NOLOCO_FAILPOINTS"
 STRAGGLE_ENV = "NOLOCO_STRAGGLE"
 POISONS = ("poison_scale", "poison_nan", "poison_shape")
-KINDS = ("lose_reply", "close_unanswered", "close_unconfirmed", *POISONS)
-_ENTRY = re.compile(r"^(?P<kind>[a-z_]+):(?P<verb>rpc_[a-z_]+)(@(?P<skip>\d+))?=(?P<count>\d+)$")
+KINDS = ("lose_reply", "close_unanswered", "close_unconfirmed", "miss_joiners", *POISONS)
+_ENTRY = re.compile(r"^(?P<kind>[a-z_]+):(?P<verb>rpc_[a-z_]+|dht_read)(@(?P<skip>\d+))?=(?P<count>\d+)$")
 
 
 def parse(text: str) -> dict[str, list[int]]:

@@ -92,6 +92,7 @@ class Joining:
         self.ctx, self.ledger, self._announce = ctx, ledger, announce
         self.joined_round = 0
         self.snapshots: dict[int, Snapshot] = {}  # round -> state served to that round's joiners
+        self.entering: asyncio.Future[bool] | None = None  # our announcement once we entered
         self.pacer = Pacer(ctx.cfg.peer.state_serve_rate * MIB)
         ctx.transport.register("rpc_fetch_state", self.rpc_fetch_state)
         ctx.transport.register("rpc_fetch_chunk", self.rpc_fetch_chunk)
@@ -183,6 +184,10 @@ class Joining:
             else:
                 ctx.step = step
                 ctx.rounds.adopt(view)
+                # Say at once that we entered (our step is now the round's first): a member that
+                # missed us at this round admits us late on that evidence (next_view), not on the
+                # announcement we made before, which a heartbeat would refresh only ttl/3 later.
+                self.entering = asyncio.ensure_future(self._announce())
                 return
 
     async def _fetch_state(

@@ -141,6 +141,9 @@ class Resume:
         ended = MembershipView(ckpt.round - 1, ckpt.members)
         ctx.rounds.set(ended)
         ctx.rounds.set(MembershipView(ckpt.round, ckpt.members))
+        # The reports its members outlived before this round stay void after the restart, as they
+        # were one at a time before it (every member resumes alike).
+        ctx.rounds.evidence.judgement.adopt(MembershipView(ckpt.round, ckpt.members))
         ctx.events.emit(events.Resumed(step=ckpt.step, round=ckpt.round, state_hash=ckpt.state_hash))
         return ckpt
 

@@ -70,6 +70,7 @@ class Peer:
     ) -> None:
         self.steps, self.directory, self.addresses, self.ticket = steps, directory, addresses, ticket
         rounds = Rounds(transport.peer_id, stage, cfg.num_stages, transport, directory, sink)
+        rounds.inner_steps = cfg.outer.inner_steps
         if cfg.authority:  # a closed run: members need a ticket, callers too (peer/tickets.py)
             rounds.gate = Gate(cfg.authority, directory.run_id, lambda: asyncio.to_thread(rounds.read_peers))
             transport.gatekeeper = rounds.gate.check

@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Iterable
 
-from noloco_swarm.peer import events
+from noloco_swarm.peer import events, failpoints
 from noloco_swarm.peer.directory import RunDirectory
 from noloco_swarm.peer.liveness import DHT_ERRORS, Liveness
 from noloco_swarm.peer.net.transport import Transport
@@ -71,13 +71,16 @@ class Rounds(Liveness):
         self.views: dict[int, MembershipView] = {}  # round -> frozen view
         self._ready: dict[int, asyncio.Event] = {}
         self.gate: Gate | None = None  # a closed run's: members are peers with a valid ticket
+        self.inner_steps = 0  # H, for whether a listed peer entered its round (0: trust that it did)
 
     def adopt(self, view: MembershipView) -> None:
         """Take a donor's view on (re)joining: its members are alive by the swarm's consensus, so
         whom we marked gone before (while cut off, typically the whole swarm) is forgotten. Kept,
-        those marks made us skip every row from them: a rejoined peer ran its steps empty."""
+        those marks made us skip every row from them: a rejoined peer ran its steps empty. The
+        gone reports the donor settled before this view are settled for us too (Judgement.adopt)."""
         self.dead.clear()
         self.detours.forget_all()
+        self.evidence.judgement.adopt(view)
         self.set(view)
 
     def set(self, view: MembershipView) -> None:
@@ -184,6 +187,11 @@ class Rounds(Liveness):
         Raises PeerExcluded if it leaves us out or a stage has nobody left (see below).
         """
         listings, reports = list(directory[0]), directory[1]
+        entering = [
+            x for x in listings if x.peer not in current.members() and x.joined_round == current.round + 1
+        ]
+        if entering and failpoints.fire("miss_joiners", "dht_read"):  # a test's late DHT
+            listings = [x for x in listings if x not in entering]
         # What we saw ourselves counts too, in case the DHT lost it (weighed with the rest).
         seen = [(peer, self.me, round_) for peer, round_ in self.dead.items()]
         # A member missing from the read is only suspect: check it before telling everyone it is gone.
@@ -191,15 +199,16 @@ class Rounds(Liveness):
         async with asyncio.TaskGroup() as group:
             for p in suspects:
                 group.create_task(self.suspect(p, "its announcement expired"))
-        members = current.members()  # a stranger's report counts for nothing
+        members = current.members()  # a stranger's report counts for nothing, a leaver's always
         joined = {item.peer: item.joined_round for item in listings}
-        due = [r for r in {*reports, *seen} if r[1] in members]
+        due = [r for r in {*reports, *seen} if r[1] in members or r[0] == r[1]]
         kept = await self.evidence.weigh(current, joined, due, self.alive)
         for peer in self.evidence.live:
             self.dead.pop(peer, None)  # one we marked gone answers again: a member like any other
             self.detours.forget(peer)
         listings.insert(0, Listing(self.me, self.stage, joined_round))
         view = next_view(current, listings, credible_gone(kept))
+        self.evidence.judgement.outlived(view, kept)
         for peer in view.members() - current.members():
             self.dead.pop(peer, None)  # a peer that rejoined is a member again
         if self.me not in view.members():
@@ -217,5 +226,8 @@ class Rounds(Liveness):
 
     def _read_directory(self) -> Directory:
         peers, reports = self.directory.read_both()
-        listings = [Listing(a.peer_id, a.stage, a.joined_round) for a in self._admitted(peers.announcements)]
+        listings = [
+            Listing(a.peer_id, a.stage, a.joined_round, a.step >= a.joined_round * self.inner_steps)
+            for a in self._admitted(peers.announcements)
+        ]
         return listings, reports

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # ---------------------------------------------------------------- the margins, in rounds
 # A joiner enters this many rounds after the round of the furthest step it hears of, so that every
@@ -31,6 +31,20 @@ DONOR_WINDOW_ROUNDS = JOIN_MARGIN_ROUNDS + JOIN_RETRY_ROUNDS + LEFT_BEHIND_ROUND
 REPORT_LAG_ROUNDS = 2
 # Views a peer keeps: a request may name the round before ours or the next one.
 KEEP_ROUNDS = 3
+# A gone report of a peer that is still a member this many rounds after the boundary where it
+# could first act is void: the swarm outlived it (and a peer forgets the reports it voided by then).
+LATE_REPORT_ROUNDS = 10
+
+# ---------------------------------------------------------------- judging gone reports
+# Reports of one peer by this many distinct members stand without our probe: a peer cut off from
+# the swarm (or frozen) answers again by the boundary, but everyone it failed has reported it, and
+# it must leave (and rejoin) with all of them; two members would have to collude to evict one.
+CORROBORATION = 2
+# A member whose reports named this many live peers goes unheard for LIAR_ROUNDS rounds.
+LIAR_STRIKES = 2
+LIAR_ROUNDS = 20
+
+Report = tuple[str, str, int]  # (peer, reporter, round)
 
 
 @dataclass(frozen=True)
@@ -118,6 +132,9 @@ class Listing:
     peer: str
     stage: int
     joined_round: int
+    # It reports a step at or past the first of `joined_round`: it entered that round (a joiner
+    # that waits for its round, or never got in and announced a later one, has not).
+    entered: bool = True
 
 
 def next_view(
@@ -133,10 +150,17 @@ def next_view(
       Being absent
       from one read is not enough: a busy DHT returns partial reads, and evicting a live peer on
       one of them would split the swarm's views. Crashed peers are reported by the peers they fail.
-    - A listed non-member enters exactly at the round it announced (`joined_round == next`), so
-      peers that read the DHT at slightly different moments still agree: joiners announce two
-      rounds ahead and are visible to everyone long before their round. A peer that rejoins after
-      a report announces a round after the report's.
+    - A listed non-member enters at the round it announced (`joined_round == next`), so peers
+      that read the DHT at slightly different moments still agree: joiners announce two rounds
+      ahead and are visible to everyone long before their round. A peer that rejoins after a
+      report announces a round after the report's.
+    - A peer that missed a joiner at its round (its read failed, or the announcement reached it
+      late) admits it at the first boundary where it reads that the joiner entered that round
+      (`joined_round < next` and `entered`), unless it was reported since: the others admitted
+      it, so this heals the split instead of keeping it for as long as the joiner lives. A
+      joiner that nobody admitted never entered its round (it announces a later one); a peer
+      that left reported itself, and stays out for that.
+    - A member that announces a new membership for exactly the next round enters with it.
     Pure: peers that saw the same listings and reports build the same view.
     """
     nxt = current.round + 1
@@ -157,8 +181,9 @@ def next_view(
                 pairs.append((peer, stage))
     members = current.members()
     for item in listed.values():
-        joins_now = item.peer not in members and item.joined_round == nxt
-        if joins_now and 0 <= item.stage < current.num_stages and not reported(item.peer, item.joined_round):
+        new = item.peer not in members or item.joined_round > current.round
+        enters = new and (item.joined_round == nxt or (item.joined_round < nxt and item.entered))
+        if enters and 0 <= item.stage < current.num_stages and not reported(item.peer, item.joined_round):
             pairs.append((item.peer, item.stage))
     return MembershipView.from_announcements(nxt, current.num_stages, pairs)
 
@@ -217,3 +242,127 @@ def credible_gone(reports: Iterable[tuple[str, str, int]]) -> dict[str, set[int]
             if peer not in judged and not (reporter in judged and round_ >= first[reporter] - 1)
         }
     return gone
+
+
+@dataclass
+class Judgement:
+    """One peer's standing judgement of the gone reports it reads, kept across boundaries: the
+    rule of peer/evidence.py without its probes (the caller probes `doubtful` and hands `settle`
+    the accused that answered), so that the membership simulator runs the same rule.
+
+    A report falls due once its round is over, if it is of a member and of a round at or after
+    its membership began (`joined`: peer -> joined round, as listed): those are what `next_view`
+    acts on. Reports of an accused whom CORROBORATION distinct members reported stand. Otherwise
+    the accused is probed: if it answers, its reports are void for good and their reporters
+    struck; a reporter with LIAR_STRIKES strikes goes unheard (its reports dropped unprobed) for
+    LIAR_ROUNDS rounds. A peer reporting itself (it leaves) always stands.
+    """
+
+    voided: set[Report] = field(default_factory=set)  # reports of peers that answered a probe
+    # Reports of members from rounds before this one are void (see adopt and outlived).
+    settled_round: int = 0
+    strikes: dict[str, int] = field(default_factory=dict)  # reporter -> live peers it reported
+    unheard: dict[str, int] = field(default_factory=dict)  # reporter -> last round it is ignored
+
+    def adopt(self, view: MembershipView) -> None:
+        """We (re)join at `view`, a donor's: its members survived every report of a round up to
+        view.round - REPORT_LAG_ROUNDS (the donor judged them; one that stood would have dropped
+        them), so those reports are void here too. Without this, a newcomer reading two old
+        reports at once lets them stand (two reporters), where the members had probed and voided
+        them one at a time, and drops a member the others keep.
+
+        What this peer judged before is dropped: a peer rejoins because the swarm left it out
+        (cut off, typically), and the members it struck meanwhile had reported it truly; kept,
+        those sentences made it ignore their reports for LIAR_ROUNDS and keep a dead member the
+        others dropped (the simulator's partition, 41 rejoined peers of 128)."""
+        self.voided.clear()
+        self.strikes.clear()
+        self.unheard.clear()
+        self.settled_round = view.round - REPORT_LAG_ROUNDS + 1
+
+    def outlived(self, view: MembershipView, kept: Iterable[Report]) -> None:
+        """After building `view` from `kept`: a report that could act on it (of a round up to
+        view.round - REPORT_LAG_ROUNDS) and left its peer a member is void for good here, as it
+        is for a newcomer whose donor built the same view (`adopt`). Otherwise credible_gone,
+        weighing a set of reports that only grows, could revive it rounds later when newer
+        reports judge its peer first: a member that a partition had accused survived the old
+        reports, stalled ten rounds later, and the old ones evicted it a round before the new
+        ones did at the newcomers (the simulator's partition). Reports LATE_REPORT_ROUNDS past
+        that boundary are void by their round (`settled_round`), so the voided ones are forgotten."""
+        members = view.members()
+        for report in kept:
+            if (
+                report[0] != report[1]
+                and report[0] in members
+                and report[2] <= view.round - REPORT_LAG_ROUNDS
+            ):
+                self.voided.add(report)
+        self.settled_round = max(self.settled_round, view.round - REPORT_LAG_ROUNDS - LATE_REPORT_ROUNDS)
+        self.voided = {r for r in self.voided if r[2] >= self.settled_round}
+
+    def _settled(self, report: Report, joined: Mapping[str, int], members: Collection[str]) -> bool:
+        """Void without a probe: of a member, from a round before `settled_round`; or filed by its
+        reporter before its membership began (`joined`, as listed): a peer that rejoined was the odd one out when
+        it wrote them (cut off, it reported everyone it failed to reach), and the members'
+        reports of it then made it leave. Counted again once it is back, they evicted 60 of 128
+        peers in the simulator's partition."""
+        peer, reporter, round_ = report
+        if peer == reporter:
+            return False  # a peer that leaves always stands
+        return (round_ < self.settled_round and peer in members) or joined.get(reporter, 0) > round_
+
+    def _due(
+        self, current: MembershipView, joined: Mapping[str, int], reports: Iterable[Report]
+    ) -> list[Report]:
+        members, now = current.members(), current.round
+        return [
+            r
+            for r in reports
+            if r[0] != r[1]
+            and r[0] in members
+            and joined.get(r[0], 0) <= r[2] < now
+            and r not in self.voided
+            and not self._settled(r, joined, members)
+        ]
+
+    def _unheard(self, reports: Iterable[Report], now: int) -> set[Report]:
+        return {r for r in reports if self.unheard.get(r[1], -1) >= now}
+
+    def doubtful(
+        self, current: MembershipView, joined: Mapping[str, int], reports: Iterable[Report]
+    ) -> set[str]:
+        """The accused to probe before this boundary's view: reported by fewer than CORROBORATION
+        distinct members that are heard."""
+        due = self._due(current, joined, reports)
+        reporters: dict[str, set[str]] = {}
+        for peer, reporter, _ in set(due) - self._unheard(due, current.round):
+            reporters.setdefault(peer, set()).add(reporter)
+        return {peer for peer, who in reporters.items() if len(who) < CORROBORATION}
+
+    def settle(
+        self,
+        current: MembershipView,
+        joined: Mapping[str, int],
+        reports: Sequence[Report],
+        answered: Collection[str],
+        me: str,
+    ) -> tuple[list[Report], list[Report]]:
+        """(the reports this boundary's view may act on, the reports voided now) once the accused
+        in `answered` answered our probes (ourselves included: reports of us are void, we run)."""
+        now = current.round
+        due = self._due(current, joined, reports)
+        unheard = self._unheard(due, now)
+        voided = sorted(r for r in due if r[0] in answered)
+        for peer, reporter, round_ in voided:
+            self.voided.add((peer, reporter, round_))
+            self.strikes[reporter] = self.strikes.get(reporter, 0) + (reporter != me)
+            if self.strikes[reporter] >= LIAR_STRIKES:
+                self.unheard[reporter] = now + LIAR_ROUNDS
+                self.strikes[reporter] = 0
+        members = current.members()
+        kept = [
+            r
+            for r in reports
+            if r not in self.voided and r not in unheard and not self._settled(r, joined, members)
+        ]
+        return kept, voided

@@ -941,6 +941,44 @@ def test_a_peer_joins_a_running_swarm_at_a_round_boundary(cache: Path, overlap: 
     assert len(losses) == steps - J * H and all(x is not None and math.isfinite(x) for x in losses)
 
 
+def test_a_member_that_reads_a_joiner_late_admits_it_at_the_next_boundary(cache: Path) -> None:
+    """One member's boundary read misses a joiner's announcement at the joiner's round (failpoint
+    miss_joiners: as a DHT store that reached it late would): its view of round J lacks the
+    joiner while everyone else's holds it, so their requests are refused for that round; at the
+    next boundary it reads the announcement and admits the joiner (membership.next_view), and the
+    views agree again from J + 1 on, with nobody reported or excluded. Before 2026-12-06 a joiner
+    entered at its round or never, and the split lasted to the end of the run."""
+    steps, H = 96, 4
+    cfg = small("noloco", **{**SLOWER, "outer.inner_steps": str(H), "inner.total_steps": str(steps)})
+
+    def late(stage: int | None, replica: int) -> dict[str, str]:
+        return {"NOLOCO_FAILPOINTS": "miss_joiners:dht_read=1"} if (stage, replica) == (1, 0) else {}
+
+    with local_swarm(cfg, steps, step_timeout=60, peer_env=late) as swarm:
+        deadline = time.monotonic() + 120
+        while not all(any(isinstance(e, Membership) for e in p.events()) for p in swarm.peers):
+            assert time.monotonic() < deadline, "\n".join(p.log_tail() for p in swarm.peers)
+            time.sleep(0.2)
+        reader = next(p for p in swarm.peers if (p.stage, p.replica) == (1, 0))
+        joiner = swarm.start_peer(0)
+        wait(swarm, timeout=400)
+        events = {id(p): p.events() for p in swarm.peers}
+        summaries, trouble = swarm.summaries(), troubles(swarm)
+    J = next(iter(of_kind(events[id(joiner)], Joined))).round
+    newcomer = next(s.peer_id for s in summaries if s.joined_round == J)
+    held = {e.round: newcomer in e.stages[0] for e in of_kind(events[id(reader)], Membership)}
+    assert held[J] is False and held[J + 1] is True, held
+    views = views_by_round(events[id(p)] for p in swarm.peers)
+    for r, v in sorted(views.items()):
+        with_it = {stages for stages in v if newcomer in stages[0]}
+        assert len(v) == (2 if r == J else 1) and bool(with_it) == (r >= J), (r, v)
+    assert all(s.steps == steps for s in summaries) and len(summaries) == 5, trouble
+    gone = [e for ev in events.values() for e in ev if isinstance(e, PeerGone)]
+    assert gone == [], trouble
+    mismatched = {e.step // H for ev in events.values() for e in of_kind(ev, ViewMismatch)}
+    assert mismatched <= {J}, trouble  # refused in round J only
+
+
 def test_a_joiner_whose_donor_dies_mid_download_enters_with_the_other_donors_state(cache: Path) -> None:
     """A fifth peer joins stage 0 of a 2x2 swarm and downloads its state in chunks from both
     stage-0 replicas at once, adopting the snapshot of the first in its own order (the target).

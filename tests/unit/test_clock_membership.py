@@ -84,7 +84,7 @@ def _round3() -> MembershipView:
     return MembershipView(round=3, stages=(("a", "c"), ("b", "d")))
 
 
-def test_next_view_keeps_listed_members_and_admits_joiners_at_their_round() -> None:
+def test_next_view_keeps_listed_members_and_admits_joiners_at_their_round_or_once_read() -> None:
     listings = [
         Listing("a", 0, 0),
         Listing("b", 1, 0),
@@ -92,13 +92,13 @@ def test_next_view_keeps_listed_members_and_admits_joiners_at_their_round() -> N
         Listing("d", 1, 0),
         Listing("e", 1, 4),  # joins now
         Listing("f", 0, 5),  # joins a round later: not yet
-        Listing("g", 0, 2),  # announced an earlier round but was never admitted: stays out
+        Listing("g", 0, 2),  # entered at round 2, which this peer missed: admitted now
     ]
     view = next_view(_round3(), listings, gone={})
     assert view.round == 4
-    assert view.stages == (("a", "c"), ("b", "d", "e"))
+    assert view.stages == (("a", "c", "g"), ("b", "d", "e"))
     later = next_view(view, [*listings, Listing("e", 1, 4)], gone={})
-    assert later.stages == (("a", "c", "f"), ("b", "d", "e"))
+    assert later.stages == (("a", "c", "f", "g"), ("b", "d", "e"))
 
 
 def test_next_view_drops_reported_members_only_and_readmits_a_rejoin() -> None:
@@ -229,3 +229,20 @@ def test_a_peer_is_left_behind_once_a_member_is_two_rounds_past_its_round() -> N
     raise_if_left_behind(6, 2, clock, [7, 11])  # round 3 is one past ours: the others may wait for us
     with pytest.raises(PeerExcluded, match="at step 6, the swarm at step 12"):
         raise_if_left_behind(6, 2, clock, [7, 12])
+
+
+def test_late_admission_needs_a_joiner_that_entered_and_a_re_announcing_member_stays() -> None:
+    current = _round3()  # (("a", "c"), ("b", "d"))
+    listings = [
+        Listing("a", 0, 0),
+        Listing("b", 1, 0),
+        Listing("c", 0, 4),  # a member that announced a new membership for the next round
+        Listing("d", 1, 0),
+        Listing("g", 0, 2, entered=False),  # announced round 2, never got in (it retries later)
+        Listing("h", 1, 1),  # entered round 1, which this peer missed
+    ]
+    view = next_view(current, listings, gone={})
+    assert view.stages == (("a", "c"), ("b", "d", "h"))
+    # c announced a round further ahead: it leaves now and enters at that round
+    later = next_view(current, [*listings[:2], Listing("c", 0, 5), *listings[3:]], gone={})
+    assert later.stages == (("a",), ("b", "d", "h"))

@@ -19,6 +19,7 @@ def test_points_parse_into_counts() -> None:
         "close_unanswered:rpc_exchange": [0, 1],
     }
     assert failpoints.parse("lose_reply:rpc_exchange@3=1") == {"lose_reply:rpc_exchange": [3, 1]}
+    assert failpoints.parse("miss_joiners:dht_read=1") == {"miss_joiners:dht_read": [0, 1]}
     assert failpoints.parse("") == {}
 
 
@@ -30,6 +31,7 @@ def test_points_parse_into_counts() -> None:
         "lose_reply=1",
         "lose_reply:forward=1",
         "lose_reply:rpc_x@=1",
+        "miss_joiners:dht_write=1",
     ],
 )
 def test_a_malformed_point_is_refused_with_its_text(text: str) -> None:

@@ -201,3 +201,17 @@ def test_a_run_past_round_zero_is_in_progress_whatever_round_zero_had() -> None:
     # Its own announcement does not count: it cannot be one of the founders it waits for.
     full = [announcement(p, s) for p, s in [("a", 0), ("b", 0), ("c", 1), ("newcomer", 1)]]
     assert not newcomer.run_in_progress(full, counts)
+
+
+def test_a_peer_that_left_stays_out_while_its_announcement_lives() -> None:
+    """x reported itself leaving in round 2 and the views dropped it at round 4; its announcement
+    lives on for a heartbeat's TTL. Late admission must not take it back: its own report is no
+    stranger's, so it still counts once x is no longer a member."""
+    me = rounds_of("me", 0, 2, [])
+    current = MembershipView(4, (("a", "me"), ("b",)))
+    listings = [Listing("a", 0, 0), Listing("b", 1, 0), Listing("x", 1, 0)]
+    view = asyncio.run(me.next(current, 0, (listings, [("x", "x", 2)])))
+    assert view.stages == (("a", "me"), ("b",))
+    # a joiner that missed its round is admitted late, a leaver is not
+    joiner = asyncio.run(me.next(view, 0, ([*listings, Listing("y", 1, 4)], [("x", "x", 2)])))
+    assert joiner.stages == (("a", "me"), ("b", "y"))

@@ -1,0 +1,109 @@
+"""How today's membership rules scale: the membership simulator (noloco_swarm/sim/membership.py)
+at N = 8 to 1,000 peers, under three DHTs, with churn.
+
+Every view is built by protocol.membership's own rules; the simulator models what peers read and
+when. Record sizes are measured here from real signed records (an announcement with two
+addresses, a gone report), not assumed. DHTs:
+
+  fast        a store is readable after a lognormal delay, median 0.3 s, sigma 1
+  slow        median 2 s, sigma 1.5; 10% of (record, reader) pairs two rounds late; 5% of stores
+              lost; 5% of boundary reads fail
+  partition   fast, and a quarter of the peers cut off from the rest for 90 s in round 10
+
+Churn, per peer and hour: 0.1 crashes, 0.1 graceful leaves, 0.1 stalls of 90 s, 0.3 newcomers;
+10% of peers reach each boundary up to 10 s late. Rounds of 60 s (H = 50, B = 8), 4 stages.
+
+    python bench/membership_scale.py --out docs/results/membership_scale.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord
+from hivemind.utils.serializer import MSGPackSerializer
+
+from noloco_swarm.peer.directory import gone_key, peers_key, subkey_of
+from noloco_swarm.peer.net import identity
+from noloco_swarm.protocol import codec, records
+from noloco_swarm.sim.membership import Churn, Dht, Partition, Scenario, simulate
+
+RUN = "run-12345678"
+DHTS = {
+    "fast": (Dht(), ()),
+    "slow": (Dht(delay_median=2.0, delay_sigma=1.5, late=0.1, late_rounds=2, lost=0.05, read_fail=0.05), ()),
+    "partition": (Dht(), (Partition(start=600.0, seconds=90.0, share=0.25),)),
+}
+CHURN = Churn(
+    crashes_per_hour=0.1, leaves_per_hour=0.1, stalls_per_hour=0.1, joins_per_hour=0.3, stragglers=0.1
+)
+
+
+def record_bytes() -> tuple[int, int]:
+    """Bytes of a signed announcement and a signed gone report as a DHT node holds them."""
+    with tempfile.TemporaryDirectory() as d:
+        paths = [os.path.join(d, name) for name in ("me", "other")]
+        for path in paths:
+            identity.generate(path)
+        me, other = (identity.load(path) for path in paths)
+    validator = me.validator()
+
+    def size(key: str, record: records.PeerAnnouncement | records.GoneReport) -> int:
+        subkey = MSGPackSerializer.dumps(me.owned(subkey_of(record)))
+        stored = DHTRecord(DHTID.generate(source=key).to_bytes(), subkey, codec.encode(record), 1e9)
+        return len(subkey) + len(validator.sign_value(stored)) + 8  # + the expiration
+
+    addresses = tuple(
+        f"/ip{v}/{a}/tcp/31337/p2p/{me.peer_id}" for v, a in ((4, "203.0.113.7"), (6, "2001:db8::7"))
+    )
+    announcement = records.PeerAnnouncement(RUN, me.peer_id, 2, 17, addresses, "cuda", 123456)
+    report = records.GoneReport(RUN, other.peer_id, me.peer_id, 17)
+    return size(peers_key(RUN), announcement), size(gone_key(RUN), report)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--peers", default="8,32,128,1000")
+    ap.add_argument("--dhts", default=",".join(DHTS))
+    ap.add_argument("--rounds", default="8:60,32:60,128:30,1000:8", help="N:rounds, per swarm size")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    announcement, report = record_bytes()
+    rounds = dict(tuple(int(x) for x in item.split(":")) for item in args.rounds.split(","))
+    runs = []
+    for n in (int(x) for x in args.peers.split(",")):
+        for name in args.dhts.split(","):
+            dht, partitions = DHTS[name]
+            scenario = Scenario(
+                peers=n,
+                rounds=rounds[n],
+                dht=dht,
+                churn=CHURN,
+                partitions=partitions,
+                announcement_bytes=announcement,
+                report_bytes=report,
+                seed=args.seed,
+            )
+            began = time.monotonic()
+            row = simulate(scenario) | {"dht": name, "seconds": round(time.monotonic() - began, 1)}
+            runs.append(row)
+            print(json.dumps(row), flush=True)
+    result = {
+        "command": "python bench/membership_scale.py " + " ".join(sys.argv[1:]),
+        "record_bytes": {"announcement": announcement, "gone_report": report},
+        "runs": runs,
+    }
+    if args.out is not None:
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,553 @@
+"""A discrete-event model of a swarm's membership: N peers, P stages, a modelled DHT, churn.
+
+It runs our own rules, not a copy of them: every view is built by protocol.membership
+(`next_view`, `credible_gone`, `Judgement`) and every joiner picks its round by
+protocol.plan.join_round. What the model supplies is what a peer reads and when:
+
+- **the DHT.** A record (an announcement, or a gone report) written at time s becomes readable
+  at reader x at s + d, d drawn per (record, reader) from a lognormal (`Dht.delay_median`,
+  `Dht.delay_sigma`: a heavy tail; an announcement is stored again by every heartbeat, and a
+  reader has it from the first copy that arrives); a share `late` of (record, reader) pairs
+  arrives `late_rounds` rounds later, every copy; a share `lost` of stores is lost: an announcement is stored again
+  by the next heartbeat, a gone report is not (the peer files it once). A boundary read fails
+  (twice in a row, as the peer retries once) with probability `read_fail`: the peer then reads
+  nothing and keeps its members (peer/views.py).
+- **partitions.** During one, a share of the peers neither reads what the others write nor
+  reaches them by probes; stores made across it arrive once it heals.
+- **churn.** Crashes, graceful leaves, SIGSTOP-like stalls and joiners at Poisson rates;
+  stragglers read at their boundaries late.
+- **what peers see of each other.** A crashed or stopped member is found by the members of
+  the next and previous stage that route rows to it (each with the chance that one of its B x H
+  rows of the round goes there) and by nobody else; each files a gone report in the round it
+  finds it. Members missing from a read are probed (`suspects`), reported if they do not answer.
+  Probes answer if the peer runs and no partition lies between.
+
+Measured: for each round, whether every live member holds the same view; the longest split (the
+most rounds in a row that one peer's view disagreed with the most common one about one member); stalls (member-rounds whose view differs from that of a member of
+an adjacent stage: their requests are refused, they wait for deadlines); samples lost to those
+refusals; DHT operations and bytes per peer and round and on the busiest DHT node (today's
+layout: one key holds every announcement, one every gone report, each kept by the `replicas`
+nodes nearest it); and the time a newcomer takes to enter a view.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import statistics
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from noloco_swarm.protocol.membership import (
+    LEFT_BEHIND_ROUNDS,
+    REPORT_LAG_ROUNDS,
+    Judgement,
+    Listing,
+    MembershipView,
+    credible_gone,
+    next_view,
+)
+from noloco_swarm.protocol.plan import join_round
+
+KEY_OVERHEAD = 64  # bytes of a get or store request without its records
+COPIES = 12  # heartbeat copies of an announcement the model draws delays for (two minutes' worth)
+
+
+@dataclass(frozen=True)
+class Dht:
+    delay_median: float = 0.3  # seconds until a store is readable at a reader
+    delay_sigma: float = 1.0  # lognormal shape: the tail
+    late: float = 0.0  # share of (record, reader) pairs readable only `late_rounds` later
+    late_rounds: float = 2.0
+    lost: float = 0.0  # share of stores lost
+    read_fail: float = 0.0  # share of boundary reads that fail twice
+    replicas: int = 5  # nodes holding a key (hivemind's num_replicas)
+
+    def describe(self) -> str:
+        parts = [f"lognormal median {self.delay_median:g} s sigma {self.delay_sigma:g}"]
+        if self.late:
+            parts.append(f"{self.late:.0%} {self.late_rounds:g} rounds late")
+        if self.lost:
+            parts.append(f"{self.lost:.0%} lost")
+        if self.read_fail:
+            parts.append(f"{self.read_fail:.0%} reads fail")
+        return ", ".join(parts)
+
+
+@dataclass(frozen=True)
+class Churn:
+    crashes_per_hour: float = 0.0  # per peer
+    leaves_per_hour: float = 0.0  # per peer
+    stalls_per_hour: float = 0.0  # per peer
+    stall_seconds: float = 90.0
+    joins_per_hour: float = 0.0  # newcomers, per swarm peer
+    stragglers: float = 0.0  # share of peers that reach each boundary up to `straggle_seconds` late
+    straggle_seconds: float = 10.0
+
+    @property
+    def per_hour(self) -> float:
+        return self.crashes_per_hour + self.leaves_per_hour + self.stalls_per_hour + self.joins_per_hour
+
+
+@dataclass(frozen=True)
+class Partition:
+    start: float  # seconds
+    seconds: float
+    share: float  # of the peers, cut off from the rest
+
+
+@dataclass(frozen=True)
+class Scenario:
+    peers: int
+    stages: int = 4
+    rounds: int = 30
+    round_seconds: float = 60.0  # H steps
+    inner_steps: int = 50
+    batch: int = 8
+    heartbeat_seconds: float = 10.0  # heartbeat_ttl / 3
+    ttl: float = 30.0
+    probe_seconds: float = 12.0  # a frozen or cut-off peer costs a prober about this long
+    state_seconds: float = 20.0  # a joiner's state download
+    # Bytes of one record as the DHT holds it (subkey with its RSA owner mark, value, signature):
+    # bench/membership_scale.py measures real signed records (1,116 and 1,005 on 2026-12-06).
+    announcement_bytes: int = 1116
+    report_bytes: int = 1005
+    dht: Dht = Dht()
+    churn: Churn = Churn()
+    partitions: tuple[Partition, ...] = ()
+    # Scripted faults besides the churn rates: (seconds, "crash" | "leave" | "stall" | "join", peer
+    # index; ignored for a join, which starts a new peer).
+    faults: tuple[tuple[float, str, int], ...] = ()
+    seed: int = 0
+
+
+@dataclass
+class Record:
+    """One stored version of a record, and when each reader can read it."""
+
+    at: float
+    readable: np.ndarray  # per reader index: the time it becomes readable (inf: never)
+
+
+@dataclass
+class Peer:
+    index: int
+    name: str
+    stage: int
+    joined_round: int
+    started: float
+    # (record, stage, joined round, entered it): a joiner announces again once it has entered
+    announced: list[tuple[Record, int, int, bool]] = field(default_factory=list)
+    views: dict[int, MembershipView] = field(default_factory=dict)
+    judgement: Judgement = field(default_factory=Judgement)
+    dead: dict[str, int] = field(default_factory=dict)  # peers it found gone -> round
+    crashed_at: float = math.inf
+    left_at: float = math.inf
+    stopped: tuple[float, float] = (math.inf, math.inf)
+    joining_at: float | None = None  # the round-J boundary time it waits for, while it joins
+    entered: list[float] = field(default_factory=list)  # join seconds, one per (re)join
+
+    def runs(self, t: float) -> bool:
+        return t < self.crashed_at and t < self.left_at and not self.stopped[0] <= t < self.stopped[1]
+
+    def round(self) -> int:
+        return max(self.views) if self.views else -1
+
+
+class Model:
+    """One run of a Scenario."""
+
+    def __init__(self, sc: Scenario) -> None:
+        self.sc = sc
+        self.rng = np.random.default_rng(sc.seed)
+        churn = sc.churn
+        hours = sc.rounds * sc.round_seconds / 3600
+        self.scripted_joins = sum(kind == "join" for _, kind, _ in sc.faults)
+        self.joins = self.rng.poisson(churn.joins_per_hour * sc.peers * hours) + self.scripted_joins
+        self.capacity = sc.peers + self.joins
+        self.peers: list[Peer] = []
+        self.reports: list[tuple[Record, str, str, int]] = []  # (record, peer, reporter, round)
+        self.ops = Counter()  # peer name -> DHT operations
+        self.bytes = Counter()  # peer name -> DHT bytes sent and received
+        self.node_bytes = Counter()  # DHT node (peer name) -> bytes served and stored
+        self.report_keys: set[tuple[str, str, int]] = set()
+        self.judged: dict[frozenset, dict[str, set[int]]] = {}
+        self.holders: list[str] = []  # this round's holders of the run's keys
+        self.sides = [
+            np.array([self._side(i, x) for x in range(self.capacity)]) for i in range(len(sc.partitions))
+        ]
+        self.splits: list[bool] = []
+        # (peer, member) -> rounds in a row that peer's view disagreed with the most common one
+        # about that member (holding it where the others do not, or the reverse)
+        self.apart: Counter = Counter()
+        self.longest = 0
+        self.stalls = 0
+        self.samples_lost = 0
+        self.member_rounds = 0
+
+    # ------------------------------------------------------------------ the DHT
+
+    def _cut(self, a: int, b: int, t: float) -> float | None:
+        """The end of a partition between peers a and b at time t, if one lies between them."""
+        for i, p in enumerate(self.sc.partitions):
+            if p.start <= t < p.start + p.seconds and self.sides[i][a] != self.sides[i][b]:
+                return p.start + p.seconds
+        return None
+
+    def _side(self, partition: int, index: int) -> bool:
+        share = self.sc.partitions[partition].share
+        digest = hashlib.sha256(f"{self.sc.seed}/{partition}/{index}".encode()).digest()
+        return int.from_bytes(digest[:4], "big") / 2**32 < share
+
+    def store(self, writer: Peer, t: float, nbytes: int, *, repeat: bool) -> Record:
+        """A store by `writer` at t; a lost one is stored again at the next heartbeat if `repeat`."""
+        dht, sc = self.sc.dht, self.sc
+        self.ops[writer.name] += 1
+        self.bytes[writer.name] += (nbytes + KEY_OVERHEAD) * dht.replicas
+        at = t
+        while self.rng.random() < dht.lost:
+            if not repeat:
+                return Record(t, np.full(self.capacity, math.inf))
+            at += sc.heartbeat_seconds
+        # A heartbeat stores an announcement again every heartbeat_seconds: a reader has it from
+        # the first copy that reaches it (COPIES of them drawn); a report is stored once.
+        copies = COPIES if repeat else 1
+        draws = self.rng.lognormal(math.log(dht.delay_median), dht.delay_sigma, (copies, self.capacity))
+        delay = (draws + sc.heartbeat_seconds * np.arange(copies)[:, None]).min(axis=0)
+        late = self.rng.random(self.capacity) < dht.late  # this reader gets every copy late
+        readable = at + delay + late * dht.late_rounds * sc.round_seconds
+        for i, p in enumerate(sc.partitions):
+            if p.start <= at < p.start + p.seconds:
+                across = self.sides[i] != self.sides[i][writer.index]
+                readable = np.where(across, np.maximum(readable, p.start + p.seconds + delay), readable)
+        readable[writer.index] = at
+        return Record(at, readable)
+
+    def announce(self, peer: Peer, t: float, entered: bool = False) -> None:
+        record = self.store(peer, t, self.sc.announcement_bytes, repeat=True)
+        peer.announced.append((record, peer.stage, peer.joined_round, entered))
+
+    def report(self, reporter: Peer, peer: str, round_: int, t: float) -> None:
+        if (peer, reporter.name, round_) in self.report_keys:
+            return
+        self.report_keys.add((peer, reporter.name, round_))
+        self.reports.append(
+            (self.store(reporter, t, self.sc.report_bytes, repeat=False), peer, reporter.name, round_)
+        )
+
+    def read(self, reader: Peer, t: float) -> tuple[list[Listing], list[tuple[str, str, int]]] | None:
+        """What `reader` reads at t: the live announcements and every gone report; None if the
+        read fails. Counts its operations and bytes, and the key holders' load."""
+        sc = self.sc
+        if self.rng.random() < sc.dht.read_fail:
+            return None
+        listings = []
+        for peer in self.peers:
+            stopped = peer.stopped[0] if peer.stopped[0] <= t < peer.stopped[1] else math.inf
+            last_heartbeat = min(t, peer.crashed_at, peer.left_at, stopped)
+            if last_heartbeat < t - sc.ttl:
+                continue  # expired
+            seen = [(s, j, e) for record, s, j, e in peer.announced if record.readable[reader.index] <= t]
+            if seen:
+                listings.append(Listing(peer.name, *seen[-1]))
+        reports = [(p, r, n) for record, p, r, n in self.reports if record.readable[reader.index] <= t]
+        value = len(listings) * self.sc.announcement_bytes + len(reports) * self.sc.report_bytes
+        self.ops[reader.name] += 2
+        self.bytes[reader.name] += 2 * KEY_OVERHEAD + value * sc.dht.replicas
+        for holder in self.holders:
+            self.node_bytes[holder] += value
+        return listings, reports
+
+    def _holders(self, t: float) -> list[str]:
+        """The live peers whose DHT nodes hold the run's keys (the `replicas` nearest them)."""
+        live = [p.name for p in self.peers if p.runs(t)]
+        return sorted(live, key=lambda name: hashlib.sha256(f"key/{name}".encode()).digest())[
+            : self.sc.dht.replicas
+        ]
+
+    # ------------------------------------------------------------------ peers
+
+    def reaches(self, a: Peer, b: Peer, t: float) -> bool:
+        """Does a's probe of b at t get an answer?"""
+        return b.runs(t) and self._cut(a.index, b.index, t) is None
+
+    def member(self, peer: Peer, round_: int) -> bool:
+        view = peer.views.get(round_)
+        return view is not None and peer.name in view.members()
+
+    def boundary(self, peer: Peer, t: float) -> None:
+        """peer builds its view of the next round at t, by the peer's rule (peer/views.py)."""
+        current = peer.views[peer.round()]
+        read = self.read(peer, t)
+        listings, reports = read if read is not None else ([], [])
+        by_name = {p.name: p for p in self.peers}
+        # members missing from the read are probed; the dead are reported
+        listed = {item.peer for item in listings}
+        for name in sorted(current.members() - listed - set(peer.dead) - {peer.name}):
+            if not self.reaches(peer, by_name[name], t):
+                peer.dead[name] = current.round
+                self.report(peer, name, current.round, t)
+        seen = [(name, peer.name, r) for name, r in peer.dead.items()]
+        joined = {item.peer: item.joined_round for item in listings}
+        members = current.members()
+        due = [r for r in {*reports, *seen} if r[1] in members or r[0] == r[1]]
+        doubtful = peer.judgement.doubtful(current, joined, due)
+        answered = {n for n in doubtful - {peer.name} if self.reaches(peer, by_name[n], t)}
+        answered |= {peer.name} & doubtful
+        kept, _ = peer.judgement.settle(current, joined, due, answered, peer.name)
+        for name in answered:
+            peer.dead.pop(name, None)
+        listings.insert(0, Listing(peer.name, peer.stage, peer.joined_round))
+        view = next_view(current, listings, self._credible(kept))
+        peer.judgement.outlived(view, kept)
+        for name in view.members() - current.members():
+            peer.dead.pop(name, None)
+        if peer.name not in view.members() or not view.is_complete():
+            self.rejoin(peer, t)
+            return
+        peer.views[view.round] = view
+        for old in [r for r in peer.views if r < view.round - 2]:
+            del peer.views[old]
+
+    def _credible(self, kept: list[tuple[str, str, int]]) -> dict[str, set[int]]:
+        """credible_gone, once per distinct set of reports (most peers hold the same)."""
+        key = frozenset(kept)
+        if key not in self.judged:
+            self.judged = {key: credible_gone(kept)}  # one entry: a round's reads differ little
+        return self.judged[key]
+
+    def rejoin(self, peer: Peer, t: float) -> None:
+        """peer (new, or out of the views) announces the round two after the swarm's furthest step."""
+        sc = self.sc
+        furthest = max((p.round() for p in self.peers if p.runs(t) and p.joining_at is None), default=0)
+        target = join_round(furthest * sc.inner_steps, sc.inner_steps)
+        peer.views.clear()  # its judgement stays, as in the peer (peer/views.py: Rounds.adopt)
+        peer.dead.clear()
+        peer.joined_round = target
+        if peer.joining_at is None:  # a first attempt (a retry keeps counting from the first)
+            peer.started = t
+        peer.joining_at = target * sc.round_seconds
+        self.announce(peer, t)
+
+    def enter(self, peer: Peer, t: float) -> None:
+        """At its round's boundary, a joiner adopts a donor's view of that round, if one admits it."""
+        round_ = peer.joined_round
+        donors = [
+            p
+            for p in self.peers
+            if p is not peer and p.stage == peer.stage and p.runs(t) and p.joined_round < round_
+            and self.member(p, round_) and peer.name in p.views[round_].members() and self.reaches(peer, p, t)
+        ]  # fmt: skip
+        if not donors:
+            self.rejoin(peer, t)  # not admitted: try a later round
+            return
+        peer.views = {round_: donors[0].views[round_]}
+        peer.judgement.adopt(peer.views[round_])
+        self.announce(peer, t + self.sc.state_seconds, entered=True)  # once its state is in
+        peer.joining_at = None
+        peer.entered.append(t + self.sc.state_seconds - peer.started)
+
+    # ------------------------------------------------------------------ the run
+
+    def start(self) -> None:
+        sc = self.sc
+        for i in range(sc.peers):
+            peer = Peer(i, f"p{i:04d}", i % sc.stages, 0, 0.0)
+            self.peers.append(peer)
+            peer.announced.append((Record(0.0, np.zeros(self.capacity)), peer.stage, 0, True))
+        founders = MembershipView.from_announcements(0, sc.stages, [(p.name, p.stage) for p in self.peers])
+        for peer in self.peers:
+            peer.views[0] = founders
+        self._schedule()
+
+    def _schedule(self) -> None:
+        """Churn at Poisson times over the run (after round 0)."""
+        sc, churn = self.sc, self.sc.churn
+        end = sc.rounds * sc.round_seconds
+        self.events: list[tuple[float, str, int]] = []
+        for kind, rate in (
+            ("crash", churn.crashes_per_hour),
+            ("leave", churn.leaves_per_hour),
+            ("stall", churn.stalls_per_hour),
+        ):
+            count = self.rng.poisson(rate * sc.peers * (end - sc.round_seconds) / 3600)
+            for _ in range(count):
+                self.events.append(
+                    (float(self.rng.uniform(sc.round_seconds, end)), kind, int(self.rng.integers(sc.peers)))
+                )
+        for i, partition in enumerate(sc.partitions):
+            self.events.append((partition.start, "cut", i))
+        scripted = iter(range(sc.peers, sc.peers + self.scripted_joins))
+        for t, kind, index in sc.faults:
+            self.events.append((t, kind, next(scripted) if kind == "join" else index))
+        for j in range(sc.peers + self.scripted_joins, sc.peers + self.joins):
+            self.events.append((float(self.rng.uniform(sc.round_seconds, end)), "join", j))
+        self.events.sort()
+
+    def _churn(self, peer_index: int, kind: str, t: float) -> None:
+        sc = self.sc
+        if kind == "join":
+            counts = Counter(p.stage for p in self.peers if p.runs(t))
+            stage = min(range(sc.stages), key=lambda s: (counts[s], s))
+            peer = Peer(peer_index, f"p{peer_index:04d}", stage, 0, t)
+            self.peers.append(peer)
+            self.rejoin(peer, t)
+            return
+        peer = self.peers[peer_index]
+        if not peer.runs(t):
+            return
+        if kind == "leave":  # it reports itself and trains on until the views drop it
+            if peer.views and peer.joining_at is None:
+                self.report(peer, peer.name, peer.round(), t)
+                peer.left_at = (peer.round() + REPORT_LAG_ROUNDS) * sc.round_seconds
+            else:
+                peer.left_at = t
+            return
+        if kind == "crash":
+            peer.crashed_at = t
+        else:
+            peer.stopped = (t, t + sc.churn.stall_seconds)
+        self._detect(peer, t)
+
+    def _detect(self, gone: Peer, t: float) -> None:
+        """Members of adjacent stages that route rows to `gone` find it and report it."""
+        until = gone.stopped[1] if gone.stopped[0] <= t else math.inf  # a stall ends
+        for peer in self.peers:
+            if peer is not gone and peer.runs(t) and peer.views:
+                self._find(peer, [gone], t, until)
+
+    def _cut_off(self, index: int) -> None:
+        """A partition starts: members find the adjacent-stage members across it gone, as they
+        would a crashed one, if they find out before it heals."""
+        partition, sides = self.sc.partitions[index], self.sides[index]
+        end = partition.start + partition.seconds
+        for peer in self.peers:
+            if peer.runs(partition.start) and peer.views:
+                across = [
+                    q for q in self.peers if sides[q.index] != sides[peer.index] and q.runs(partition.start)
+                ]
+                self._find(peer, across, partition.start, end)
+
+    def _find(self, peer: Peer, gone: list[Peer], t: float, until: float) -> None:
+        """`peer` finds those of `gone` it routes rows to (adjacent stages, members of its view)
+        in the round after t, and reports each it finds before `until` (and before it stops itself)."""
+        sc = self.sc
+        view = peer.views[peer.round()]
+        for q in gone:
+            if abs(peer.stage - q.stage) != 1 or q.name not in view.stages[q.stage]:
+                continue
+            n = len(view.stages[q.stage])
+            if self.rng.random() < 1 - (1 - 1 / n) ** (sc.batch * sc.inner_steps):
+                found = t + float(self.rng.uniform(0, sc.round_seconds)) + sc.probe_seconds
+                if found < until and peer.runs(found):
+                    round_ = int(found // sc.round_seconds)
+                    peer.dead[q.name] = round_
+                    self.report(peer, q.name, round_, found)
+
+    def run(self) -> dict:
+        sc = self.sc
+        self.start()
+        queue = list(self.events)
+        for r in range(1, sc.rounds + 1):
+            t_boundary = r * sc.round_seconds
+            while queue and queue[0][0] < t_boundary:
+                t, kind, index = queue.pop(0)
+                if kind == "cut":
+                    self._cut_off(index)
+                else:
+                    self._churn(index, kind, t)
+            self.holders = self._holders(t_boundary)
+            joiners = []
+            for peer in list(self.peers):
+                t = t_boundary + self._straggle()
+                if not peer.runs(t):
+                    continue
+                if peer.joining_at is not None:
+                    joiners.append((peer, t))
+                elif peer.round() < r - LEFT_BEHIND_ROUNDS:  # it was stopped: it fell behind
+                    self.rejoin(peer, t)
+                else:
+                    while peer.joining_at is None and peer.round() < r:  # missed boundaries too
+                        self.boundary(peer, t)
+            for peer, t in joiners:  # after the members, whose views of this round admit them
+                if peer.joining_at is not None and peer.joining_at <= t_boundary:
+                    self.enter(peer, t)
+            self._measure(r)
+        return self.result()
+
+    def _straggle(self) -> float:
+        churn = self.sc.churn
+        return churn.straggle_seconds * self.rng.random() if self.rng.random() < churn.stragglers else 0.0
+
+    def _measure(self, r: int) -> None:
+        """Agreement in round r among the live members that hold a view of it."""
+        sc = self.sc
+        t = r * sc.round_seconds
+        holding = [p for p in self.peers if p.runs(t) and self.member(p, r)]
+        digest = {p.name: p.views[r].digest() for p in holding}
+        self.splits.append(len(set(digest.values())) > 1)
+        common = Counter(digest.values()).most_common(1)[0][0] if digest else None
+        usual = next((p.views[r].members() for p in holding if digest[p.name] == common), set())
+        differ = {
+            (p.name, x) for p in holding if digest[p.name] != common for x in p.views[r].members() ^ usual
+        }
+        self.apart = Counter({pair: self.apart[pair] + 1 for pair in differ})
+        self.longest = max(self.longest, max(self.apart.values(), default=0))
+        self.member_rounds += len(holding)
+        stages = Counter(p.stage for p in holding)
+        alike = Counter((p.stage, digest[p.name]) for p in holding)
+        for peer in holding:
+            mine, s = digest[peer.name], peer.stage
+            neighbours = stages[s - 1] + stages[s + 1]
+            differ = neighbours - alike[(s - 1, mine)] - alike[(s + 1, mine)]
+            if differ:
+                self.stalls += 1
+                self.samples_lost += round(sc.batch * sc.inner_steps * differ / neighbours)
+        heartbeats = sc.round_seconds / sc.heartbeat_seconds
+        for peer in holding:  # a live peer's heartbeats in a round (a new announcement is counted apart)
+            self.ops[peer.name] += heartbeats
+            self.bytes[peer.name] += (
+                heartbeats * (self.sc.announcement_bytes + KEY_OVERHEAD) * sc.dht.replicas
+            )
+        for holder in self.holders:
+            self.node_bytes[holder] += len(holding) * heartbeats * self.sc.announcement_bytes
+
+    def result(self) -> dict:
+        sc = self.sc
+        rounds = len(self.splits)
+        joins = [s for p in self.peers for s in p.entered]
+        peer_rounds = max(1, self.member_rounds)
+        return {
+            "peers": sc.peers,
+            "stages": sc.stages,
+            "churn_per_hour": sc.churn.per_hour * sc.peers,
+            "dht_delay": "; ".join(
+                [sc.dht.describe()]
+                + [
+                    f"{p.share:.0%} of peers cut off for {p.seconds:g} s at {p.start:g} s"
+                    for p in sc.partitions
+                ]
+            ),
+            "rounds": rounds,
+            "rounds_all_agree": rounds - sum(self.splits),
+            "longest_split_rounds": self.longest,
+            "stalls": self.stalls,
+            "samples_lost": self.samples_lost,
+            "dht_ops_per_peer_round": sum(self.ops.values()) / peer_rounds,
+            "dht_bytes_per_peer_round": sum(self.bytes.values()) / peer_rounds,
+            "busiest_dht_node_bytes_per_round": max(self.node_bytes.values(), default=0) / max(1, rounds),
+            "join_seconds_median": statistics.median(joins) if joins else None,
+            "joins": len(joins),
+        }
+
+
+def simulate(scenario: Scenario) -> dict:
+    """One run of `scenario`: the row bench/membership_scale.py writes."""
+    return Model(scenario).run()
+
+
+def with_peers(scenario: Scenario, peers: int) -> Scenario:
+    return dataclasses.replace(scenario, peers=peers)

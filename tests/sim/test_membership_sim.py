@@ -1,0 +1,96 @@
+"""The membership simulator (noloco_swarm/sim/membership.py): our view rules over a modelled DHT."""
+
+from __future__ import annotations
+
+import pytest
+
+from noloco_swarm.sim.membership import KEY_OVERHEAD, Churn, Dht, Model, Partition, Scenario, simulate
+
+QUIET = Scenario(peers=8, rounds=6)
+
+
+def test_a_quiet_swarm_agrees_every_round_and_its_dht_traffic_adds_up() -> None:
+    row = simulate(QUIET)
+    assert row["rounds"] == 6 and row["rounds_all_agree"] == 6
+    assert row["longest_split_rounds"] == 0 and row["stalls"] == 0 and row["samples_lost"] == 0
+    # every peer-round: one read of two keys, and a heartbeat every 10 s of the 60 s round
+    heartbeats = QUIET.round_seconds / QUIET.heartbeat_seconds
+    assert row["dht_ops_per_peer_round"] == pytest.approx(2 + heartbeats)
+    value = QUIET.peers * QUIET.announcement_bytes  # no reports: the value is every announcement
+    read = 2 * KEY_OVERHEAD + value * QUIET.dht.replicas
+    beats = heartbeats * (QUIET.announcement_bytes + KEY_OVERHEAD) * QUIET.dht.replicas
+    assert row["dht_bytes_per_peer_round"] == pytest.approx(read + beats)
+    # a node holding the run's keys serves every read and takes every heartbeat
+    assert row["busiest_dht_node_bytes_per_round"] == pytest.approx(
+        QUIET.peers * (value + heartbeats * QUIET.announcement_bytes)
+    )
+
+
+def test_a_crashed_peer_leaves_every_view_at_the_same_boundary() -> None:
+    crash = Scenario(peers=8, rounds=8, faults=((130.0, "crash", 5),))
+    model = Model(crash)
+    row = model.run()
+    assert row["rounds_all_agree"] == 8
+    survivors = [p for p in model.peers if p.name != "p0005"]
+    assert all("p0005" not in p.views[8].members() for p in survivors)
+    # its neighbours (stages 0 and 2) found it first; once its announcement expired, everyone
+    # whose read lacked it probed it and reported it too
+    first = min((record.at, reporter) for record, peer, reporter, _ in model.reports if peer == "p0005")
+    assert int(first[1][1:]) % 4 in {0, 2}
+
+
+def test_a_graceful_leaver_and_a_joiner_enter_and_leave_in_agreement() -> None:
+    churn = Scenario(peers=8, rounds=10, faults=((100.0, "leave", 2), (150.0, "join", 0)))
+    model = Model(churn)
+    row = model.run()
+    assert row["rounds_all_agree"] == 10 and row["stalls"] == 0
+    final = {p.views[10].digest() for p in model.peers if p.runs(600.0) and 10 in p.views}
+    assert len(final) == 1
+    view = next(p.views[10] for p in model.peers if 10 in p.views)
+    assert "p0002" not in view.members() and "p0008" in view.members()
+    assert row["joins"] == 1 and row["join_seconds_median"] is not None
+
+
+def test_a_joiner_that_some_peers_read_late_splits_the_views_only_until_they_read_it() -> None:
+    late = Scenario(
+        peers=16, rounds=12, dht=Dht(late=0.3, late_rounds=2), faults=((150.0, "join", 0), (200.0, "join", 0))
+    )
+    row = simulate(late)
+    assert row["longest_split_rounds"] <= 2 + 1  # the late readers admit it once they read it
+    assert row["rounds_all_agree"] >= 12 - 2 * 3
+
+
+def test_runs_are_reproducible_and_a_partition_evicts_the_cut_off_side_which_rejoins() -> None:
+    cut = Scenario(peers=16, rounds=14, partitions=(Partition(start=300.0, seconds=90.0, share=0.3),), seed=3)
+    first, second = simulate(cut), simulate(cut)
+    assert first == second
+    assert first["joins"] > 0  # the cut-off peers were reported gone and joined again
+    model = Model(cut)
+    model.run()
+    final = {p.views[14].digest() for p in model.peers if p.runs(14 * 60.0) and 14 in p.views}
+    assert len(final) == 1
+
+
+def test_a_leaver_stays_out_while_its_announcement_outlives_rounds_shorter_than_its_ttl() -> None:
+    """Rounds of 10 s against a 30 s TTL: the leaver's announcement is still listed rounds after
+    the views dropped it, and only its own report keeps it out (nobody else reports a leaver)."""
+    short = Scenario(peers=8, rounds=12, round_seconds=10.0, faults=((25.0, "leave", 3),))
+    model = Model(short)
+    row = model.run()
+    assert row["rounds_all_agree"] == 12 and row["stalls"] == 0
+    assert {reporter for _, peer, reporter, _ in model.reports if peer == "p0003"} == {"p0003"}
+    assert all("p0003" not in p.views[12].members() for p in model.peers if 12 in p.views)
+    assert all("p0003" in p.views[3].members() for p in model.peers if 3 in p.views)
+
+
+def test_churn_at_scale_on_a_fast_dht_splits_rarely_and_briefly() -> None:
+    busy = Scenario(
+        peers=64,
+        rounds=10,
+        churn=Churn(
+            crashes_per_hour=0.5, leaves_per_hour=0.5, stalls_per_hour=0.5, joins_per_hour=1.0, stragglers=0.2
+        ),
+    )
+    row = simulate(busy)
+    assert row["joins"] > 0
+    assert row["rounds_all_agree"] >= 8 and row["longest_split_rounds"] <= 2, row
