@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-from noloco_swarm.harness.local import LocalSwarm, PeerProcess, local_swarm
+from noloco_swarm.harness.local import LocalSwarm, PeerProcess, local_swarm, until
 from noloco_swarm.peer.events import (
     Dropped,
     Final,
@@ -63,14 +63,6 @@ def config(args: argparse.Namespace):
         },
         env={},
     )
-
-
-def until(check, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out waiting for {what}")
-        time.sleep(0.2)
 
 
 def run(args: argparse.Namespace, churn: bool) -> dict:

@@ -25,10 +25,9 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
-from noloco_swarm.harness.local import local_swarm
+from noloco_swarm.harness.local import local_swarm, until
 from noloco_swarm.peer.events import Joined, Joiners, ServedState, Step, of_kind
 from noloco_swarm.train.layering import build_config
 
@@ -55,14 +54,6 @@ def config(args: argparse.Namespace):
         },
         env={},
     )
-
-
-def until(check, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out waiting for {what}")
-        time.sleep(0.2)
 
 
 def run(args: argparse.Namespace, join: bool, round_: int | None) -> dict:

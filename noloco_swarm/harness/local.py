@@ -301,6 +301,15 @@ def local_swarm(
             tmp.cleanup()
 
 
+def until(check: Callable[[], bool], timeout: float, what: str, poll: float = 0.2) -> None:
+    """Poll `check` until it holds; TimeoutError naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(poll)
+
+
 def wait(
     swarm: LocalSwarm, timeout: float, poll: float = 0.5, on_poll=None, ignore: Sequence[PeerProcess] = ()
 ) -> None:
