@@ -8,12 +8,18 @@ addresses, a gone report), not assumed. DHTs:
   fast        a store is readable after a lognormal delay, median 0.3 s, sigma 1
   slow        median 2 s, sigma 1.5; 10% of (record, reader) pairs two rounds late; 5% of stores
               lost; 5% of boundary reads fail
-  partition   fast, and a quarter of the peers cut off from the rest for 90 s in round 10
+  partition   fast, and a quarter of the peers cut off from the rest for 90 s in round 4
 
 Churn, per peer and hour: 0.1 crashes, 0.1 graceful leaves, 0.1 stalls of 90 s, 0.3 newcomers;
 10% of peers reach each boundary up to 10 s late. Rounds of 60 s (H = 50, B = 8), 4 stages.
 
     python bench/membership_scale.py --out docs/results/membership_scale.json
+
+The rules before 2026-12-06 (a joiner enters at its round or never; nothing settles a gone
+report but a probe), run by the same simulator: in a scratch copy of the repository,
+
+    git apply docs/results/membership_scale_before.patch
+    python bench/membership_scale.py --out docs/results/membership_scale_before.json
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ RUN = "run-12345678"
 DHTS = {
     "fast": (Dht(), ()),
     "slow": (Dht(delay_median=2.0, delay_sigma=1.5, late=0.1, late_rounds=2, lost=0.05, read_fail=0.05), ()),
-    "partition": (Dht(), (Partition(start=600.0, seconds=90.0, share=0.25),)),
+    "partition": (Dht(), (Partition(start=240.0, seconds=90.0, share=0.25),)),
 }
 CHURN = Churn(
     crashes_per_hour=0.1, leaves_per_hour=0.1, stalls_per_hour=0.1, joins_per_hour=0.3, stragglers=0.1
