@@ -26,9 +26,8 @@ from noloco_swarm.protocol.membership import (
     LEFT_BEHIND_ROUNDS,
     Listing,
     MembershipView,
-    credible_gone,
     founders,
-    next_view,
+    reports_to_weigh,
     round_zero_complete,
 )
 
@@ -199,16 +198,15 @@ class Rounds(Liveness):
         async with asyncio.TaskGroup() as group:
             for p in suspects:
                 group.create_task(self.suspect(p, "its announcement expired"))
-        members = current.members()  # a stranger's report counts for nothing, a leaver's always
         joined = {item.peer: item.joined_round for item in listings}
-        due = [r for r in {*reports, *seen} if r[1] in members or r[0] == r[1]]
+        due = reports_to_weigh(current, reports, seen)
         kept = await self.evidence.weigh(current, joined, due, self.alive)
         for peer in self.evidence.live:
             self.dead.pop(peer, None)  # one we marked gone answers again: a member like any other
             self.detours.forget(peer)
-        listings.insert(0, Listing(self.me, self.stage, joined_round))
-        view = next_view(current, listings, credible_gone(kept))
-        self.evidence.judgement.outlived(view, kept)
+        view = self.evidence.judgement.view_after(
+            current, Listing(self.me, self.stage, joined_round), listings, kept
+        )
         for peer in view.members() - current.members():
             self.dead.pop(peer, None)  # a peer that rejoined is a member again
         if self.me not in view.members():

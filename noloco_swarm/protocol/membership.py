@@ -11,7 +11,7 @@ table below, once; tests/unit/test_membership_margins.py ties them together.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 # ---------------------------------------------------------------- the margins, in rounds
@@ -188,6 +188,17 @@ def next_view(
     return MembershipView.from_announcements(nxt, current.num_stages, pairs)
 
 
+def reports_to_weigh(
+    current: MembershipView, reports: Iterable[Report], seen: Iterable[Report]
+) -> list[Report]:
+    """The gone reports a boundary weighs: those `current`'s members filed (a stranger's count
+    for nothing) and a leaver's own, whoever reads it (it is no member once dropped, and late
+    admission would take it back), with the ones this peer saw itself (`seen`: in case the DHT
+    lost them)."""
+    members = current.members()
+    return [r for r in {*reports, *seen} if r[1] in members or r[0] == r[1]]
+
+
 def founders(listings: Iterable[Listing], num_stages: int) -> MembershipView:
     """The view of round 0: the peers listed with `joined_round` 0 (stages outside the run ignored)."""
     pairs = [(x.peer, x.stage) for x in listings if x.joined_round == 0 and x.stage < num_stages]
@@ -279,6 +290,21 @@ class Judgement:
         self.strikes.clear()
         self.unheard.clear()
         self.settled_round = view.round - REPORT_LAG_ROUNDS + 1
+
+    def view_after(
+        self,
+        current: MembershipView,
+        me: Listing,
+        listings: Iterable[Listing],
+        kept: Sequence[Report],
+        credible: Callable[[Sequence[Report]], Mapping[str, Collection[int]]] = credible_gone,
+    ) -> MembershipView:
+        """The view of the round after `current` from what `me` read and the reports `settle`
+        kept (`credible`: credible_gone, or a memo of it); the reports it outlived are void from
+        now on (`outlived`)."""
+        view = next_view(current, [me, *listings], credible(kept))
+        self.outlived(view, kept)
+        return view
 
     def outlived(self, view: MembershipView, kept: Iterable[Report]) -> None:
         """After building `view` from `kept`: a report that could act on it (of a round up to

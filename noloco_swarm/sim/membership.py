@@ -32,11 +32,11 @@ nodes nearest it); and the time a newcomer takes to enter a view.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import math
 import statistics
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -48,7 +48,7 @@ from noloco_swarm.protocol.membership import (
     Listing,
     MembershipView,
     credible_gone,
-    next_view,
+    reports_to_weigh,
 )
 from noloco_swarm.protocol.plan import join_round
 
@@ -190,12 +190,12 @@ class Model:
 
     # ------------------------------------------------------------------ the DHT
 
-    def _cut(self, a: int, b: int, t: float) -> float | None:
-        """The end of a partition between peers a and b at time t, if one lies between them."""
-        for i, p in enumerate(self.sc.partitions):
-            if p.start <= t < p.start + p.seconds and self.sides[i][a] != self.sides[i][b]:
-                return p.start + p.seconds
-        return None
+    def _cut(self, a: int, b: int, t: float) -> bool:
+        """Does a partition lie between peers a and b at time t?"""
+        return any(
+            p.start <= t < p.start + p.seconds and self.sides[i][a] != self.sides[i][b]
+            for i, p in enumerate(self.sc.partitions)
+        )
 
     def _side(self, partition: int, index: int) -> bool:
         share = self.sc.partitions[partition].share
@@ -272,7 +272,7 @@ class Model:
 
     def reaches(self, a: Peer, b: Peer, t: float) -> bool:
         """Does a's probe of b at t get an answer?"""
-        return b.runs(t) and self._cut(a.index, b.index, t) is None
+        return b.runs(t) and not self._cut(a.index, b.index, t)
 
     def member(self, peer: Peer, round_: int) -> bool:
         view = peer.views.get(round_)
@@ -292,17 +292,15 @@ class Model:
                 self.report(peer, name, current.round, t)
         seen = [(name, peer.name, r) for name, r in peer.dead.items()]
         joined = {item.peer: item.joined_round for item in listings}
-        members = current.members()
-        due = [r for r in {*reports, *seen} if r[1] in members or r[0] == r[1]]
+        due = reports_to_weigh(current, reports, seen)
         doubtful = peer.judgement.doubtful(current, joined, due)
         answered = {n for n in doubtful - {peer.name} if self.reaches(peer, by_name[n], t)}
         answered |= {peer.name} & doubtful
         kept, _ = peer.judgement.settle(current, joined, due, answered, peer.name)
         for name in answered:
             peer.dead.pop(name, None)
-        listings.insert(0, Listing(peer.name, peer.stage, peer.joined_round))
-        view = next_view(current, listings, self._credible(kept))
-        peer.judgement.outlived(view, kept)
+        me = Listing(peer.name, peer.stage, peer.joined_round)
+        view = peer.judgement.view_after(current, me, listings, kept, self._credible)
         for name in view.members() - current.members():
             peer.dead.pop(name, None)
         if peer.name not in view.members() or not view.is_complete():
@@ -312,7 +310,7 @@ class Model:
         for old in [r for r in peer.views if r < view.round - 2]:
             del peer.views[old]
 
-    def _credible(self, kept: list[tuple[str, str, int]]) -> dict[str, set[int]]:
+    def _credible(self, kept: Sequence[tuple[str, str, int]]) -> dict[str, set[int]]:
         """credible_gone, once per distinct set of reports (most peers hold the same)."""
         key = frozenset(kept)
         if key not in self.judged:
@@ -547,7 +545,3 @@ class Model:
 def simulate(scenario: Scenario) -> dict:
     """One run of `scenario`: the row bench/membership_scale.py writes."""
     return Model(scenario).run()
-
-
-def with_peers(scenario: Scenario, peers: int) -> Scenario:
-    return dataclasses.replace(scenario, peers=peers)
