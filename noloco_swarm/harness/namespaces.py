@@ -34,9 +34,13 @@ def peer_host(stage: int, replica: int) -> str:
     return f"s{stage}r{replica}"
 
 
-def host_names(cfg: RunConfig) -> list[str]:
-    """The testbed's hosts for `cfg`: the bootstrap node, then one per replica of every stage."""
-    return [BOOT] + [peer_host(s, d) for s, count in enumerate(cfg.replica_counts) for d in range(count)]
+def host_names(cfg: RunConfig, spares: Mapping[int, int] | None = None) -> list[str]:
+    """The testbed's hosts for `cfg`: the bootstrap node, then one per replica of every stage, and
+    `spares[stage]` more of a stage for peers started later (`LocalSwarm.start_peer(stage)`)."""
+    extra = spares or {}
+    return [BOOT] + [
+        peer_host(s, d) for s, count in enumerate(cfg.replica_counts) for d in range(count + extra.get(s, 0))
+    ]
 
 
 @dataclass
@@ -47,9 +51,18 @@ class NamespaceSwarm:
     swarm: LocalSwarm
     bootstrap: str
     relay_ports: dict[str, int] = field(default_factory=dict)
+    relay: DelayRelay | None = None
+    relayed: list[str] = field(default_factory=list)  # the hosts of the relay's routes, in order
 
     def host_of(self, stage: int, replica: int) -> str:
         return peer_host(stage, replica)
+
+    def set_delay(self, host: str, delay_ms: float) -> None:
+        """From now on, delay `host`'s relayed connections by `delay_ms` each way (a spike, or its
+        end). Only a host that started with a delay has a relay to change."""
+        if self.relay is None or host not in self.relayed:
+            raise ValueError(f"host {host!r} has no delay relay; give it a delay at the start")
+        self.relay.set_delay(self.relayed.index(host), delay_ms / 1000, delay_ms / 1000)
 
 
 def _start_bootstrap(bed: Testbed, workdir: Path, timeout: float = 60.0) -> str:
@@ -83,6 +96,7 @@ def namespace_swarm(
     threads: int = 1,
     transport: TransportKind = "tcp",
     pin: bool = False,
+    spares: Mapping[int, int] | None = None,
 ) -> Iterator[NamespaceSwarm]:
     """Build the testbed, start the bootstrap and the peers in it; yields while they run; always
     ends every process and removes every namespace, link and relay it made. `pin`: each peer and
@@ -91,12 +105,13 @@ def namespace_swarm(
     A link profile is `shapes` (a rate per host) and the one-way delays: `delay_ms` for every
     peer's host, or per host in `delays` (a host it does not name gets `delay_ms`), so one peer
     can sit behind a slower, longer link than the others. `transport`: what the peers listen on
-    (TCP, or QUIC; the delay relay carries TCP only, so QUIC takes no delay)."""
+    (TCP, or QUIC; the delay relay carries TCP only, so QUIC takes no delay). `spares`: hosts
+    made ready for that many peers per stage started later (each with the delay of its host)."""
     check_delays(transport, delay_ms, delays)
     with ExitStack() as stack:
         if workdir is None:
             workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="noloco-testbed-")))
-        bed = stack.enter_context(Testbed(host_names(cfg)))
+        bed = stack.enter_context(Testbed(host_names(cfg, spares)))
         for shape in shapes:
             if shape.host not in bed.hosts:
                 raise ValueError(f"--shape names host {shape.host!r}; the hosts are {', '.join(bed.hosts)}")
@@ -110,6 +125,7 @@ def namespace_swarm(
         one_way = {h: (delays or {}).get(h, delay_ms) / 1000 for h in peers}
         delayed = [h for h in peers if one_way[h] > 0]
         ports: dict[str, int] = {}
+        relay = None
         if delayed:
             routes = [
                 Route(bed.gateway, 0, bed.hosts[h].address, PEER_PORT, one_way[h], one_way[h])
@@ -141,4 +157,4 @@ def namespace_swarm(
                 pin=pin,
             )
         )
-        yield NamespaceSwarm(bed, swarm, bootstrap, ports)
+        yield NamespaceSwarm(bed, swarm, bootstrap, ports, relay, delayed)

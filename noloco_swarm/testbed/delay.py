@@ -15,6 +15,9 @@ its own TCP connection with its own short round trip, so TCP's congestion contro
 delay: throughput is not bounded by window / RTT as on a real long link); connections the peer
 dials itself (a connection is delayed only if it was made to a relay, so give every peer a relay
 to delay every pair); UDP or QUIC.
+
+A route's delays can change while it serves (`DelayRelay.set_delay`: a delay spike); a chunk keeps
+the delay it was read under, and chunks stay in order when the delay falls.
 """
 
 from __future__ import annotations
@@ -48,10 +51,21 @@ class Route:
             raise ValueError(f"window must be at least {CHUNK} bytes, got {self.window}")
 
 
+class Lag:
+    """A route's one-way delays now, in seconds: each chunk takes the delay of the moment it was
+    read. Only the relay's event loop reads or changes it."""
+
+    def __init__(self, forward_s: float, backward_s: float) -> None:
+        self.forward_s, self.backward_s = forward_s, backward_s
+
+
 async def _pump(
-    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay: float, window: int
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    delay: Callable[[], float],
+    window: int,
 ) -> None:
-    """Copy reader to writer, each chunk `delay` s after it was read, as a link would: what was
+    """Copy reader to writer, each chunk `delay()` s after it was read, as a link would: what was
     read is delivered even if the sender then closes or resets (the other direction does not
     matter), an EOF is passed on as a half-close and a reset as an abort, each after the delay."""
     loop = asyncio.get_running_loop()
@@ -63,7 +77,7 @@ async def _pump(
                 data: bytes | None = await reader.read(CHUNK)
             except OSError:
                 data = None  # reset by the sender
-            await queue.put((loop.time() + delay, data))
+            await queue.put((loop.time() + delay(), data))
             if not data:
                 return
 
@@ -90,7 +104,9 @@ async def _pump(
         tg.create_task(write())
 
 
-async def _relay(route: Route, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+async def _relay(
+    route: Route, lag: Lag, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter
+) -> None:
     """One accepted connection: dial the target, pump both ways, close both ends however it ends."""
     target_w = None
     try:
@@ -98,8 +114,8 @@ async def _relay(route: Route, client_r: asyncio.StreamReader, client_w: asyncio
             asyncio.open_connection(route.target_host, route.target_port), timeout=10.0
         )
         async with asyncio.TaskGroup() as tg:
-            tg.create_task(_pump(client_r, target_w, route.forward_s, route.window))
-            tg.create_task(_pump(target_r, client_w, route.backward_s, route.window))
+            tg.create_task(_pump(client_r, target_w, lambda: lag.forward_s, route.window))
+            tg.create_task(_pump(target_r, client_w, lambda: lag.backward_s, route.window))
     except* (OSError, TimeoutError, asyncio.IncompleteReadError):
         pass  # a reset or unreachable target ends this connection only, as it would end a real one
     finally:
@@ -110,15 +126,23 @@ async def _relay(route: Route, client_r: asyncio.StreamReader, client_w: asyncio
                     await w.wait_closed()
 
 
-async def serve(routes: Sequence[Route], ready: asyncio.Future[list[int]], stop: asyncio.Event) -> None:
+async def serve(
+    routes: Sequence[Route],
+    ready: asyncio.Future[list[int]],
+    stop: asyncio.Event,
+    lags: Sequence[Lag] | None = None,
+) -> None:
     """Serve every route until `stop` is set; `ready` gets the bound ports (in route order).
-    Binding happens first, so an address in use raises a plain OSError before anything serves."""
+    Binding happens first, so an address in use raises a plain OSError before anything serves.
+    `lags`: each route's delays, which may change meanwhile (default: the routes' own, fixed)."""
+    if lags is None:
+        lags = [Lag(r.forward_s, r.backward_s) for r in routes]
     connections: set[asyncio.Task[None]] = set()
     group: list[asyncio.TaskGroup] = []  # the owner of every connection, once it exists
 
-    def accept(route: Route) -> Callable[[asyncio.StreamReader, asyncio.StreamWriter], None]:
+    def accept(route: Route, lag: Lag) -> Callable[[asyncio.StreamReader, asyncio.StreamWriter], None]:
         def on_connect(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-            task = group[0].create_task(_relay(route, r, w))
+            task = group[0].create_task(_relay(route, lag, r, w))
             connections.add(task)
             task.add_done_callback(connections.discard)
 
@@ -126,10 +150,10 @@ async def serve(routes: Sequence[Route], ready: asyncio.Future[list[int]], stop:
 
     servers: list[asyncio.Server] = []
     try:
-        for route in routes:
+        for route, lag in zip(routes, lags, strict=True):
             servers.append(
                 await asyncio.start_server(
-                    accept(route), route.listen_host, route.listen_port, start_serving=False
+                    accept(route, lag), route.listen_host, route.listen_port, start_serving=False
                 )
             )
         async with asyncio.TaskGroup() as tg:
@@ -156,6 +180,7 @@ class DelayRelay:
 
     def __init__(self, routes: Sequence[Route]) -> None:
         self.routes = list(routes)
+        self.lags = [Lag(r.forward_s, r.backward_s) for r in self.routes]
         self.ports: list[int] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
@@ -169,7 +194,7 @@ class DelayRelay:
             self._stop = asyncio.Event()
             ready: asyncio.Future[list[int]] = self._loop.create_future()
             ready.add_done_callback(self._on_ready)
-            await serve(self.routes, ready, self._stop)
+            await serve(self.routes, ready, self._stop, self.lags)
 
         try:
             asyncio.run(main())
@@ -181,6 +206,19 @@ class DelayRelay:
     def _on_ready(self, ready: asyncio.Future[list[int]]) -> None:
         self.ports = ready.result()
         self._started.set()
+
+    def set_delay(self, index: int, forward_s: float, backward_s: float) -> None:
+        """Route `index` delays what it reads from now on by these (seconds each way)."""
+        if forward_s < 0 or backward_s < 0:
+            raise ValueError(f"delays must be >= 0 s, got {forward_s} and {backward_s}")
+        if self._loop is None or not self._thread.is_alive():
+            raise RuntimeError("the delay relay is not running")
+        lag = self.lags[index]
+
+        def change() -> None:
+            lag.forward_s, lag.backward_s = forward_s, backward_s
+
+        self._loop.call_soon_threadsafe(change)
 
     def __enter__(self) -> DelayRelay:
         self._thread.start()

@@ -123,6 +123,42 @@ def test_relay_adds_the_configured_delay_each_way_and_keeps_bytes_in_order() -> 
     assert rtt >= forward + backward, f"round trip {rtt:.3f} s is below the configured delays"
 
 
+def test_a_delay_changed_while_serving_applies_to_what_is_read_next() -> None:
+    """A delay spike: the same connection's round trip grows when the delay is raised and falls
+    back when it is lowered, and no byte is lost or reordered across either change."""
+    server, thread = _echo_server()
+    port = server.getsockname()[1]
+
+    def round_trip(s: socket.socket, tag: bytes) -> float:
+        start = time.monotonic()
+        s.sendall(tag)
+        got = b""
+        while len(got) < len(tag):
+            got += s.recv(65536)
+        assert got == tag
+        return time.monotonic() - start
+
+    with (
+        DelayRelay([Route("127.0.0.1", 0, "127.0.0.1", port, 0.0, 0.0)]) as relay,
+        socket.create_connection(("127.0.0.1", relay.ports[0]), timeout=10) as s,
+    ):
+        quiet = round_trip(s, b"before")
+        relay.set_delay(0, 0.2, 0.1)
+        time.sleep(0.05)  # the change is made on the relay's own loop
+        spiked = round_trip(s, b"during")
+        relay.set_delay(0, 0.0, 0.0)
+        time.sleep(0.05)
+        after = round_trip(s, b"after!")
+        with pytest.raises(ValueError, match=">= 0 s"):
+            relay.set_delay(0, -1.0, 0.0)
+        s.shutdown(socket.SHUT_WR)
+        assert s.recv(1) == b""
+    thread.join(timeout=5)
+    server.close()
+    assert spiked >= 0.3, f"round trip {spiked:.3f} s under a 0.3 s delay spike"
+    assert quiet < spiked and after < spiked, (quiet, spiked, after)
+
+
 def test_relay_refuses_a_bad_route_and_reports_a_taken_port() -> None:
     with pytest.raises(ValueError, match=">= 0"):
         Route("127.0.0.1", 0, "127.0.0.1", 1, -1, 0)
