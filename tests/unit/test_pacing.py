@@ -326,3 +326,31 @@ def test_a_probe_that_kept_up_is_a_floor_for_later_ones() -> None:
     assert first == pytest.approx(CAP_SHARE * 1e6 * (1 + CLIMB))
     assert sent(uplink, 0.5e6) == pytest.approx(CAP_SHARE * 1e6 * (1 + CLIMB) * (1 + 2 * CLIMB))
     assert uplink.cap() == pytest.approx(CAP_SHARE * (first or 0.0))  # held at what the first carried
+
+
+def test_a_fall_below_half_the_best_rate_is_climbed_back_at_once_by_doubling() -> None:
+    """A partner behind a delay spike read our tensors at 1/20 of the link's rate twice in a row
+    (the chaos test's case): the estimate follows it down, and the exchanges from then on probe at
+    twice the estimate, up to the best rate the link showed, and hold there (not HOLD exchanges
+    at the fallen rate and PROBE-sized steps: 14 exchanges of 4 s there)."""
+    link = 20e6
+    uplink = heard(link, pace=2 * link)  # held back at the link's rate: trusted
+    assert sent(uplink, link / 20) == pytest.approx(CAP_SHARE * link)  # doubted once
+    assert sent(uplink, link / 20) == pytest.approx(CAP_SHARE * link)  # believed: read next
+    caps = [sent(uplink, 0) for _ in range(5)]  # each probe keeps to its pace
+    assert caps == pytest.approx([CAP_SHARE * link / 20 * f for f in (2, 4, 8, 16, 20)])
+    assert sent(uplink, 0) == pytest.approx(CAP_SHARE * link)  # held at the best rate again
+    assert not uplink.recovering and uplink.rate == pytest.approx(link)
+
+
+def test_a_link_that_really_got_slower_costs_one_probe_above_it() -> None:
+    """The link itself fell to a quarter: the first doubling probe is held back, the estimate
+    stays at the new rate, and the new rate is the best from then on (no more doubling)."""
+    link = 20e6
+    uplink = heard(link, pace=2 * link)
+    sent(uplink, link / 4)  # doubted
+    sent(uplink, link / 4)  # believed: read next
+    assert sent(uplink, link / 4) == pytest.approx(CAP_SHARE * link / 2)  # the probe, held back
+    for _ in range(HOLD):
+        assert sent(uplink, 0) == pytest.approx(CAP_SHARE * link / 4)
+    assert not uplink.recovering and uplink.best == pytest.approx(link / 4)

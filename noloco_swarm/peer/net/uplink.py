@@ -36,7 +36,15 @@ the way TCP probes for bandwidth:
 So a held estimate costs a link queue of a few percent of one exchange in HOLD + 2; one low
 report (a busy receiver) is outgrown in a few probes, and a link that got faster is found the same
 way; one that got slower costs two or three exchanges over it (reports are read an exchange late,
-and the first low one is doubted). A partner whose reports stay low (a slow downlink, or a lie)
+and the first low one is doubted).
+
+An estimate that falls below half the best the link has shown (`best`) is recovered at once, not
+after HOLD: the next exchanges probe at twice the estimate, up to `best`, until one is held back.
+A slow partner sets the estimate of every stream it shares a pace with (the slowest stream's
+report counts), so two exchanges with a partner behind a 300 ms delay spike cut the cap from 27
+to 1.3 MB/s, and the climb back by HOLD and PROBE took 14 exchanges, 4 s each (the chaos test,
+2026-12-06). Doubling back costs log2 of the fall (5 exchanges for that one); if the link really
+got slower, the first probe is held back and the estimate (and `best`) stays at the new rate. A partner whose reports stay low (a slow downlink, or a lie)
 holds the estimate down for as long as it does, never below the pace that sends an exchange in
 half its deadline.
 """
@@ -103,6 +111,8 @@ class Uplink:
         self.doubt = False  # the last report read below the pace, and is not believed until another does
         self.step = 0.0  # how far above the estimate the next probe goes (0: none due)
         self.held = 0  # exchanges the estimate has capped since it was set or probed
+        self.best = 0.0  # the highest rate the link set or carried for us
+        self.recovering = False  # probing back up to `best` after a fall (doubling, from the next exchange)
         self._asked = 0.0  # the cap `cap()` last gave out, if it was a probe
         self._last: tuple[Paced, float] | None = None  # the latest exchange's pacer and probe
 
@@ -115,7 +125,8 @@ class Uplink:
         if self.held >= HOLD and not self.step:
             self.step = PROBE
         if self.step:
-            self._asked = CAP_SHARE * self.rate * (1 + self.step)
+            target = self.rate * (1 + self.step)
+            self._asked = CAP_SHARE * (min(target, self.best) if self.recovering else target)
             return self._asked
         self.held += 1
         return CAP_SHARE * self.rate
@@ -155,9 +166,16 @@ class Uplink:
                 return
             self.rate = self.measured = max(link, self.measured) if probe else link
             self.step, self.held, self.doubt = 0.0, 0, False
+            if self.recovering:  # the link did get slower: what it carries now is the best
+                self.best, self.recovering = self.rate, False
+            elif self.rate < 0.5 * self.best:
+                self.step, self.recovering = MAX_STEP, True
         elif probe and pace >= probe * (1 - 1e-9):  # the probe kept up (probes need an estimate)
             self.rate = probe / CAP_SHARE
             self.measured = max(self.measured, pace)  # the link carried that much: a floor for probes
             self.step, self.held, self.doubt = min(MAX_STEP, 2 * self.step), 0, False
+            if self.recovering and self.rate >= self.best * (1 - 1e-9):
+                self.step, self.recovering = 0.0, False  # back where it was: held, as a measurement
         else:  # kept to a pace at or below the cap: the link carries that much; a probe a slower
             self.doubt = False  # pace (the window's) hid is tried again
+        self.best = max(self.best, self.rate or 0.0)
