@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import functools
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -70,6 +71,29 @@ def gone_key(run_id: str) -> str:
 
 
 @dataclass
+class DhtCalls:
+    """What this peer asked of the DHT through its directory: stores and key reads, and the bytes
+    of the records they carried (values only; the DHT's own lookups and replication are not
+    counted). For comparing a real swarm's load with the membership simulator's."""
+
+    stores: int = 0
+    reads: int = 0
+    bytes_stored: int = 0
+    bytes_read: int = 0
+
+    def read(self, found: ValueWithExpiration | None) -> None:
+        self.reads += 1
+        value = None if found is None else found.value
+        if isinstance(value, dict):
+            self.bytes_read += sum(
+                len(item.value) for item in value.values() if isinstance(item.value, bytes)
+            )
+
+    def as_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
 class DirectoryReadout:
     """What one read of the peers key found."""
 
@@ -97,6 +121,7 @@ class RunDirectory:
         records.RunManifest.create(run_id, {})  # validates the run id early, with a clear message
         self.dht, self.run_id, self.ttl = dht, run_id, ttl
         self.identity = identity or getattr(dht, "identity", None)
+        self.calls = DhtCalls()
 
     # ---------------------------------------------------------------- manifest
 
@@ -185,6 +210,8 @@ class RunDirectory:
         one traversal of the DHT for both keys instead of one each."""
         keys = (peers_key(self.run_id), gone_key(self.run_id))
         found = self._wait(self.dht.run_coroutine(functools.partial(_get_latest, keys), return_future=True))
+        for key in keys:
+            self.calls.read(found.get(key))
         peers = _readout(*self._records(found.get(keys[0]), records.PeerAnnouncement))
         return peers, self._reports(found.get(keys[1]))
 
@@ -198,14 +225,15 @@ class RunDirectory:
     def _store(self, key: str, record: records.PeerAnnouncement | records.GoneReport, ttl: float) -> bool:
         """Store `record` under its subkey with our owner mark: the DHT signs it with our key."""
         subkey, expiration = self._writer().owned(subkey_of(record)), get_dht_time() + ttl
-        return bool(
-            self._wait(
-                self.dht.store(key, codec.encode(record), expiration, subkey=subkey, return_future=True)
-            )
-        )
+        value = codec.encode(record)
+        self.calls.stores += 1
+        self.calls.bytes_stored += len(value)
+        return bool(self._wait(self.dht.store(key, value, expiration, subkey=subkey, return_future=True)))
 
     def _get(self, key: str) -> ValueWithExpiration | None:
-        return self._wait(self.dht.get(key, latest=True, return_future=True))
+        found = self._wait(self.dht.get(key, latest=True, return_future=True))
+        self.calls.read(found)
+        return found
 
     def _wait(self, future: MPFuture[T] | concurrent.futures.Future[T]) -> T:
         """The DHT's answer within DHT_CALL_TIMEOUT; TimeoutError (and the call cancelled) after."""

@@ -397,6 +397,8 @@ class Final(Event):
     val_loss: float | None
     state_hash: str
     bytes: dict[str, dict[str, int]]
+    # this peer's DHT calls through its directory: stores, reads and their records' bytes
+    dht: dict[str, int] = field(default_factory=dict)
 
 
 E = TypeVar("E", bound=Event)

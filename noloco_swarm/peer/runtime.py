@@ -125,6 +125,7 @@ class Peer:
             val_loss=val_loss,
             state_hash=ctx.replica.state_hash(),
             bytes=ctx.transport.byte_counts(),
+            dht=self.directory.calls.as_dict(),
         )
         ctx.events.emit(final)
         if not await self.board.drain(ctx.deadlines.exchange):

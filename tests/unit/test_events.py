@@ -68,6 +68,7 @@ def one_of_each() -> list[Event]:
         val_loss=None,
         state_hash="ab" * 32,
         bytes={"12D3KooWb1": {"sent": 4096, "received": 4100, "bad_messages": 0}},
+        dht={"stores": 12, "reads": 8, "bytes_stored": 13392, "bytes_read": 17856},
         time=1700000015.0,
     )
     return [
