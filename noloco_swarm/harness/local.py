@@ -41,6 +41,9 @@ class Placement:
     prefix: tuple[str, ...] = ()
     host_maddrs: tuple[str, ...] = LOOPBACK
     announce_maddrs: tuple[str, ...] = ()
+    netns: str | None = (
+        None  # the namespace `prefix` enters: a peer forked from the preloader enters it itself
+    )
 
 
 Place = Callable[[int | None, int], Placement]  # (stage or None for auto, replica index) -> Placement
@@ -135,7 +138,8 @@ class LocalSwarm:
         # glibc reads its tunables at start: a thp peer is forked from a preloader that started
         # with them, or started with them (peer/net/lifetime.py).
         env = allocator_env(self.cfg.peer.release_memory, env)
-        proc = fork_peer(argv, env, log) if self.preload and not where.prefix else None
+        forkable = self.preload and (not where.prefix or where.netns is not None)
+        proc = fork_peer(argv, env, log, where.netns) if forkable else None
         if proc is None:
             argv = [*where.prefix, *command(argv)]
             with log.open("wb") as out:

@@ -141,7 +141,7 @@ def namespace_swarm(
             host = bed.hosts[name]
             announce = (f"/ip4/{bed.gateway}/tcp/{ports[name]}",) if name in ports else ()
             port = PEER_PORT if name in ports else 0
-            return Placement(tuple(bed.argv(name, [])), (host.maddr(port, transport),), announce)
+            return Placement(tuple(bed.argv(name, [])), (host.maddr(port, transport),), announce, host.netns)
 
         bootstrap = _start_bootstrap(bed, workdir)
         swarm = stack.enter_context(

@@ -14,7 +14,10 @@ What a fork cannot change is what the preloaded modules read from the environmen
 imported (hivemind's log level, the Hugging Face cache variables, torch's flags). So a peer is
 forked only when its environment equals the preloader's apart from `NOLOCO_*` variables, which
 only our own modules read, and the preloader imports none of those. Otherwise, or with a command
-prefix (`ip netns exec`), the launcher starts the peer as before.
+prefix, the launcher starts the peer as before. A peer of the namespace testbed is forked too: the
+child enters its host's network namespace (setns) before anything else, which is what `ip netns
+exec` does for a peer (the peer reads no per-namespace /etc or /sys files). On a 2-core machine
+this is what lets 32 testbed peers share one import (docs/testbed.md).
 
 The preloader's child processes are not ours, so `Forked` stands in for `subprocess.Popen`
 (pid, poll, wait, returncode, signals): the preloader reaps each child and sends its exit status
@@ -25,6 +28,7 @@ control socket reaches end of file), and a peer started with `--die-with-parent`
 from __future__ import annotations
 
 import atexit
+import ctypes
 import importlib
 import json
 import os
@@ -121,11 +125,14 @@ class Preloader:
         """Whether a peer with environment `env` can be forked from this preloader (see above)."""
         return self.process.poll() is None and imported_with(self.env) == imported_with(env)
 
-    def spawn(self, args: Sequence[str], env: Mapping[str, str], log: Path) -> Forked:
+    def spawn(
+        self, args: Sequence[str], env: Mapping[str, str], log: Path, netns: str | None = None
+    ) -> Forked:
         """Fork a process that runs `noloco ARGS` with `env`, in the current working directory,
-        writing stdout and stderr to `log` (truncated here first)."""
+        writing stdout and stderr to `log` (truncated here first); in network namespace `netns`
+        (a name `ip netns` knows) if given."""
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        request = {"args": list(args), "env": dict(env), "cwd": os.getcwd()}
+        request = {"args": list(args), "env": dict(env), "cwd": os.getcwd(), "netns": netns}
         with log.open("wb") as out, self._lock:  # the log exists once this returns, as with Popen
             socket.send_fds(self._control, [json.dumps(request).encode()], [theirs.fileno(), out.fileno()])
         theirs.close()
@@ -177,11 +184,32 @@ def shared(env: Mapping[str, str] | None = None) -> Preloader:
         return preloader
 
 
-def fork_peer(args: Sequence[str], env: Mapping[str, str], log: Path) -> Forked | None:
-    """Fork `noloco ARGS` from the preloader of its allocator, or None where it cannot be forked
-    (its environment differs from the preloader's; see the module's docstring)."""
+def fork_peer(
+    args: Sequence[str], env: Mapping[str, str], log: Path, netns: str | None = None
+) -> Forked | None:
+    """Fork `noloco ARGS` (in network namespace `netns`, if given) from the preloader of its
+    allocator, or None where it cannot be forked (its environment differs from the preloader's;
+    see the module's docstring)."""
     preloader = shared(env)
-    return preloader.spawn(args, env, log) if preloader.forks(env) else None
+    return preloader.spawn(args, env, log, netns) if preloader.forks(env) else None
+
+
+CLONE_NEWNET = 0x40000000
+
+
+def enter_netns(name: str) -> None:
+    """Move this (single-threaded) process into the network namespace `ip netns` calls `name`."""
+    fd = os.open(f"/run/netns/{name}", os.O_RDONLY)
+    try:
+        if hasattr(os, "setns"):  # Python 3.12+
+            os.setns(fd, CLONE_NEWNET)
+            return
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"cannot enter network namespace {name}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
 
 
 # ---- the preloader's side ----------------------------------------------------------------------
@@ -244,6 +272,8 @@ def reap(children: dict[int, socket.socket]) -> None:
 def become(request: dict) -> None:
     """In a forked child: take on the request's session, directory, environment, log and
     arguments (sys.argv)."""
+    if request.get("netns"):
+        enter_netns(request["netns"])
     # What ps, top and /proc/PID/cmdline show: the command it runs, not the preloader's. First:
     # setproctitle takes the room of the process's original environment, which must be in place.
     setproctitle.setproctitle(shlex.join(command(request["args"])))

@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from noloco_swarm.harness.local import LocalSwarm, cpu_share, wait
+from noloco_swarm.harness.local import LocalSwarm, cpu_share, end_group, wait
 from noloco_swarm.harness.namespaces import BOOT, namespace_swarm, peer_host
+from noloco_swarm.harness.preload import fork_peer
 from noloco_swarm.peer.events import Joined, Outer, Step, of_kind
 from noloco_swarm.peer.net.uplink import CAP_SHARE, CLIMB
 from noloco_swarm.testbed import Testbed, namespaces_permitted
@@ -168,6 +169,34 @@ bed = Testbed(["a", "b"]).__enter__()
 print(bed.bridge, flush=True)
 sys.stdin.read()  # until the test has looked, then SIGKILLed: no cleanup runs
 """
+
+
+def test_a_peer_forked_from_the_preloader_runs_in_its_hosts_namespace(
+    nothing_left: None, tmp_path: Path
+) -> None:
+    """The testbed forks its peers from the preloader (one import for all): the child enters its
+    host's network namespace before it runs, so it and the p2pd it starts live there and listen
+    on the host's address, as under `ip netns exec`."""
+    with Testbed(["a"]) as bed:
+        host = bed.hosts["a"]
+        log = tmp_path / "dht.log"
+        env = {k: v for k, v in os.environ.items() if k != "NOLOCO_SET"}
+        dht = fork_peer(["dht", "--host-maddrs", host.maddr()], env, log, host.netns)
+        assert dht is not None, "the testbed's peers are forked"
+        try:
+            deadline = time.monotonic() + 60
+            while "/p2p/" not in log.read_text() and dht.poll() is None:
+                assert time.monotonic() < deadline, log.read_text()
+                time.sleep(0.1)
+            assert dht.poll() is None, log.read_text()
+            assert f"/ip4/{host.address}/tcp/" in log.read_text()
+            daemon = Path(f"/proc/{dht.pid}/task/{dht.pid}/children").read_text().split()[0]
+            space = os.stat(f"/run/netns/{host.netns}").st_ino
+            assert os.stat(f"/proc/{dht.pid}/ns/net").st_ino == space
+            assert os.stat(f"/proc/{daemon}/ns/net").st_ino == space
+            assert os.stat("/proc/self/ns/net").st_ino != space
+        finally:
+            end_group(dht)
 
 
 def test_a_sigkilled_testbed_is_swept_by_the_next_one(nothing_left: None) -> None:
