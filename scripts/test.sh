@@ -44,6 +44,7 @@ report=$(mktemp)
 compose=tests/integration/test_compose.py
 SECOND_LANE=(
     tests/integration/test_testbed.py
+    tests/integration/test_chaos.py
     tests/integration/test_faults.py
     tests/integration/test_terminal.py
     tests/integration/test_trust.py
