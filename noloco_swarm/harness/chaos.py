@@ -23,7 +23,7 @@ import os
 import random
 import signal
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 
 from noloco_swarm.harness.local import PeerProcess
@@ -296,9 +296,10 @@ def trained_samples(peer_events: Sequence[list[Event]], batch: int, since: float
 
 
 def views_since(
-    peer_events: Sequence[list[Event]], since: float
+    peer_events: Iterable[list[Event]], since: float = float("-inf")
 ) -> dict[int, set[tuple[tuple[str, ...], ...]]]:
-    """Every distinct view of each round that a peer built after `since` (time.time())."""
+    """Every distinct view of each round that a peer built after `since` (time.time(); by default
+    every view they reported)."""
     views: dict[int, set[tuple[tuple[str, ...], ...]]] = {}
     for events in peer_events:
         for m in of_kind(events, Membership):

@@ -41,9 +41,8 @@ class Placement:
     prefix: tuple[str, ...] = ()
     host_maddrs: tuple[str, ...] = LOOPBACK
     announce_maddrs: tuple[str, ...] = ()
-    netns: str | None = (
-        None  # the namespace `prefix` enters: a peer forked from the preloader enters it itself
-    )
+    # the namespace `prefix` enters: a peer forked from the preloader enters it itself
+    netns: str | None = None
 
 
 Place = Callable[[int | None, int], Placement]  # (stage or None for auto, replica index) -> Placement

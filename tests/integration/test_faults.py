@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from noloco_swarm.harness.chaos import views_since
 from noloco_swarm.harness.local import local_swarm, wait
 from noloco_swarm.peer import checkpoint
 from noloco_swarm.peer.events import (
@@ -28,7 +29,7 @@ from noloco_swarm.peer.events import (
 )
 from noloco_swarm.protocol.membership import REPORT_LAG_ROUNDS
 from tests.integration.helpers import alive, descendants
-from tests.integration.test_swarm import SLOWER, small, views_by_round
+from tests.integration.test_swarm import SLOWER, small
 
 pytestmark = pytest.mark.integration
 
@@ -75,7 +76,7 @@ def test_a_peer_frozen_past_the_deadline_is_dropped_and_rejoins_by_itself(
     victim_id = next(e.peer_id for e in of_kind(mine, Membership))
     rejoined = next(iter(of_kind(mine, Joined)), None)
     assert all(s.steps == steps for s in summaries.values())
-    views = views_by_round(events)
+    views = views_since(events)
     assert all(len(v) == 1 for v in views.values()), views
     dropped = any(victim_id not in next(iter(v))[stage] for v in views.values())
     if rejoined is not None:
@@ -184,5 +185,5 @@ def test_a_peer_killed_while_writing_a_checkpoint_comes_back_from_its_last_whole
     mine = next(e.peer_id for e in of_kind(before, Membership))
     assert any(s.peer_id == mine for s in summaries), "it came back as another peer"
     assert len(summaries) == 4 and all(s.steps == steps for s in summaries)
-    views = views_by_round([*events, before])
+    views = views_since([*events, before])
     assert all(len(v) == 1 for v in views.values()), views

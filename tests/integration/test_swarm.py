@@ -13,12 +13,12 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
 import torch
 
+from noloco_swarm.harness.chaos import views_since
 from noloco_swarm.harness.local import local_swarm, wait
 from noloco_swarm.model import num_flat
 from noloco_swarm.peer.events import (
@@ -27,7 +27,6 @@ from noloco_swarm.peer.events import (
     ChunkFetched,
     DonorLost,
     Dropped,
-    Event,
     Joined,
     Joiners,
     Left,
@@ -589,15 +588,6 @@ def finished(
                 p.communicate()
 
 
-def views_by_round(peer_events: Iterable[list[Event]]) -> dict[int, set[tuple[tuple[str, ...], ...]]]:
-    """Every distinct view of each round (its stages' peer ids) that the peers reported."""
-    views: dict[int, set[tuple[tuple[str, ...], ...]]] = {}
-    for events in peer_events:
-        for e in of_kind(events, Membership):
-            views.setdefault(e.round, set()).add(tuple(tuple(s) for s in e.stages))
-    return views
-
-
 def num_flat_stage(cfg: RunConfig, stage: int) -> int:
     from noloco_swarm.model import build_stage
 
@@ -684,7 +674,7 @@ def test_a_killed_peer_takes_its_processes_and_a_replacement_takes_its_stage(
     partner = next(s for s in summaries.values() if s.stage == stage and s is not new)
     assert victim_id in partner.gone and partner.outer_steps == steps // 3
     # The survivors agree on every round's view, and the last one is without the victim.
-    views = views_by_round(survivor_events)
+    views = views_since(survivor_events)
     assert all(len(v) == 1 for v in views.values()), views
     last = next(iter(views[max(views)]))
     assert all(victim_id not in s for s in last) and [len(s) for s in last] == [2] * stages
@@ -768,7 +758,7 @@ def test_a_killed_stage_zero_replicas_shard_is_fed_by_the_other_until_the_views_
     assert all(s.steps == steps for s in summaries.values())
     kept = next(s for s in summaries.values() if s.stage == 0)
     assert victim_id in kept.gone and kept.outer_steps == steps // h
-    views = views_by_round(survivor_events)
+    views = views_since(survivor_events)
     assert all(len(v) == 1 for v in views.values()), views
     with_victim = [r for r, v in views.items() if victim_id in next(iter(v))[0]]
     dropped_from = max(with_victim) + 1  # the first round whose view is without the victim
@@ -812,7 +802,7 @@ def test_sigterm_makes_a_peer_leave_at_a_boundary_and_nothing_is_lost(cache: Pat
     assert all(
         summaries[next(e.peer_id for e in of_kind(events[id(p)], Membership))].steps == steps for p in others
     )
-    views = views_by_round(events[id(p)] for p in swarm.peers)
+    views = views_since(events[id(p)] for p in swarm.peers)
     assert all(len(v) == 1 for v in views.values()), views
     for r, v in views.items():
         stages = next(iter(v))
@@ -926,7 +916,7 @@ def test_a_peer_joins_a_running_swarm_at_a_round_boundary(cache: Path, overlap: 
     assert me.snapshot in kept
     assert (me.state_hash in server_outer) == (overlap == 0)
     # Every peer holds the same view of every round; the joiner is in it from round J on.
-    views = views_by_round(events[id(p)] for p in swarm.peers)
+    views = views_since(events[id(p)] for p in swarm.peers)
     assert all(len(v) == 1 for v in views.values()), views
     for r, v in views.items():
         stages = next(iter(v))
@@ -968,7 +958,7 @@ def test_a_member_that_reads_a_joiner_late_admits_it_at_the_next_boundary(cache:
     newcomer = next(s.peer_id for s in summaries if s.joined_round == J)
     held = {e.round: newcomer in e.stages[0] for e in of_kind(events[id(reader)], Membership)}
     assert held[J] is False and held[J + 1] is True, held
-    views = views_by_round(events[id(p)] for p in swarm.peers)
+    views = views_since(events[id(p)] for p in swarm.peers)
     for r, v in sorted(views.items()):
         with_it = {stages for stages in v if newcomer in stages[0]}
         assert len(v) == (2 if r == J else 1) and bool(with_it) == (r >= J), (r, v)
@@ -1036,7 +1026,7 @@ def test_a_joiner_whose_donor_dies_mid_download_enters_with_the_other_donors_sta
     final = next(s for s in summaries if s.peer_id == me.peer_id)
     assert final.joined_round == J and final.steps == steps
     # Everyone left agrees on every round's view.
-    views = views_by_round(events[id(p)] for p in survivors)
+    views = views_since(events[id(p)] for p in survivors)
     assert all(len(v) == 1 for v in views.values()), views
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from hivemind.utils import get_dht_time
 
+from noloco_swarm.harness.chaos import views_since
 from noloco_swarm.harness.local import local_swarm, wait
 from noloco_swarm.peer import tickets
 from noloco_swarm.peer.directory import RunDirectory, gone_key, peers_key, signed_dht_kwargs
@@ -38,7 +39,7 @@ from noloco_swarm.peer.net.streams import RemoteRefused
 from noloco_swarm.peer.net.transport import Transport
 from noloco_swarm.protocol import codec, records, rpc
 from noloco_swarm.protocol.plan import StepPlan
-from tests.integration.test_swarm import SLOWER, simulate, small, views_by_round
+from tests.integration.test_swarm import SLOWER, simulate, small
 from tests.integration.test_transport import wait_until
 
 pytestmark = pytest.mark.integration
@@ -86,7 +87,7 @@ def test_forged_records_and_a_lying_member_evict_nobody(cache: Path, tmp_path: P
         finally:
             hostile.shutdown()
         events = [p.events() for p in swarm.peers]
-    views = views_by_round(events)
+    views = views_since(events)
     assert all(len(v) == 1 for v in views.values()), views
     assert all(victim in next(iter(v))[1] for v in views.values()), "the victim was evicted"
     everything = [e for ev in events for e in ev]
@@ -193,7 +194,7 @@ def test_a_closed_run_admits_only_peers_with_their_own_valid_ticket(cache: Path,
         summaries = swarm.summaries()
     assert codes == ["no_ticket"] * 4, codes
     assert unticketed.returncode != 0 and "is closed" in unticketed.stderr + unticketed.stdout, unticketed
-    views = views_by_round(events)
+    views = views_since(events)
     assert all(len(v) == 1 and intruder not in sum(next(iter(v)), ()) for v in views.values()), views
     expected, _ = simulate(cfg, steps)
     got = {(s.stage, s.rank): s.state_hash for s in summaries}
@@ -231,7 +232,7 @@ def test_a_ticketed_peer_joins_a_running_closed_run(cache: Path, tmp_path: Path)
     routed = [bool(plan.expects(e.step - 1, 1, rank)) for e in of_kind(mine, Step)]
     losses = [e.loss is not None for e in of_kind(mine, Step)]
     assert len(losses) == steps - me.round * H and losses == routed and any(routed)
-    views = views_by_round(events)
+    views = views_since(events)
     assert all(len(v) == 1 for v in views.values()), views
     assert all((me.peer_id in next(iter(v))[1]) == (r >= me.round) for r, v in views.items())
     bad = [e for ev in events for e in ev if isinstance(e, Dropped | Refused | Excluded)]

@@ -44,9 +44,10 @@ A slow partner sets the estimate of every stream it shares a pace with (the slow
 report counts), so two exchanges with a partner behind a 300 ms delay spike cut the cap from 27
 to 1.3 MB/s, and the climb back by HOLD and PROBE took 14 exchanges, 4 s each (the chaos test,
 2026-12-06). Doubling back costs log2 of the fall (5 exchanges for that one); if the link really
-got slower, the first probe is held back and the estimate (and `best`) stays at the new rate. A partner whose reports stay low (a slow downlink, or a lie)
-holds the estimate down for as long as it does, never below the pace that sends an exchange in
-half its deadline.
+got slower, the first probe is held back and the estimate (and `best`) stays at the new rate.
+
+A partner whose reports stay low (a slow downlink, or a lie) holds the estimate down for as long
+as it does, never below the pace that sends an exchange in half its deadline.
 """
 
 from __future__ import annotations
