@@ -55,6 +55,7 @@ SECOND_LANE=(
     tests/integration/test_plot.py
     tests/integration/test_metrics.py
     tests/integration/test_join_logs.py
+    tests/integration/test_runs.py
 )
 second_lane() {
     local status=0

@@ -48,6 +48,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "sim": _sim,
             "dht": _dht,
             "status": _status,
+            "runs": _runs,
             "testbed": _testbed,
             "doctor": _doctor,
         }
@@ -156,19 +157,32 @@ def _testbed(args: argparse.Namespace) -> int:
 
 def _join(args: argparse.Namespace) -> int:
     resolved = resolve_args(args, JOIN_DEFAULTS)
+    from noloco_swarm.peer.net import lifetime
+
+    # glibc reads the allocator's settings at start: restart now, before --auto chooses a run
+    release = resolved.cfg.peer.release_memory
+    if args.restartable and not args.print_config and lifetime.needs_restart_for(release):
+        argv = [sys.executable, "-m", "noloco_swarm.cli.main", *sys.argv[1:]]
+        env = lifetime.allocator_env(release, dict(os.environ))
+        os.execve(sys.executable, argv, env | {lifetime.RESTARTED: "1"})
+    steps = args.steps
+    if args.auto and resolved.cfg.peer.run_id:
+        raise ConfigError("noloco join --auto chooses the run itself: drop --run-id (or peer.run_id)")
+    if not resolved.cfg.peer.run_id and (args.auto or resolved.cfg.network.initial_peers):
+        from noloco_swarm.cli.auto import join_target
+
+        target = join_target(args, resolved, JOIN_DEFAULTS)
+        if isinstance(target, int):
+            return target
+        resolved, steps = target, target.cfg.inner.total_steps  # the run's own length
     cfg = resolved.cfg
     missing = [] if cfg.peer.run_id else ["noloco join needs a run id: give --run-id NAME (or peer.run_id)"]
     _refuse(resolved, "peer", *missing)
     if args.print_config:
         return _print_config(resolved, "join")
     from noloco_swarm.cli.join import run_join
-    from noloco_swarm.peer.net import lifetime
     from noloco_swarm.peer.net.lifetime import die_with_parent, pin_to_cpus, release_memory
 
-    if args.restartable and lifetime.needs_restart_for(cfg.peer.release_memory):  # glibc reads them at start
-        argv = [sys.executable, "-m", "noloco_swarm.cli.main", *sys.argv[1:]]
-        env = lifetime.allocator_env(cfg.peer.release_memory, dict(os.environ))
-        os.execve(sys.executable, argv, env | {lifetime.RESTARTED: "1"})
     if args.die_with_parent:
         die_with_parent()
     cpus = parse_cpus(cfg.peer.cpus)
@@ -201,7 +215,7 @@ def _join(args: argparse.Namespace) -> int:
         return 2
     return run_join(
         cfg,
-        args.steps,
+        steps,
         new_run=args.new_run,
         resume=args.resume,
         log_format=args.log_format,
@@ -293,6 +307,17 @@ def _status(args: argparse.Namespace) -> int:
         until_announced=args.until_announced,
         wait=args.wait,
     )
+
+
+def _runs(args: argparse.Namespace) -> int:
+    resolved = resolve_args(args)
+    if not resolved.cfg.network.initial_peers:
+        raise ConfigError("noloco runs needs --initial-peers MADDR (or network.initial_peers)")
+    if args.print_config:
+        return _print_config(resolved, "runs")
+    from noloco_swarm.cli.runs import run_runs
+
+    return run_runs(resolved.cfg.network, as_json=args.json)
 
 
 def _plan(args: argparse.Namespace) -> int:

@@ -73,6 +73,12 @@ def join_command(sub: Subparsers) -> None:
         "--new-run", action="store_true", help="publish the run's manifest if it does not exist"
     )
     join.add_argument(
+        "--auto",
+        action="store_true",
+        help="without --run-id: join the open run and stage that need a peer most among those this "
+        "machine can host, and say why (without --auto, no --run-id lists the open runs)",
+    )
+    join.add_argument(
         "--resume",
         action="store_true",
         help="continue from the newest checkpoint in --checkpoint-dir (a stopped swarm restarts "
@@ -158,6 +164,20 @@ def status_command(sub: Subparsers) -> None:
     status.add_argument(
         "--wait", type=float, default=60.0, help="seconds --until-announced waits at most (default 60)"
     )
+
+
+def runs_command(sub: Subparsers) -> None:
+    runs = sub.add_parser(
+        "runs",
+        help="list the runs on a DHT: what each trains, its peers per stage, where it needs peers",
+        description="List the runs announced on the DHT reached through --initial-peers: model, "
+        "method, peers per stage against what each stage asks for, open or closed, round and tokens. "
+        "Only runs whose manifest is signed by the peer that listed them; others are skipped and counted.",
+        epilog=EPILOG,
+    )
+    add_sources(runs)
+    add_network(runs, identity_default=None, peers_help="multiaddrs of live peers (required)")
+    runs.add_argument("--json", action="store_true", help='print {"runs": [...], "skipped": n} instead')
 
 
 def doctor_command(sub: Subparsers) -> None:
@@ -296,6 +316,7 @@ COMMANDS: tuple[Callable[[Subparsers], None], ...] = (
     sim_command,
     dht_command,
     status_command,
+    runs_command,
     doctor_command,
     plot_command,
     plan_command,

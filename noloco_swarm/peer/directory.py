@@ -1,6 +1,7 @@
 """The run's directory in the hivemind DHT: the manifest, and the peers announced per stage.
 
-Keys (all under the run id, so runs never see each other's records):
+Keys (all under the run id, so runs never see each other's records, but the list of runs):
+  noloco/runs            [run id + owner mark]           a RunListing, by each peer that publishes a manifest
   noloco/<run>/manifest  [owner mark]                    the RunManifest, by the peer that starts the run
   noloco/<run>/peers     [peer id + owner mark]          a PeerAnnouncement per peer, re-stored every heartbeat
   noloco/<run>/gone      [peer/reporter/round + mark]    a GoneReport: a member failed another in a round
@@ -56,6 +57,10 @@ DHT_CALL_TIMEOUT = 30.0
 
 class ManifestMismatchError(RuntimeError):
     """This peer's config differs from the run's manifest; the message lists the differences."""
+
+
+# The list of runs (`noloco runs`, peer/catalog.py): one RunListing per run and manifest author.
+RUNS_KEY = "noloco/runs"
 
 
 def manifest_key(run_id: str) -> str:
@@ -145,17 +150,18 @@ class RunDirectory:
     def publish_manifest(self, manifest: records.RunManifest) -> None:
         if manifest.run_id != self.run_id:
             raise ValueError(f"manifest is for run {manifest.run_id!r}, this directory is {self.run_id!r}")
-        ok = self._wait(
-            self.dht.store(
-                manifest_key(self.run_id),
-                codec.encode(manifest),
-                get_dht_time() + MANIFEST_TTL,
-                subkey=self._writer().mark,
-                return_future=True,
+        # The manifest, then its entry in the list of runs; both live as long.
+        expires = get_dht_time() + MANIFEST_TTL
+        listing = records.RunListing(self.run_id, manifest.config_hash)
+        for key, record, subkey, what in (
+            (manifest_key(self.run_id), manifest, self._writer().mark, "manifest"),
+            (RUNS_KEY, listing, self._writer().owned(self.run_id), "run's listing"),
+        ):
+            ok = self._wait(
+                self.dht.store(key, codec.encode(record), expires, subkey=subkey, return_future=True)
             )
-        )
-        if not ok:
-            raise RuntimeError("the DHT did not accept the manifest; is any DHT peer reachable?")
+            if not ok:
+                raise RuntimeError(f"the DHT did not accept the {what}; is any DHT peer reachable?")
 
     def join_manifest(self, mine: records.RunManifest, *, new_run: bool) -> records.RunManifest:
         """Check our config against the run's manifest; publish it first if we start the run.
@@ -244,25 +250,7 @@ class RunDirectory:
             raise TimeoutError(f"the DHT did not answer within {DHT_CALL_TIMEOUT:.0f} s") from None
 
     def _records(self, found: ValueWithExpiration | None, cls: type[R]) -> tuple[list[R], int]:
-        """Well-formed records of `cls` in `found` (what the DHT holds under one key) that name
-        this run, sit under their own subkey and speak for the peer who signed them, and how many
-        others there were (garbage, another run, unsigned, a subkey that lies about its record, a
-        writer speaking for someone else)."""
-        if found is None or not isinstance(found.value, dict):
-            return [], 0
-        good, bad = [], 0
-        for subkey, item in found.value.items():
-            owned = owner_of(subkey)
-            try:
-                record = codec.decode(item.value, cls)
-            except codec.MessageError:
-                bad += 1
-                continue
-            if owned is None or record.run_id != self.run_id or owned != (subkey_of(record), author(record)):
-                bad += 1
-                continue
-            good.append(record)
-        return good, bad
+        return signed_records(None if found is None else found.value, cls, self.run_id)
 
     # ---------------------------------------------------------------- failures
 
@@ -333,6 +321,28 @@ def signed_manifests(
             continue
         out.append((owned[1], manifest))
     return sorted(out, key=lambda pair: pair[0]), unreadable
+
+
+def signed_records(value: object, cls: type[R], run_id: str) -> tuple[list[R], int]:
+    """Well-formed records of `cls` in `value` (what the DHT holds under one key) that name
+    `run_id`, sit under their own subkey and speak for the peer who signed them, and how many
+    others there were (garbage, another run, unsigned, a subkey that lies about its record, a
+    writer speaking for someone else)."""
+    if not isinstance(value, dict):
+        return [], 0
+    good, bad = [], 0
+    for subkey, item in value.items():
+        owned = owner_of(subkey)
+        try:
+            record = codec.decode(item.value, cls)
+        except codec.MessageError:
+            bad += 1
+            continue
+        if owned is None or record.run_id != run_id or owned != (subkey_of(record), author(record)):
+            bad += 1
+            continue
+        good.append(record)
+    return good, bad
 
 
 def author(record: records.PeerAnnouncement | records.GoneReport) -> str:

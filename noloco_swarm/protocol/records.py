@@ -1,4 +1,5 @@
-"""The DHT records of a run: its manifest, peer announcements, join tickets and gone reports.
+"""The DHT records of a run: its manifest, peer announcements, join tickets and gone reports, and
+the listing that puts a run in the DHT's list of runs (`noloco runs`).
 
 Each is a message of the codec (codec.py), signed by its writer where peer/directory.py stores it.
 """
@@ -57,6 +58,23 @@ def config_digest(pairs: tuple[tuple[str, str], ...]) -> str:
     for key, value in pairs:
         h.update(key.encode() + b"\0" + value.encode() + b"\0")
     return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class RunListing(Message):
+    """A run's entry in the DHT's list of runs, stored by a peer that published the run's manifest:
+    the run and the digest of that manifest's config. A reader lists the run only when the entry's
+    writer also signed a manifest of the run with this digest, so nobody lists a run under another's
+    name or config."""
+
+    TAG: ClassVar[str] = "listing"
+    run_id: str
+    config_hash: str
+
+    def __post_init__(self) -> None:
+        check_run_id(self.run_id)
+        if len(self.config_hash) != 64 or any(c not in "0123456789abcdef" for c in self.config_hash):
+            raise ValueError("config_hash must be 64 lowercase hex digits (a sha256)")
 
 
 @dataclass(frozen=True)

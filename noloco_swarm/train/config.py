@@ -228,8 +228,8 @@ LOCAL_SECTIONS = ("peer", "network")
 # (`noloco keys --all`). At most 40 (tests/sim/test_config_keys.py).
 USER_KEYS = frozenset(
     """
-    preset method num_stages num_replicas stage_replicas seed eval_every authority model.vocab_size
-    model.subspace_rank
+    preset method num_stages num_replicas stage_replicas seed authority description
+    model.vocab_size model.subspace_rank
     data.source data.dataset data.tokenizer data.data_files data.val_data_files
     inner.batch_size inner.lr inner.min_lr inner.warmup_steps inner.total_steps
     outer.inner_steps outer.group_size outer.outer_momentum outer.outer_lr wire.activations
@@ -290,6 +290,9 @@ class RunConfig:
     """Inner steps between validation passes (0: only at the end)."""
     eval_windows: int = 64
     """Validation windows per evaluation (the same ones every time)."""
+    description: str = ""
+    """One line that says what the run trains and for whom; `noloco runs` shows it (at most 120
+    characters)."""
     authority: str = ""
     """A closed run's authority: its RSA public key (ssh-rsa ..., from `noloco authority`); only
     peers with a join ticket it signed (`noloco ticket`) may serve. Empty: an open run."""
@@ -318,6 +321,10 @@ class RunConfig:
             )
         if self.eval_every < 0 or self.eval_windows < 1:
             raise ValueError("eval_every must be >= 0 and eval_windows >= 1")
+        if len(self.description) > 120 or not self.description.isprintable():
+            raise ValueError(
+                f"description must be one line of at most 120 printable characters, got {self.description!r}"
+            )
         if self.authority and not self.authority.startswith("ssh-rsa "):
             raise ValueError(
                 "authority must be an RSA public key (ssh-rsa ..., from `noloco authority`) or empty"

@@ -34,6 +34,7 @@ EXAMPLES: list[codec.Message] = [
     records.PeerAnnouncement("run-1", "12D3KooWabc", 1, 4, (), "cpu", 9, b"\x83\xa1v\x02"),
     records.GoneReport("run-1", "12D3KooWabc", "12D3KooWdef", 3),
     records.JoinTicket("run-1", "12D3KooWabc", 1.8e9, b"c2lnbmF0dXJl"),
+    records.RunListing("run-1", HASH),
     rpc.ForwardHeader("run-1", 2, 117, 0, 3, (936, 937), ACT, TOK, "v" * 8),
     rpc.ForwardHeader("run-1", 2, 117, 0, 3, (936, 937), Q8, TOK, "", SCALE),
     rpc.ForwardHeader("run-1", 2, 117, 0, 3, (936, 937), SUB, WINDOWS, "v" * 8),

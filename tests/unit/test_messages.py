@@ -30,6 +30,7 @@ EXAMPLES: list[codec.Message] = [
     rpc.StateRequest("run-1", 1),
     rpc.StateRequest("run-1", 1, 7),
     records.GoneReport("run-1", "12D3KooWabc", "12D3KooWdef", 3),
+    records.RunListing("run-1", "e" * 64),
     rpc.StateManifest("run-1", 1, 7, 70, (("a", "b"), ("c",)), 70, "f" * 64, 9, 4, ("0" * 64,) * 12),
     rpc.ChunkRequest("run-1", 1, 7, "a" * 64, 11),
     rpc.StateChunk("run-1", 1, 7, "a" * 64, 11, codec.TensorMeta((1,), "float32")),
