@@ -19,8 +19,10 @@ from noloco_swarm.testbed.bed import TransportKind
 from noloco_swarm.train.layering import (
     Layer,
     Resolved,
+    is_swarm_file,
     load_file,
     load_run_config,
+    load_swarm_file,
     parse_assignments,
     resolve,
 )
@@ -257,4 +259,20 @@ def resolve_args(
     for item in args.assignments:
         assignments.update(parse_assignments(item))
     layers.append(Layer("--set", assignments))
-    return resolve([*layers, *flag_layers(args), *top])
+    layers += flag_layers(args)
+    resolved = resolve([*layers, *top])
+    files = [p for p in resolved.cfg.network.initial_peers if is_swarm_file(p)]
+    if not files:
+        return resolved
+    # Swarm files named in network.initial_peers: their multiaddrs replace them, and their run is
+    # the run id when nothing else sets one (and `join --auto` is not choosing one).
+    peers = [p for p in resolved.cfg.network.initial_peers if not is_swarm_file(p)]
+    runs = []
+    for path in files:
+        swarm = load_swarm_file(path)
+        peers += [p for p in swarm.initial_peers if p not in peers]
+        runs += [swarm.run] if swarm.run and swarm.run not in runs else []
+    values: dict[str, Any] = {"network.initial_peers": peers}
+    if len(runs) == 1 and not resolved.cfg.peer.run_id and not getattr(args, "auto", False):
+        values["peer.run_id"] = runs[0]
+    return resolve([*layers, Layer(f"swarm file {', '.join(files)}", values), *top])

@@ -168,7 +168,8 @@ def _join(args: argparse.Namespace) -> int:
     steps = args.steps
     if args.auto and resolved.cfg.peer.run_id:
         raise ConfigError("noloco join --auto chooses the run itself: drop --run-id (or peer.run_id)")
-    if not resolved.cfg.peer.run_id and (args.auto or resolved.cfg.network.initial_peers):
+    listing = resolved.cfg.network.initial_peers and not args.print_config  # no run id: list the runs
+    if not resolved.cfg.peer.run_id and (args.auto or listing):
         from noloco_swarm.cli.auto import join_target
 
         target = join_target(args, resolved, JOIN_DEFAULTS)
@@ -282,7 +283,18 @@ def _dht(args: argparse.Namespace) -> int:
         return _print_config(resolved, "dht")
     from noloco_swarm.cli.dht import run_dht
 
-    return run_dht(resolved.cfg.network, address_file=args.address_file)
+    if args.run is not None and args.swarm_file is None:
+        raise ConfigError("noloco dht: --run names the run of a --swarm-file; give --swarm-file FILE too")
+    if args.run is not None:
+        from noloco_swarm.protocol.codec import check_run_id
+
+        try:
+            check_run_id(args.run)
+        except ValueError as e:
+            raise ConfigError(f"noloco dht --run: {e}") from e
+    return run_dht(
+        resolved.cfg.network, address_file=args.address_file, swarm_file=args.swarm_file, run=args.run
+    )
 
 
 def _status(args: argparse.Namespace) -> int:

@@ -142,6 +142,15 @@ def dht_command(sub: Subparsers) -> None:
     dht.add_argument(
         "--address-file", type=Path, default=None, help="also write the --initial-peers address here"
     )
+    dht.add_argument(
+        "--swarm-file",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="also write a swarm file of this node's addresses, to ship to volunteers: they give it "
+        "as --initial-peers FILE (with --run RUN, it also names the run to join)",
+    )
+    dht.add_argument("--run", default=None, metavar="RUN", help="the run the --swarm-file names")
 
 
 def status_command(sub: Subparsers) -> None:

@@ -73,6 +73,7 @@ async def run_peer(
             use_relay=net.use_relay,
             use_auto_relay=net.use_auto_relay,
             config=caps_for(cfg.inner.microbatches),
+            startup_timeout=opts.daemon_start_timeout,
         )
     dht = None
     sink = events.Events([events.JsonLines(opts.metrics)] if opts.metrics else [])

@@ -116,6 +116,9 @@ class PeerConfig:
     gives way to one that fits, with a warning."""
     heartbeat_ttl: float = 30.0
     """Seconds an announcement lives in the DHT; re-stored every third of it."""
+    daemon_start_timeout: float = 15.0
+    """Seconds the libp2p daemon (p2pd) has to start; one that takes longer is started once more
+    with four times as long, 15 s at least (a loaded or slow machine), saying so."""
     checkpoint_dir: str | None = None
     """Write this replica's full state here at outer-step boundaries (None: no checkpoints)."""
     checkpoint_every: int = 1
@@ -176,6 +179,7 @@ class PeerConfig:
             "join_timeout",
             "heartbeat_ttl",
             "min_deadline",
+            "daemon_start_timeout",
         )
         for name in names:
             if not getattr(self, name) > 0:
@@ -187,7 +191,8 @@ class NetworkConfig:
     """How a peer listens and is reached; maps one to one onto hivemind's P2P options."""
 
     initial_peers: tuple[str, ...] = ()
-    """Multiaddrs of any live peers of the swarm (the bootstrap node prints one)."""
+    """Multiaddrs of any live peers of the swarm (the bootstrap node prints one), or swarm files
+    that list them (`noloco dht --swarm-file`; train/layering.py, SwarmFile)."""
     host_maddrs: tuple[str, ...] = ("/ip4/0.0.0.0/tcp/0",)
     """Addresses to listen on; a fixed port (e.g. /ip4/0.0.0.0/tcp/31337) helps port forwarding."""
     announce_maddrs: tuple[str, ...] = ()

@@ -159,6 +159,62 @@ def load_file(path: str | Path) -> dict[str, Any]:
     return flat
 
 
+@dataclass(frozen=True)
+class SwarmFile:
+    """Where a public swarm is found, as its organiser ships it: a small TOML file of
+
+        initial_peers = ["/ip4/203.0.113.7/tcp/31337/p2p/Qm...", ...]   # any live peers (required)
+        run = "my-run"                                                     # optional: the run to join
+
+    that `network.initial_peers` may name instead of (or beside) multiaddrs."""
+
+    initial_peers: tuple[str, ...]
+    run: str | None = None
+
+
+SWARM_FILE_KEYS = ("initial_peers", "run")
+
+
+def is_swarm_file(entry: str) -> bool:
+    """Whether an entry of network.initial_peers names a swarm file rather than a multiaddr: a
+    path that does not start with /, ends in .toml, or is a file (no multiaddr is one)."""
+    return not entry.startswith("/") or entry.endswith(".toml") or Path(entry).expanduser().is_file()
+
+
+def load_swarm_file(path: str | Path) -> SwarmFile:
+    """The swarm file at `path`; ConfigError naming the file and what is wrong with it."""
+    try:
+        data = tomllib.loads(Path(path).expanduser().read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+        raise ConfigError(
+            f"network.initial_peers names {str(path)!r}, which is no multiaddr (/ip4/..., /dns/...) "
+            f"and no readable swarm file: {e}"
+        ) from e
+    unknown = sorted(set(data) - set(SWARM_FILE_KEYS))
+    if unknown:
+        raise ConfigError(
+            f"swarm file {path}: unknown keys {unknown}; a swarm file has {list(SWARM_FILE_KEYS)}"
+        )
+    peers, run = data.get("initial_peers"), data.get("run")
+    if (
+        not isinstance(peers, list)
+        or not peers
+        or not all(isinstance(p, str) and p.startswith("/") for p in peers)
+    ):
+        raise ConfigError(
+            f"swarm file {path}: initial_peers must be a non-empty list of multiaddrs "
+            '(e.g. initial_peers = ["/ip4/203.0.113.7/tcp/31337/p2p/Qm..."])'
+        )
+    if run is not None:
+        from noloco_swarm.protocol.codec import check_run_id
+
+        try:
+            check_run_id(run if isinstance(run, str) else "")
+        except ValueError as e:
+            raise ConfigError(f"swarm file {path}: run: {e}") from e
+    return SwarmFile(tuple(peers), run)
+
+
 def load_run_config(path: str | Path) -> dict[str, Any]:
     """The JSON of `RunConfig.manifest()` that a launcher hands its peers (dotted keys)."""
     try:

@@ -633,3 +633,26 @@ def _zombie(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] == "Z"
     except OSError:
         return True
+
+
+def test_a_daemon_slower_than_its_start_timeout_is_started_again_with_longer(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A p2pd that misses its start-up deadline (here 1 ms, which no daemon meets) is started once
+    more with a longer one (15 s at least), saying so; the daemon of the failed try is gone."""
+    before = p2pd_descendants()
+
+    async def start() -> str:
+        p2p = await lifetime.start_p2p(startup_timeout=0.001, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        try:
+            return p2p.peer_id.to_base58()
+        finally:
+            await p2p.shutdown()
+
+    with caplog.at_level(logging.WARNING, logger="noloco_swarm.peer.net.lifetime"):
+        assert asyncio.run(start())
+    said = [r.getMessage() for r in caplog.records if r.name == "noloco_swarm.peer.net.lifetime"]
+    assert said == [
+        "the libp2p daemon did not start within 0.001 s (peer.daemon_start_timeout); starting it again with 15 s"
+    ], said
+    assert wait_until(lambda: p2pd_descendants() <= before), "the failed try left its p2pd running"

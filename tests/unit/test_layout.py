@@ -34,6 +34,7 @@ CLI_TESTS = {
     "tests/sim/test_config_checks.py",
     "tests/sim/test_config_keys.py",
     "tests/sim/test_config_precedence.py",
+    "tests/sim/test_swarm_file.py",
     "tests/unit/test_catalog.py",  # `noloco runs`' table and JSON, and `noloco join --auto`'s choice
     "tests/unit/test_compose.py",  # the compose file's commands parse as `noloco` commands
     "tests/unit/test_doctor_checks.py",

@@ -22,6 +22,7 @@ import ctypes
 import faulthandler
 import functools
 import glob
+import logging
 import os
 import shutil
 import signal
@@ -34,10 +35,12 @@ from typing import TYPE_CHECKING, Any
 
 import hivemind
 from hivemind.p2p import P2P
+from hivemind.p2p.p2p_daemon_bindings.control import P2PDaemonError
 
 if TYPE_CHECKING:
     from noloco_swarm.peer.net.identity import Identity
 
+logger = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
 _ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("children_die_with_us", default=False)
 
@@ -135,12 +138,39 @@ class _P2P(P2P):
     """hivemind's P2P, its sockets in this process's folder (`sockets_folder`)."""
 
 
-async def start_p2p(**options: Any) -> P2P:
+# The daemon's start-up deadline (peer.daemon_start_timeout), and how much longer the one retry waits.
+DAEMON_START_TIMEOUT = 15.0
+RETRY_FACTOR = 4.0
+
+
+async def start_p2p(*, startup_timeout: float = DAEMON_START_TIMEOUT, **options: Any) -> P2P:
     """`hivemind.P2P.create(**options)`: a p2pd that dies with this process (children_die_with_us),
-    its sockets in this process's own folder, after sweeping the folders of processes gone."""
+    its sockets in this process's own folder, after sweeping the folders of processes gone. A
+    daemon that does not start within `startup_timeout` seconds is started once more with
+    RETRY_FACTOR times as long (DAEMON_START_TIMEOUT at least), with a warning; P2PDaemonError
+    saying what to do if that fails too."""
     _P2P._UNIX_SOCKET_PREFIX = f"/unix{sockets_folder()}/hivemind-"
-    with children_die_with_us():
-        return await _P2P.create(**options)
+    waits = (startup_timeout, max(startup_timeout * RETRY_FACTOR, DAEMON_START_TIMEOUT))
+    for attempt, wait in enumerate(waits):
+        try:
+            with children_die_with_us():
+                return await _P2P.create(startup_timeout=wait, **options)
+        except P2PDaemonError as e:
+            if "failed to start in" not in str(e):  # the daemon's own error: retrying would not help
+                raise
+            if attempt + 1 == len(waits):
+                raise P2PDaemonError(
+                    f"the libp2p daemon (p2pd) did not start within {waits[0]:.3g} s, nor within "
+                    f"{wait:.3g} s when tried again: is this machine overloaded? Run `noloco doctor`, "
+                    "or give it longer with --set peer.daemon_start_timeout=SECONDS"
+                ) from e
+            logger.warning(
+                "the libp2p daemon did not start within %.3g s (peer.daemon_start_timeout); starting "
+                "it again with %.3g s",
+                wait,
+                waits[attempt + 1],
+            )
+    raise AssertionError("unreachable")
 
 
 def sockets_folder() -> Path:
