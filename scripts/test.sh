@@ -56,6 +56,7 @@ SECOND_LANE=(
     tests/integration/test_metrics.py
     tests/integration/test_join_logs.py
     tests/integration/test_runs.py
+    tests/integration/test_outage.py
 )
 second_lane() {
     local status=0

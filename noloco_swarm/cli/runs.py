@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import json
 
-from rich import box
 from rich.console import Console, Group, RenderableType
-from rich.table import Table
 from rich.text import Text
 
 from noloco_swarm.peer.catalog import Catalog, RunSummary, read_catalog
@@ -21,34 +19,30 @@ from noloco_swarm.train.config import NetworkConfig
 
 
 def render_runs(catalog: Catalog) -> RenderableType:
-    """The table of one read of the list. Pure: the same catalog always renders the same."""
+    """The list of one read, three lines per run (they fit an 80-column terminal; a longer line
+    wraps, nothing is cut). Pure: the same catalog always renders the same."""
+    skipped = f"{catalog.skipped} listings skipped: forged or malformed" if catalog.skipped else ""
     if not catalog.runs:
-        text = "no runs listed on this DHT"
-        return Text(
-            text + (f" ({catalog.skipped} listings skipped: forged or malformed)" if catalog.skipped else "")
-        )
-    table = Table(expand=False, box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
-    for column in ("run", "model", "method", "peers/stage", "needs", "access", "round", "tokens"):
-        table.add_column(column, no_wrap=True)
-    notes = []
+        return Text("no runs listed on this DHT" + (f" ({skipped})" if skipped else ""))
+    lines = []
     for run in catalog.runs:
-        table.add_row(
-            run.run_id,
-            f"{run.preset} {_count(run.parameters)}",
-            run.method,
-            " ".join(f"{have}/{want}" for have, want in zip(run.peers, run.wanted, strict=True)),
-            _needs(run),
-            "closed" if run.closed else "open",
-            str(run.round),
-            _count(run.tokens),
-        )
+        head = Text(run.run_id, style="bold")
+        head.append(f"  [{'closed: a join ticket is needed' if run.closed else 'open'}]")
         if run.description:
-            notes.append(Text(f"{run.run_id}: {run.description}"))
-    tail = [Text(f"{catalog.skipped} listings skipped: forged or malformed")] if catalog.skipped else []
-    legend = Text(
-        "peers/stage: announced/asked for, stage 0 first; closed: a join ticket is needed", style="dim"
-    )
-    return Group(table, *notes, *tail, legend)
+            head.append(f"  {run.description}")
+        lines.append(head)
+        lines.append(
+            Text(
+                f"  {run.preset} {_count(run.parameters)} parameters, {run.method}, "
+                f"{run.stages} stage{'s' if run.stages > 1 else ''}, round {run.round}, "
+                f"{_count(run.tokens)} tokens"
+            )
+        )
+        peers = " ".join(f"{have}/{want}" for have, want in zip(run.peers, run.wanted, strict=True))
+        lines.append(Text(f"  peers per stage {peers}: {_needs(run)}"))
+    lines += [Text(skipped)] if skipped else []
+    lines.append(Text("peers per stage: announced/asked for, from stage 0", style="dim"))
+    return Group(*lines)
 
 
 def catalog_json(catalog: Catalog) -> str:
@@ -95,7 +89,9 @@ def run_runs(net: NetworkConfig, *, as_json: bool, console: Console | None = Non
 
 def _needs(run: RunSummary) -> str:
     short = run.short
-    return ", ".join(f"stage {s}" for s in short) if short else "-"
+    if not short:
+        return "every stage has its peers"
+    return f"stage{'s' if len(short) > 1 else ''} {', '.join(str(s) for s in short)} short of peers"
 
 
 def _count(n: int) -> str:

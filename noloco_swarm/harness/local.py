@@ -8,6 +8,7 @@ daemon outlives it: on exit each group gets SIGTERM, then SIGKILL.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import signal
@@ -189,6 +190,8 @@ class LocalSwarm:
         return [f for p in self.peers for f in of_kind(p.events(), Final)]
 
 
+_SWARMS = itertools.count()  # this process's swarms, for their run ids
+
 # Peer settings a launcher gives each of its peers itself, by flags of their own (start_peer,
 # join_argv), rather than passing on the value it resolved for the swarm.
 PER_PEER = ("run_id", "stage", "metrics", "metrics_port", "checkpoint_dir", "cpus", "ticket")
@@ -272,7 +275,9 @@ def local_swarm(
     if workdir is None:
         tmp = tempfile.TemporaryDirectory(prefix="noloco-local-")
         workdir = Path(tmp.name)
-    run_id = run_id or f"local-{os.getpid()}-{int(time.time())}"
+    # Unique per swarm: two swarms of one process started within a second once shared a run id,
+    # and each counted the other's peers (tests/integration/test_runs.py, 2026-12-06).
+    run_id = run_id or f"local-{os.getpid()}-{int(time.time())}-{next(_SWARMS)}"
     swarm = LocalSwarm(
         cfg,
         steps,

@@ -1,8 +1,9 @@
-"""The live views in a real terminal: `noloco local`, `noloco status` and a late joiner's own
-`noloco join` panel, each in a tmux window, against one live swarm; the screens are captured and
-read as a user would read them. Ctrl-C then stops each as a user would: the joiner leaves at a
+"""The live views in a real terminal, and a volunteer's first hour: `noloco local` and `noloco
+status`, then, as a volunteer handed only the bootstrap's address, `noloco doctor`, `noloco runs`
+and `noloco join --auto`, each in a tmux window, against one live swarm; the screens are captured
+and read as a user would read them. Ctrl-C then stops each as a user would: the joiner leaves at a
 boundary, and `noloco local` stops its whole swarm, removes its temporary folder and leaves no
-process behind."""
+process behind. docs/terminal.md and docs/volunteer.md show the screens of one such run."""
 
 from __future__ import annotations
 
@@ -31,8 +32,8 @@ HINT = re.compile(r"noloco status --run-id (\S+) --initial-peers (\S+)")
 WORKDIR = re.compile(r"logs and metrics in\s+(\S+)\s+\(removed at exit")
 ROW = re.compile(r"^│ ([01])\s+│ ([01])\s+│", re.MULTILINE)  # a replica's row: stage, replica
 PANEL = (  # a joiner's panel: where it trains, the swarm it sees, how others reach it
-    re.compile(r"place\s+stage 1, replica \d, round \d+"),
-    re.compile(r"swarm\s+5 peers \(2 \+ 3 per stage\)"),
+    re.compile(r"place\s+stage 0, replica \d, round \d+"),
+    re.compile(r"swarm\s+5 peers \(3 \+ 2 per stage\)"),
     re.compile(r"reachable\s+(direct|loopback only)"),
 )
 
@@ -108,7 +109,7 @@ def steps_shown(screen: str, label: str = "step") -> list[int]:
     return [int(m) for m in re.findall(rf"^{label}\s+(\d+)/{STEPS}", screen, re.MULTILINE)]
 
 
-def test_local_status_and_a_joiner_s_panel_in_a_real_terminal(cache: Path, tmp_path: Path) -> None:
+def test_first_hour_doctor_runs_and_join_auto_beside_local_and_status(cache: Path, tmp_path: Path) -> None:
     if shutil.which("tmux") is None:
         pytest.fail(
             "tmux is not installed: sudo apt-get install -y tmux (scripts/setup_tools.sh installs it as root)"
@@ -156,27 +157,42 @@ def test_local_status_and_a_joiner_s_panel_in_a_real_terminal(cache: Path, tmp_p
         )
         assert f"{run_id}  [noloco]" in status and "tiny, 2 stages" in status
 
-        # a volunteer joins the running swarm: its own panel shows it joining, then training
-        join = ["join", "--run-id", run_id, "--initial-peers", bootstrap, "--stage", "1", *RUN]
-        join += ["--set", "wire.activations=fp32"]  # noloco local runs fp32 (exact); a join defaults to bf16
-        term.open("join", noloco(*join))
+        # A volunteer handed only the bootstrap's address: the preflight checks pass, the list of
+        # runs shows this one (both stages full), and join --auto takes it, on stage 0 (no stage
+        # lacks a peer: the lowest of the least crowded), with the run's own config.
+        term.open("doctor", noloco("doctor", "--initial-peers", bootstrap))
+        doctor = term.wait_for("doctor", lambda s: "EXITED" in s, "doctor's verdict", timeout=180)
+        assert "EXITED 0" in doctor, doctor
+        term.open("runs", noloco("runs", "--initial-peers", bootstrap))
+        runs = term.wait_for("runs", lambda s: "EXITED" in s, "the list of runs", timeout=180)
+        assert "EXITED 0" in runs and f"{run_id}  [open]" in runs, runs
+        assert "peers per stage 2/2 2/2: every stage has its peers" in runs, runs
+        term.open("join", noloco("join", "--initial-peers", bootstrap, "--auto"))
         panel = term.wait_for(
             "join",
             lambda s: steps_shown(s) and max(steps_shown(s)) > 0 and all(p.search(s) for p in PANEL),
             "joiner's step in a whole frame",
         )
-        (tmp_path / "join-panel.txt").write_text(panel)
-        (tmp_path / "local-view.txt").write_text(later)
-        (tmp_path / "status-view.txt").write_text(status)
-        keep = os.environ.get("NOLOCO_KEEP_SCREENS")  # docs/terminal.md's captures come from here
-        if keep:
-            for name in ("join-panel.txt", "local-view.txt", "status-view.txt"):
+        assert f"{run_id}: chosen: stage 0 has 2 of the 2 peers" in panel, panel
+        screens = {
+            "doctor.txt": doctor,
+            "runs.txt": runs,
+            "join-panel.txt": panel,
+            "local-view.txt": later,
+            "status-view.txt": status,
+        }
+        keep = os.environ.get("NOLOCO_KEEP_SCREENS")  # docs/terminal.md's and volunteer.md's captures
+        for name, screen in screens.items():
+            (tmp_path / name).write_text(screen)
+            if keep:
                 shutil.copy(tmp_path / name, Path(keep) / name)
 
         # Ctrl-C everywhere: the joiner leaves the swarm at its next boundary, the status view and
         # the swarm stop
         term.keys("join", "C-c")
         term.keys("status", "C-c")
+        for window in ("doctor", "runs"):  # their shells' `sleep` ends with the tmux server
+            assert "EXITED 0" in term.screen(window)
         left = term.wait_for("join", lambda s: "EXITED" in s, "joiner's exit", timeout=120)
         assert "leaving the swarm at the next boundary" in left and "EXITED 0" in left, left
         assert re.search(r"\bdone\s*$", left, re.MULTILINE) or "done: stage 1" in left, left

@@ -133,13 +133,11 @@ def test_a_closed_run_and_the_table(people: list) -> None:
     console.print(render_runs(catalog))
     text = console.export_text()
     for expected in (
-        "open-1",
-        "closed-1",
-        "closed",
-        "open",
-        "1/2 0/2",
-        "stage 0, stage 1",
-        "anyone may join",
+        "open-1  [open]  anyone may join",
+        "closed-1  [closed: a join ticket is needed]",
+        f"tiny 2.1M parameters, noloco, 2 stages, round 0, {40 * 8 * 128 / 1000:.1f}k tokens",
+        "peers per stage 1/2 0/2: stages 0, 1 short of peers",
+        "peers per stage 0/2 0/2",
         "2 listings skipped",
     ):
         assert expected in text, text
