@@ -309,14 +309,15 @@ def _status(args: argparse.Namespace) -> int:
         return _print_config(resolved, "status")
     from noloco_swarm.cli.status import run_status
 
-    if args.until_announced < 0 or args.wait < 0:
-        raise ConfigError("noloco status: --until-announced and --wait must be >= 0")
+    if args.until_announced < 0 or args.until_answering < 0 or args.wait < 0:
+        raise ConfigError("noloco status: --until-announced, --until-answering and --wait must be >= 0")
     return run_status(
         cfg.network,
         cfg.peer.run_id,
         once=args.once,
         interval=args.interval,
         until_announced=args.until_announced,
+        until_answering=args.until_answering,
         wait=args.wait,
     )
 

@@ -171,7 +171,17 @@ def status_command(sub: Subparsers) -> None:
         "and exit 0 (exit 1 with the last one after --wait seconds): wait for a swarm to form",
     )
     status.add_argument(
-        "--wait", type=float, default=60.0, help="seconds --until-announced waits at most (default 60)"
+        "--until-answering",
+        type=int,
+        default=0,
+        metavar="N",
+        help="as --until-announced, until N peers answer the status call (not only announced)",
+    )
+    status.add_argument(
+        "--wait",
+        type=float,
+        default=60.0,
+        help="seconds --until-announced/--until-answering wait at most (default 60)",
     )
 
 

@@ -150,14 +150,16 @@ def run_status(
     once: bool,
     interval: float,
     until_announced: int = 0,
+    until_answering: int = 0,
     wait: float = 60.0,
     console: Console | None = None,
 ) -> int:
     """Show the run's status once, or live until Ctrl-C. Exit 1 if the run is not found.
 
-    With `until_announced` = N, look again every `interval` seconds until the run is found with
-    at least N peers announced, then show that snapshot once (exit 0); if `wait` seconds pass
-    first, show the last one (exit 1). For scripts that wait for a swarm to form."""
+    With `until_announced` = N (or `until_answering` = N), look again every `interval` seconds
+    until the run is found with at least N peers announced (that answer our status call), then
+    show that snapshot once (exit 0); if `wait` seconds pass first, show the last one (exit 1).
+    For scripts that wait for a swarm to form."""
     console = console or Console()
 
     async def main() -> int:
@@ -175,13 +177,18 @@ def run_status(
             )
             directory = RunDirectory(dht, run_id)
             status = await look(transport, directory)
-            if until_announced:
+            if until_announced or until_answering:
                 deadline = time.monotonic() + wait
-                while len(status.peers) < until_announced and time.monotonic() < deadline:
+
+                def enough(s: SwarmStatus) -> bool:
+                    answering = sum(p.status is not None for p in s.peers)
+                    return len(s.peers) >= until_announced and answering >= until_answering
+
+                while not enough(status) and time.monotonic() < deadline:
                     await asyncio.sleep(interval)
                     status = await look(transport, directory)
                 console.print(render_swarm(status))
-                return 0 if len(status.peers) >= until_announced else 1
+                return 0 if enough(status) else 1
             if once or not status.found:
                 console.print(render_swarm(status))
                 return 0 if status.found else 1

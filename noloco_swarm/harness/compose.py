@@ -39,14 +39,15 @@ EXIT_GRACE = 60.0  # seconds a peer may take from its Final summary to its exit 
 LOOK = """grep -q '"event": "final"' /tmp/events.jsonl && echo FINAL
 cat /proc/net/tcp"""
 # `noloco status` from the moment the testbed is up, looking every second (one DHT node for all
-# looks) until the view shows every peer announced, then printing it: a look after the run can
+# looks) until every peer is announced and answers its status call, then printing it (a view of
+# peers announced but not yet answering once showed "0 answering" here): a look after the run can
 # miss them (their announcements expire 30 s after their last heartbeat), and so can a look
 # made only once every peer is seen stepping, or looks a fresh process each (about 20 s apiece
 # on a loaded machine) against a run of 20 s. Started again after 60 s without them (and if it
 # fails), each run's view printed after a marker: the last one is there for the report even when
 # the loop is stopped (VIEW_AFTER seconds after the peers exit).
 STATUS = (
-    f"COLUMNS=120 noloco status --run-id compose --until-announced {len(PEERS)} --interval 1 "
+    f"COLUMNS=120 noloco status --run-id compose --until-answering {len(PEERS)} --interval 1 "
     '--wait 60 --initial-peers "$(cat /shared/bootstrap.addr)" 2>&1'
 )
 VIEW_MARK = "== noloco status view"
@@ -317,7 +318,7 @@ def run(args: argparse.Namespace) -> int:
         viewer = bed.start(ids["bootstrap"], STATUS_LOOP.format(seconds=int(args.timeout) + VIEW_AFTER))
         seen = watch(bed, ids, args, out)
         views = finish(viewer, VIEW_AFTER)
-        shown = viewer.returncode == 0  # noloco status --until-announced saw every peer
+        shown = viewer.returncode == 0  # noloco status --until-answering: every peer answered
         (out / "status_views.txt").write_text(views)
         view = last_view(views)
         print(view, flush=True)

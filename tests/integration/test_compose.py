@@ -80,5 +80,6 @@ def test_compose_testbed_runs_to_the_end(tmp_path: Path) -> None:
     for peer in PEERS:  # over container addresses: every peer had a connection to every other
         assert sorted(result["talked_to"][peer]) == sorted(p for p in PEERS if p != peer)
     assert result["status_shown_every_peer"], (tmp_path / "status.txt").read_text()
-    assert "4 announced" in (tmp_path / "status.txt").read_text()
+    # The view's peers answered its status calls, not only announced themselves (issue 37).
+    assert "4 announced (stage 0: 2, stage 1: 2), 4 answering" in (tmp_path / "status.txt").read_text()
     assert project_leftovers() == [], "the testbed left containers, networks or volumes behind"
