@@ -49,6 +49,7 @@ class PeerRow:
     device: str
     status: rpc.PeerStatus | None = None
     error: str = ""
+    relayed: bool = False  # every address it announced goes through a relay (/p2p-circuit)
 
 
 @dataclass(frozen=True)
@@ -111,7 +112,12 @@ def render_swarm(status: SwarmStatus) -> RenderableType:
             str(p.stage), str(s.rank), short_id(p.peer_id), str(s.step), str(s.round), str(p.joined_round),
             str(s.outer_steps), f"{s.tokens:,}", loss, p.device,
         )  # fmt: skip
-    return Group(head, table, *silent)
+    relayed = [
+        Text(f"{short_id(p.peer_id)}: reachable only through a relay (every announced address is relayed)")
+        for p in status.peers
+        if p.relayed
+    ]
+    return Group(head, table, *silent, *relayed)
 
 
 async def look(transport: Transport, directory: RunDirectory) -> SwarmStatus:
@@ -125,7 +131,8 @@ async def look(transport: Transport, directory: RunDirectory) -> SwarmStatus:
     gone = await asyncio.to_thread(directory.read_gone, announced)
 
     async def ask(a: records.PeerAnnouncement) -> PeerRow:
-        row = PeerRow(a.peer_id, a.stage, a.joined_round, a.device)
+        relayed = bool(a.addresses) and all("/p2p-circuit" in address for address in a.addresses)
+        row = PeerRow(a.peer_id, a.stage, a.joined_round, a.device, relayed=relayed)
         try:
             await transport.connect(a.peer_id, a.addresses, timeout=STATUS_TIMEOUT)
             status = await ask_status(transport, a.peer_id, directory.run_id, STATUS_TIMEOUT)

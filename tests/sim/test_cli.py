@@ -132,7 +132,7 @@ def test_swarm_status_view_is_a_pure_function_of_the_snapshot() -> None:
         (
             row("12D3KooWaaaaaaaa11111111", 0, 0, 41, None),
             row("12D3KooWbbbbbbbb22222222", 1, 0, 40, 5.25),
-            PeerRow("12D3KooWcccccccc33333333", 1, 4, "cuda", error="peer is unreachable"),
+            PeerRow("12D3KooWcccccccc33333333", 1, 4, "cuda", error="peer is unreachable", relayed=True),
         ),
         gone=1,
     )
@@ -154,6 +154,7 @@ def test_swarm_status_view_is_a_pure_function_of_the_snapshot() -> None:
         "…11111111",
         "4,096",
         "no answer: peer is",
+        "…33333333: reachable only through a relay",
     ):
         assert expected in out, expected
     assert "no manifest" in text(SwarmStatus("gone-run", found=False))
