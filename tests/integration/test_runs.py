@@ -69,7 +69,12 @@ def test_runs_lists_an_open_and_a_closed_run_with_the_stage_short_of_peers(
     identity.generate(authority)
     closed_cfg = small(
         "noloco",
-        **{"inner.total_steps": str(STEPS), "num_stages": "1", "peer.heartbeat_ttl": str(TTL)},
+        **{
+            "inner.total_steps": str(STEPS),
+            "num_stages": "1",
+            "num_replicas": "1",
+            "peer.heartbeat_ttl": str(TTL),
+        },
         authority=tickets.public_key_text(identity.load(authority).key),
     )
     with (
@@ -128,7 +133,7 @@ def test_runs_lists_an_open_and_a_closed_run_with_the_stage_short_of_peers(
     assert listed["skipped"] == 2, listed
     a, b = runs[open_run.run_id], runs[closed_run.run_id]
     assert (a["wanted"], a["peers"], a["short"], a["closed"]) == ([2, 2], [2, 1], [1], False), a
-    assert (b["wanted"], b["peers"], b["short"], b["closed"]) == ([2], [2], [], True), b
+    assert (b["wanted"], b["peers"], b["short"], b["closed"]) == ([1], [1], [], True), b
     for run in (a, b):
         assert (run["preset"], run["method"]) == ("tiny", "noloco") and run["parameters"] > 0, run
         assert run["step"] > 0 and run["tokens"] > 0 and run["round"] == run["step"] // 3, listed
@@ -138,7 +143,7 @@ def test_runs_lists_an_open_and_a_closed_run_with_the_stage_short_of_peers(
         f"{open_run.run_id}  [open]  tiny on the embedded corpus: a test run",
         f"{closed_run.run_id}  [closed: a join ticket is needed]",
         "peers per stage 2/2 1/2: stage 1 short of peers",
-        "peers per stage 2/2: every stage has its peers",
+        "peers per stage 1/1: every stage has its peers",
         "2 listings skipped",
     ):
         assert text in table.stdout, table.stdout
