@@ -61,6 +61,7 @@ SECOND_LANE=(
     tests/integration/test_join_logs.py
     tests/integration/test_runs.py
     tests/integration/test_local_cli.py
+    tests/integration/test_doctor.py
 )
 # Not in this suite: CI allows it 20 minutes, and with these the suite took 1245 s on this 2-core
 # machine (2026-12-06). scripts/stress_tests.sh runs them with every other integration test.
