@@ -16,7 +16,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import functools
-from collections import Counter, defaultdict
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -24,7 +24,9 @@ from noloco_swarm.model.presets import ModelConfig, count_parameters
 from noloco_swarm.peer.directory import (
     DHT_CALL_TIMEOUT,
     RUNS_KEY,
+    get_latest,
     manifest_key,
+    most_stored,
     peers_key,
     signed_manifests,
     signed_records,
@@ -37,8 +39,6 @@ MAX_STAGES = 1024
 
 if TYPE_CHECKING:
     from hivemind import DHT
-    from hivemind.dht.node import DHTNode
-    from hivemind.utils import ValueWithExpiration
 
 
 @dataclass(frozen=True)
@@ -130,8 +130,7 @@ def backing(
     backed = [mine[pair] for pair in listed if pair in mine]
     if not backed:
         return None, len(listed)
-    votes = Counter(m.config_hash for m in backed)
-    return next(m for m in backed if votes[m.config_hash] == max(votes.values())), len(listed) - len(backed)
+    return most_stored(backed), len(listed) - len(backed)
 
 
 def summarize(manifest: records.RunManifest, peers_value: object) -> RunSummary | None:
@@ -180,9 +179,10 @@ def read_catalog(dht: DHT) -> Catalog:
     if not listed:
         return Catalog((), skipped)
     keys = tuple(key for run_id in sorted(listed) for key in (manifest_key(run_id), peers_key(run_id)))
-    values = dht.run_coroutine(functools.partial(_get_many, keys), return_future=True).result(
+    found = dht.run_coroutine(functools.partial(get_latest, keys), return_future=True).result(
         timeout=DHT_CALL_TIMEOUT
     )
+    values = {key: None if value is None else value.value for key, value in found.items()}
     runs = []
     for run_id in sorted(listed):
         manifest, forged = backing(run_id, listed[run_id], values.get(manifest_key(run_id)))
@@ -193,13 +193,6 @@ def read_catalog(dht: DHT) -> Catalog:
         elif manifest is not None:  # a signed config that makes no run: every listing of it
             skipped += len(listed[run_id]) - forged
     return Catalog(tuple(runs), skipped)
-
-
-async def _get_many(keys: tuple[str, ...], _: DHT, node: DHTNode) -> dict[str, object]:
-    found: dict[str, ValueWithExpiration | None] = await node.get_many(
-        keys, sufficient_expiration_time=float("inf")
-    )
-    return {key: None if value is None else value.value for key, value in found.items()}
 
 
 def _value(text: str) -> object:

@@ -141,11 +141,7 @@ class RunDirectory:
         disagree, the config the most of them stored (the first author's on a tie): for display;
         a joiner checks its own config against every one (`join_manifest`)."""
         found = self.manifests()
-        if not found:
-            return None
-        votes = Counter(m.config_hash for _, m in found)
-        best = max(votes.values())
-        return next(m for _, m in found if votes[m.config_hash] == best)
+        return most_stored([m for _, m in found]) if found else None
 
     def publish_manifest(self, manifest: records.RunManifest) -> None:
         if manifest.run_id != self.run_id:
@@ -215,7 +211,7 @@ class RunDirectory:
         """`read_peers()` and `read_reports()` in one DHT lookup, as every boundary reads them:
         one traversal of the DHT for both keys instead of one each."""
         keys = (peers_key(self.run_id), gone_key(self.run_id))
-        found = self._wait(self.dht.run_coroutine(functools.partial(_get_latest, keys), return_future=True))
+        found = self._wait(self.dht.run_coroutine(functools.partial(get_latest, keys), return_future=True))
         for key in keys:
             self.calls.read(found.get(key))
         peers = _readout(*self._records(found.get(keys[0]), records.PeerAnnouncement))
@@ -286,7 +282,7 @@ def _readout(announcements: list[records.PeerAnnouncement], malformed: int) -> D
     return DirectoryReadout(sorted(announcements, key=lambda a: a.peer_id), malformed)
 
 
-async def _get_latest(keys: tuple[str, ...], _: DHT, node: DHTNode) -> dict[str, ValueWithExpiration | None]:
+async def get_latest(keys: tuple[str, ...], _: DHT, node: DHTNode) -> dict[str, ValueWithExpiration | None]:
     # as DHT.get(key, latest=True) for each key, in one traversal (runs where the DHT node runs)
     return dict(await node.get_many(keys, sufficient_expiration_time=float("inf")))
 
@@ -343,6 +339,14 @@ def signed_records(value: object, cls: type[R], run_id: str) -> tuple[list[R], i
             continue
         good.append(record)
     return good, bad
+
+
+def most_stored(manifests: Sequence[records.RunManifest]) -> records.RunManifest:
+    """Of `manifests` (one per author, none empty), the config the most authors stored; the first
+    of them on a tie."""
+    votes = Counter(m.config_hash for m in manifests)
+    best = max(votes.values())
+    return next(m for m in manifests if votes[m.config_hash] == best)
 
 
 def author(record: records.PeerAnnouncement | records.GoneReport) -> str:
