@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from rich.console import Console
 
@@ -88,10 +88,20 @@ def join_target(args: argparse.Namespace, resolved: Resolved, defaults: dict[str
         console.print(f"noloco join: {e}", highlight=False, soft_wrap=True)
         return 1
     if not args.auto:
-        console.print(render_runs(catalog), highlight=False, soft_wrap=True)
-        console.print(
-            "noloco join: give --run-id RUN to join one of these, or --auto to join the one that needs a peer most"
-        )
+        opened = replace(catalog, runs=tuple(r for r in catalog.runs if not r.closed))
+        closed = len(catalog.runs) - len(opened.runs)
+        if opened.runs:
+            console.print(render_runs(opened), highlight=False, soft_wrap=True)
+        else:
+            console.print("noloco join: no open run on this DHT")
+        if closed:
+            console.print(
+                f"({closed} closed run(s) not shown: they need a join ticket; `noloco runs` lists them)"
+            )
+        if opened.runs:
+            console.print(
+                "noloco join: give --run-id RUN to join one of these, or --auto to join the one that needs a peer most"
+            )
         return 2
 
     def fits(run: RunSummary, stage: int) -> Check:

@@ -290,7 +290,7 @@ class _Room:
         request = ChunkRequest(self.run_id, self.stage, self.round, mine.snapshot, index)
         expect = (TensorMeta((span.numel,), "float32"),)
         reply, (tensor,) = await self.transport.call(
-            donor, "rpc_fetch_chunk", request, timeout=self.timeout, expect=expect
+            donor, "rpc_fetch_chunk", request, timeout=self.timeout, expect=expect, direct=True
         )
         if not isinstance(reply, StateChunk) or (reply.index, reply.snapshot) != (index, mine.snapshot):
             raise MessageError(f"{donor} answered the request for chunk {index} with something else")

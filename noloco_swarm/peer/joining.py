@@ -28,6 +28,7 @@ from noloco_swarm.peer.context import PeerContext
 from noloco_swarm.peer.donors import DONOR_ERRORS, MIB, Snapshot, download_state
 from noloco_swarm.peer.exchange.ledger import ByteLedger
 from noloco_swarm.peer.liveness import DHT_ERRORS, PROBE_TIMEOUT, ask_status
+from noloco_swarm.peer.net.limits import Accepts
 from noloco_swarm.peer.net.streams import Pacer
 from noloco_swarm.peer.net.transport import Transport
 from noloco_swarm.protocol import codec, records, rpc
@@ -95,7 +96,7 @@ class Joining:
         self.entering: asyncio.Future[bool] | None = None  # our announcement once we entered
         self.pacer = Pacer(ctx.cfg.peer.state_serve_rate * MIB)
         ctx.transport.register("rpc_fetch_state", self.rpc_fetch_state)
-        ctx.transport.register("rpc_fetch_chunk", self.rpc_fetch_chunk)
+        ctx.transport.register("rpc_fetch_chunk", self.rpc_fetch_chunk, Accepts(direct_only=True))
 
     async def keep_for_joiners(self, previous: MembershipView, view: MembershipView) -> None:
         """At a boundary: snapshot our state (just after the outer step) if `view` admits joiners."""

@@ -145,7 +145,8 @@ class ExchangeHeader(Message):
 @dataclass(frozen=True)
 class Decline(Message):
     """The caller of an exchange will not call: it avoids the callee (it rejected the callee's
-    outer weights lately), which may step without it at once. Names the exchange as its header
+    outer weights lately) or reaches it only through a relay, and the callee may step without it
+    at once. Names the exchange as its header
     would; answered with an Ack."""
 
     TAG: ClassVar[str] = "decline"

@@ -204,8 +204,9 @@ class _Writer:
         pass
 
 
-def _peer(peer_id: str) -> SimpleNamespace:
-    return SimpleNamespace(peer_id=SimpleNamespace(to_base58=lambda: peer_id))
+def _peer(peer_id: str, addr: str = "/ip4/127.0.0.1/tcp/4001") -> SimpleNamespace:
+    """The StreamInfo p2pd gives a stream handler: who opened it, from which address."""
+    return SimpleNamespace(peer_id=SimpleNamespace(to_base58=lambda: peer_id), addr=addr)
 
 
 @functools.cache

@@ -124,7 +124,7 @@ def test_runs_lists_an_open_and_a_closed_run_with_the_stage_short_of_peers(
         swarm_file = tmp_path / "swarm.toml"
         swarm_file.write_text(f'initial_peers = ["{open_run.bootstrap}"]\n')
         table = noloco_runs(str(swarm_file))
-        # Without a run id (and without --auto), join lists the runs and stops.
+        # Without a run id (and without --auto), join lists the open runs and stops.
         listing = noloco(["join", "--initial-peers", open_run.bootstrap])
     print(table.stdout)
     (tmp_path / "runs.txt").write_text(table.stdout)
@@ -150,6 +150,8 @@ def test_runs_lists_an_open_and_a_closed_run_with_the_stage_short_of_peers(
     assert listing.returncode == 2 and open_run.run_id in listing.stderr and "--auto" in listing.stderr, (
         listing
     )
+    # only the open runs: a closed one needs a ticket, which `noloco join` alone cannot give
+    assert closed_run.run_id not in listing.stderr and "1 closed run(s) not shown" in listing.stderr, listing
 
 
 def test_runs_says_when_no_initial_peer_answers(tmp_path: Path) -> None:

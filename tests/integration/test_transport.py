@@ -33,6 +33,7 @@ from noloco_swarm.peer.net.transport import (
     Transport,
     TransportConfig,
     backed_off,
+    dialable,
 )
 from noloco_swarm.protocol import codec, rpc
 from tests.integration.helpers import p2pd_descendants, unused_port
@@ -506,6 +507,14 @@ def test_a_fresh_daemon_dials_a_peer_at_its_announced_addresses(
         assert run(loop, b.connect(c.peer_id, run(loop, c.visible_addresses()), timeout=10))
         reply, _ = run(loop, c.call(b.peer_id, "rpc_echo", rpc.StateRequest("run", 0), timeout=10))
         assert reply == rpc.Ack("fetch_state")  # the echo handler names what it got
+        # A relayed address (a NAT'd peer's) with the relay's /p2p/ part inside: p2pd parses it
+        # and asks `b` to relay, which answers (it holds no reservation for the target), where
+        # the address as py-multiaddr writes it failed in p2pd's parser.
+        nobody = "12D3KooWM2M5LvcymiCFvAtxJ6ijjD8dbER7LftJmbita9bE96t6"
+        circuit = dialable(Multiaddr(f"{announced[0]}/p2p-circuit/p2p/{nobody}"), nobody)
+        with pytest.raises(P2PDaemonError) as failed:
+            run(loop, c.p2p._client.connect(PeerID.from_base58(nobody), [circuit]))
+        assert "p2p-circuit] error opening relay circuit" in str(failed.value), failed.value
     finally:
         run(loop, c.shutdown())
 

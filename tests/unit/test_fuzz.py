@@ -82,7 +82,9 @@ def test_the_frame_check_fails_on_a_reader_that_escapes_its_contract(monkeypatch
         target.check((frame(rpc.Envelope("rpc_x", codec.encode(rpc.StatusRequest("run-1")))), []))
 
 
-def _answers(peer: str, header: codec.Message, payload: bytes = b"") -> list[codec.Message]:
+def _answers(
+    peer: str, header: codec.Message, payload: bytes = b"", addr: str = "/ip4/127.0.0.1/tcp/4001"
+) -> list[codec.Message]:
     """What the fuzzed server answers one well-formed request with, from a rig of its own: the
     fuzz targets share the cached one, and an exchange their examples already served would be
     refused here as a duplicate (run alone, this file failed that way)."""
@@ -92,7 +94,9 @@ def _answers(peer: str, header: codec.Message, payload: bytes = b"") -> list[cod
     )
     writer = frames._Writer()
     frames.run_fed(
-        frame(envelope, payload), [], lambda r: transport._server.on_stream(frames._peer(peer), r, writer)
+        frame(envelope, payload),
+        [],
+        lambda r: transport._server.on_stream(frames._peer(peer, addr), r, writer),
     )
     return [h for _, h in frames.run_fed(bytes(writer.data), [], frames._frames)]
 
@@ -110,6 +114,23 @@ def test_the_handler_rig_serves_valid_requests() -> None:
     assert _answers(frames.JOINER, exchange, b"\0" * 32) == [rpc.Ack(), rpc.Ack("received")]
     (late,) = _answers(frames.CALLER, requests["ForwardHeader4"], b"\0" * 4096 + b"\0" * 64)
     assert isinstance(late, rpc.ErrorReply) and late.code in ("timeout", "bad_request")
+
+
+def test_bulk_verbs_are_refused_on_a_stream_that_came_through_a_relay() -> None:
+    # An outer exchange and a state chunk never cross a circuit relay (a third volunteer's link);
+    # a status request, signalling, does. Served as in the test above, but from a relayed address.
+    relay = "/ip4/127.0.0.1/tcp/4001/p2p/12D3KooWBURgXPuRfFiNWgL8Uw6Gkqu5p2GUhtxtT1H2HjTpES9o/p2p-circuit"
+    requests = {type(r).__name__ + str(getattr(r, "step", "")): r for r in frames._requests()}
+    (manifest,) = _answers(frames.JOINER, requests["StateRequest"], addr=relay)
+    assert isinstance(manifest, rpc.StateManifest)  # small: served
+    chunk = rpc.ChunkRequest("run-1", 1, 0, manifest.snapshot, 1)
+    exchange = (requests["ExchangeHeader4"], b"\0" * 32)
+    for header, payload in ((chunk, b""), exchange):
+        (refusal,) = _answers(frames.JOINER, header, payload, addr=relay)
+        assert isinstance(refusal, rpc.ErrorReply) and refusal.code == "relayed", refusal
+    assert [type(a) for a in _answers(frames.CALLER, requests["StatusRequest"], addr=relay)] == [
+        rpc.PeerStatus
+    ]
 
 
 def test_the_handler_check_fails_on_a_handler_that_crashes(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -137,9 +137,9 @@ class ExchangeBoard:
     ) -> Tensors:
         """Call `peer` for the exchange `header` names: send ours (at `pace`, if given), get
         theirs, both ways at once."""
-        expect = streams.declared_tensors(header)
+        expect, bulk = streams.declared_tensors(header), {"confirmed": True, "direct": True}
         _, theirs = await self.transport.call(
-            peer, VERB, header, tensors, timeout=timeout, expect=expect, confirmed=True, pace=pace
+            peer, VERB, header, tensors, timeout=timeout, expect=expect, pace=pace, **bulk
         )
         return tuple(theirs)
 

@@ -6,7 +6,8 @@ it runs the swaps through the board (board.py), or the sharded all-reduce of DiL
 two replicas, owns the failures and the bytes, and is finalised once.
 
 Errors a swap reports per member: PeerUnavailable (gone or too slow: the member is probed, and
-reported if it does not answer), RemoteRefused, MessageError (it sent garbage: not trusted again),
+reported if it does not answer; RelayOnly, reachable only through a circuit relay, which never
+carries an exchange: told at once, like an avoided member, and not suspected), RemoteRefused, MessageError (it sent garbage: not trusted again),
 Implausible (it sent weights that fail protocol/plausible.py: non-finite, of another shape or
 dtype, or too far from our slow weights). A member that fails is left out of this step's mean; the
 replica steps with the rest (alone, when that was its only partner). An implausible member is
@@ -34,7 +35,13 @@ from noloco_swarm.peer.context import PeerContext
 from noloco_swarm.peer.exchange.board import VERB, ExchangeBoard, Key, Tensors
 from noloco_swarm.peer.liveness import PROBE_PERIOD
 from noloco_swarm.peer.net import streams
-from noloco_swarm.peer.net.streams import PeerUnavailable, RemoteRefused, StreamClosed, StreamTruncated
+from noloco_swarm.peer.net.streams import (
+    PeerUnavailable,
+    RelayOnly,
+    RemoteRefused,
+    StreamClosed,
+    StreamTruncated,
+)
 from noloco_swarm.protocol import outer, plausible
 from noloco_swarm.protocol.codec import MessageError, TensorMeta
 from noloco_swarm.protocol.plan import OuterPlan, ShardLayout, exchange_key
@@ -256,6 +263,9 @@ class OuterExchange:
                 return await self.board.swap(
                     peer, header, ours, timeout=ctx.deadlines.exchange, pace=self.pace
                 )
+            except RelayOnly as e:  # no bulk data through a relay: tell it, so it steps at once
+                self.board.decline(peer, header, timeout=ctx.deadlines.exchange)
+                return e
             except (StreamClosed, StreamTruncated) as e:
                 if attempt == CALL_ATTEMPTS - 1 or not await ctx.rounds.alive(peer):
                     return e
@@ -315,6 +325,8 @@ class OuterExchange:
         elif isinstance(error, RemoteRefused) and error.code == "avoided":
             logger.warning("%s avoids us at the outer step of step %d: stepping without it", peer, t)
             self.ctx.events.emit(events.Declined(step=t, peer=peer))
+        elif isinstance(error, RelayOnly):  # alive, but only through a relay: not suspect
+            logger.warning("stepping without %s at the outer step of step %d: %s", peer, t, error)
         elif isinstance(error, PeerUnavailable):
             await self.ctx.rounds.suspect(peer, f"outer exchange at step {t} failed: {error}")
         elif isinstance(error, MessageError):

@@ -46,6 +46,9 @@ class Accepts:
     """Most raw tensor bytes one request may carry, all its tensors together."""
     dtypes: frozenset[str] = frozenset()
     """The dtypes its tensors may have (names as in TensorMeta); empty: any."""
+    direct_only: bool = False
+    """A bulk verb (an outer exchange, a state chunk): refused on a stream that came through a
+    circuit relay, whose link is a third peer's (peer/net/transport.py's `call(direct=True)`)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.max_tensors <= MAX_ENVELOPE_TENSORS:
@@ -69,7 +72,7 @@ class Accepts:
     @classmethod
     def weights(cls, numel: int) -> Accepts:
         """An outer exchange: the stage's flat fp32 weights, theta and (when gamma != beta) phi."""
-        return cls(2, 2 * 4 * numel, frozenset({"float32"}))
+        return cls(2, 2 * 4 * numel, frozenset({"float32"}), direct_only=True)
 
     def check(self, metas: Sequence[TensorMeta], verb: str) -> None:
         """Raise Refused unless a request to `verb` may carry tensors `metas`."""

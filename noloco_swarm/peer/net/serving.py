@@ -107,11 +107,12 @@ class Server:
         try:
             # A new stream's slot is held from its first byte, a refusal's linger included: a
             # caller flooding us with streams (garbage or silent) holds at most its cap of them.
+            relay = streams.relayed(info.addr)
             with self.admission.stream(peer):
-                more = await self._answer(self._inbound(peer, reader, writer), first=True)
+                more = await self._answer(self._inbound(peer, reader, writer, relay), first=True)
             with self.admission.keep(peer) as kept:  # idle between requests: no slot, its own cap
                 while more and kept:
-                    more = await self._answer(self._inbound(peer, reader, writer), first=False)
+                    more = await self._answer(self._inbound(peer, reader, writer, relay), first=False)
         except Refused as e:  # no slot for this caller: 'busy', answered briefly
             await streams.refuse(self._inbound(peer, reader, writer), e.code, e.reason, _BUSY_LINGER)
         except asyncio.CancelledError:  # shut down while serving: end here (raised, asyncio logs it)
@@ -175,6 +176,8 @@ class Server:
         except Refused:
             stream.counts.bad_messages += 1
             raise
+        if stream.relayed and self._accepts[verb].direct_only:
+            raise Refused("relayed", f"{verb} moves bulk data and is never served through a relay")
         with self.admission.reserve(stream.peer, envelope.nbytes):
             if verb in self._stream_handlers:
                 await self._stream_handlers[verb](stream, header, envelope)
@@ -189,6 +192,8 @@ class Server:
         return True
 
     def _inbound(
-        self, peer: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+        self, peer: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, relayed: bool = False
     ) -> InboundStream:
-        return InboundStream(peer, self._counts_for(peer), reader, writer, self.config.part_bytes)
+        return InboundStream(
+            peer, self._counts_for(peer), reader, writer, self.config.part_bytes, relayed=relayed
+        )

@@ -53,6 +53,16 @@ class PeerUnavailable(ConnectionError):
     """The remote could not be reached, did not answer in time, or the stream broke."""
 
 
+class RelayOnly(PeerUnavailable):
+    """The remote is reachable only through a circuit relay, and the call moves bulk data, which
+    never crosses a relay (a relay is some third volunteer's link)."""
+
+
+def relayed(address: object) -> bool:
+    """Is `address` (a multiaddr: a stream's remote address, or an announced one) a circuit relay's?"""
+    return "/p2p-circuit" in str(address)
+
+
 class RemoteRefused(RuntimeError):
     """The remote read our request and answered with an ErrorReply (`code`, `reason`)."""
 
@@ -187,6 +197,8 @@ class InboundStream:
     writer: asyncio.StreamWriter
     part_bytes: int
     replied: bool = False
+    relayed: bool = False
+    """It came over a circuit relay (p2pd gives every stream its connection's remote address)."""
 
 
 async def call_frames(

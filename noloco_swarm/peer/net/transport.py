@@ -27,6 +27,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -44,10 +45,12 @@ from noloco_swarm.peer.net.streams import (
     InboundStream,
     PeerUnavailable,
     Refused,
+    RelayOnly,
     RemoteRefused,
     StreamClosed,
     StreamTruncated,
     TransportConfig,
+    relayed,
 )
 from noloco_swarm.protocol import codec
 from noloco_swarm.protocol.codec import Message
@@ -60,6 +63,7 @@ __all__ = [
     "InboundStream",
     "PeerUnavailable",
     "Refused",
+    "RelayOnly",
     "RemoteRefused",
     "StreamClosed",
     "StreamTruncated",
@@ -103,36 +107,109 @@ class _IdleStreams:
 
     def __init__(self, keep: float) -> None:
         self._keep = keep
-        self._idle: dict[str, list[tuple[float, asyncio.StreamReader, asyncio.StreamWriter]]] = {}
+        self._idle: dict[str, list[tuple[float, _Stream]]] = {}
 
-    def take(self, peer: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
-        """The most recently used idle stream to `peer` still within its deadline, if any."""
+    def take(self, peer: str, direct: bool = False) -> _Stream | None:
+        """The most recently used idle stream to `peer` still within its deadline, if any (with
+        `direct`, one that did not come through a relay: a relayed one is closed)."""
         kept, now = self._idle.get(peer, []), time.monotonic()
         while kept:
-            until, reader, writer = kept.pop()
-            if until > now and _open(reader, writer):
-                return reader, writer
-            writer.close()
+            until, stream = kept.pop()
+            if until > now and _open(stream) and not (direct and stream.relayed):
+                return stream
+            stream.writer.close()
         self._idle.pop(peer, None)
         return None
 
-    def give(self, peer: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def give(self, peer: str, stream: _Stream) -> None:
         kept = self._idle.setdefault(peer, [])
-        if len(kept) >= _IDLE_PER_PEER or not _open(reader, writer):
-            writer.close()
+        if len(kept) >= _IDLE_PER_PEER or not _open(stream):
+            stream.writer.close()
             return
-        kept.append((time.monotonic() + self._keep, reader, writer))
+        kept.append((time.monotonic() + self._keep, stream))
 
     def drop(self, peer: str | None = None) -> None:
         """Close the idle streams to `peer` (to every peer without one)."""
         for key in [peer] if peer is not None else list(self._idle):
-            for _, _, writer in self._idle.pop(key, []):
-                writer.close()
+            for _, stream in self._idle.pop(key, []):
+                stream.writer.close()
 
 
-def _open(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+@dataclass(frozen=True)
+class _Stream:
+    """A stream our call opened: its two ends, and whether it came through a circuit relay."""
+
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
+    relayed: bool
+
+
+def _open(stream: _Stream) -> bool:
     """Neither side of a kept stream has ended yet (the callee's close shows as end of file)."""
-    return not reader.at_eof() and not writer.is_closing()
+    return not stream.reader.at_eof() and not stream.writer.is_closing()
+
+
+class _Dialer:
+    """Our dials and stream opens to other peers: the daemon's dial backoff waited out, streams
+    counted, and bulk calls kept off circuit relays."""
+
+    def __init__(self, p2p: P2P) -> None:
+        self._p2p = p2p
+        self.opened: dict[str, int] = {}  # streams our calls opened, per remote peer
+        self.direct: dict[str, list[Multiaddr]] = {}  # peer -> its last announced direct addresses
+        self._unreached: dict[str, str] = {}  # peer -> why our last dial of it failed (none since)
+
+    async def open_stream(self, peer: str) -> _Stream:
+        info, reader, writer = await self.dial(
+            peer, lambda: self._p2p.call_binary_stream_handler(PeerID.from_base58(peer), PROTOCOL)
+        )
+        self.opened[peer] = self.opened.get(peer, 0) + 1
+        return _Stream(reader, writer, relayed(info.addr))
+
+    async def direct_stream(self, peer: str, verb: str, relayed_stream: _Stream) -> _Stream:
+        """Our only connection to `peer` goes through a relay: dial its announced direct addresses
+        (libp2p opens new streams on a direct connection once there is one), then try once more."""
+        relayed_stream.writer.close()
+        addresses = self.direct.get(peer, [])
+        if addresses:
+            with contextlib.suppress(ControlFailure, P2PDaemonError, OSError, ValueError):
+                await self._p2p._client.connect(PeerID.from_base58(peer), addresses)
+        stream = await self.open_stream(peer)
+        if stream.relayed:
+            stream.writer.close()
+            tried = (
+                f"its {len(addresses)} announced direct addresses did not answer"
+                if addresses
+                else "it announces no direct address"
+            )
+            raise RelayOnly(
+                f"peer {peer} is reachable only through a relay ({tried}); {verb} moves bulk data and is never relayed"
+            )
+        return stream
+
+    async def dial(self, peer: str, dial: Callable[[], Awaitable[T]]) -> T:
+        """`dial()` (a connect, or a stream open that may dial), waiting out our daemon's dial
+        backoff (within the caller's deadline) unless a dial of ours explains it.
+
+        After a failed dial our daemon refuses for about 5 s (longer after repeated failures) to
+        dial the same address again, answering "dial backoff" at once. A dial we made ourselves
+        that failed is evidence about the peer, and so is the backoff after it. One we did not
+        see (our DHT node's, on the same daemon: it gives up on a slow handshake within its own
+        short timeout) is not: failing our call on its backoff once marked a live peer gone at
+        the first step of a swarm started on a loaded machine."""
+        while True:
+            try:
+                result = await dial()
+            except P2PDaemonError as e:
+                if not backed_off(e):
+                    self._unreached[peer] = str(e)
+                    raise
+                if peer in self._unreached:
+                    raise P2PDaemonError(f"{e} (after: {self._unreached[peer]})") from e
+                await asyncio.sleep(_BACKOFF_POLL)
+            else:
+                self._unreached.pop(peer, None)
+                return result
 
 
 class Transport:
@@ -144,8 +221,7 @@ class Transport:
         self._counts: dict[str, ByteCounts] = {}
         self._server = Server(self.config, self._counts_for)
         self._idle = _IdleStreams(self.config.header_timeout / 3)
-        self._opened: dict[str, int] = {}  # streams our calls opened, per remote peer
-        self._unreached: dict[str, str] = {}  # peer -> why our last dial of it failed (none since)
+        self._dialer = _Dialer(p2p)
         self._started = self._closed = False
 
     @classmethod
@@ -227,7 +303,7 @@ class Transport:
 
     def streams_opened_to(self, peer: str) -> int:
         """Streams our calls to `peer` have opened so far (a kept stream serves many calls)."""
-        return self._opened.get(peer, 0)
+        return self._dialer.opened.get(peer, 0)
 
     def close_idle(self, peer: str | None = None) -> None:
         """Close the streams kept for reuse to `peer` (to every peer without one)."""
@@ -269,9 +345,11 @@ class Transport:
         for address in addresses:
             with contextlib.suppress(ValueError, TypeError):  # an announcement's address is untrusted
                 maddrs.append(dialable(Multiaddr(address), peer_id))
+        if any(not relayed(m) for m in maddrs):
+            self._dialer.direct[peer_id] = [m for m in maddrs if not relayed(m)]
         try:
             async with asyncio.timeout(timeout):
-                await self._dial(
+                await self._dialer.dial(
                     peer_id, lambda: self._p2p._client.connect(PeerID.from_base58(peer_id), maddrs)
                 )
         except (ControlFailure, P2PDaemonError, OSError, TimeoutError, ValueError) as e:
@@ -303,14 +381,26 @@ class Transport:
         expect: tuple[codec.TensorMeta, ...] | None = None,
         confirmed: bool = False,
         pace: streams.Pacer | None = None,
+        direct: bool = False,
     ) -> tuple[Message, list[torch.Tensor]]:
         """Send (header, tensors) to `peer_id`'s `verb` handler and return its reply, all within
         `timeout`. With `expect`, a reply carrying other tensors is refused before it is read.
         With `confirmed`, the call ends only when the remote confirms it read all of our frame
         (for a verb that replies while still reading: see streams.call_frames). With `pace`, our
-        tensors are sent at that pace (streams.write_frame)."""
+        tensors are sent at that pace (streams.write_frame). With `direct` (bulk data: an outer
+        exchange, a state chunk), never through a circuit relay: a stream that opens on a relayed
+        connection is closed unused, the peer's announced direct addresses are dialled once, and
+        if the next stream comes through a relay too the call fails with RelayOnly."""
         return await self._call(
-            str(peer_id), verb, header, tensors, timeout, expect=expect, confirmed=confirmed, pace=pace
+            str(peer_id),
+            verb,
+            header,
+            tensors,
+            timeout,
+            expect,
+            confirmed=confirmed,
+            pace=pace,
+            direct=direct,
         )
 
     async def _call(
@@ -323,6 +413,7 @@ class Transport:
         expect: tuple[codec.TensorMeta, ...] | None,
         confirmed: bool = False,
         pace: streams.Pacer | None = None,
+        direct: bool = False,
     ) -> tuple[Message, list[torch.Tensor]]:
         if self._closed:
             raise RuntimeError("this transport is shut down")
@@ -335,7 +426,7 @@ class Transport:
         reuse = not confirmed  # a confirmed call ends in the callee's stream handler, which closes
         try:
             async with asyncio.timeout(timeout):
-                kept = self._idle.take(peer) if reuse else None
+                kept = self._idle.take(peer, direct) if reuse else None
                 if kept is not None:
                     try:
                         return await self._frames(
@@ -343,13 +434,10 @@ class Transport:
                         )
                     except _Unanswered:
                         pass  # the callee had let this stream go: a fresh one, as without reuse
-                _, reader, writer = await self._dial(
-                    peer, lambda: self._p2p.call_binary_stream_handler(PeerID.from_base58(peer), PROTOCOL)
-                )
-                self._opened[peer] = self._opened.get(peer, 0) + 1
-                return await self._frames(
-                    peer, verb, (reader, writer), envelope, wire, counts, expect, confirmed, pace
-                )
+                stream = await self._dialer.open_stream(peer)
+                if direct and stream.relayed:
+                    stream = await self._dialer.direct_stream(peer, verb, stream)
+                return await self._frames(peer, verb, stream, envelope, wire, counts, expect, confirmed, pace)
         except PeerUnavailable:
             raise
         except TimeoutError as e:
@@ -357,35 +445,11 @@ class Transport:
         except (P2PDaemonError, OSError, EOFError) as e:  # dial failed, or the stream broke
             raise PeerUnavailable(f"peer {peer} is unreachable for {verb}: {e}") from e
 
-    async def _dial(self, peer: str, dial: Callable[[], Awaitable[T]]) -> T:
-        """`dial()` (a connect, or a stream open that may dial), waiting out our daemon's dial
-        backoff (within the caller's deadline) unless a dial of ours explains it.
-
-        After a failed dial our daemon refuses for about 5 s (longer after repeated failures) to
-        dial the same address again, answering "dial backoff" at once. A dial we made ourselves
-        that failed is evidence about the peer, and so is the backoff after it. One we did not
-        see (our DHT node's, on the same daemon: it gives up on a slow handshake within its own
-        short timeout) is not: failing our call on its backoff once marked a live peer gone at
-        the first step of a swarm started on a loaded machine."""
-        while True:
-            try:
-                result = await dial()
-            except P2PDaemonError as e:
-                if not backed_off(e):
-                    self._unreached[peer] = str(e)
-                    raise
-                if peer in self._unreached:
-                    raise P2PDaemonError(f"{e} (after: {self._unreached[peer]})") from e
-                await asyncio.sleep(_BACKOFF_POLL)
-            else:
-                self._unreached.pop(peer, None)
-                return result
-
     async def _frames(
         self,
         peer: str,
         verb: str,
-        stream: tuple[asyncio.StreamReader, asyncio.StreamWriter],
+        stream: _Stream,
         envelope: Envelope,
         wire: list[torch.Tensor],
         counts: ByteCounts,
@@ -394,7 +458,7 @@ class Transport:
         pace: streams.Pacer | None = None,
     ) -> tuple[Message, list[torch.Tensor]]:
         """One call's frames on `stream`; the stream is kept for reuse after a whole plain answer."""
-        reader, writer = stream
+        reader, writer = stream.reader, stream.writer
         lose, kept = _LostReply(verb), False
         try:
             answer = await streams.call_frames(
@@ -412,7 +476,7 @@ class Transport:
             return answer
         finally:
             if kept:
-                self._idle.give(peer, reader, writer)
+                self._idle.give(peer, stream)
             else:
                 writer.close()
 
@@ -429,8 +493,32 @@ def backed_off(error: BaseException) -> bool:
 
 
 def dialable(address: Multiaddr, peer_id: str) -> Multiaddr:
-    """`address` without its trailing /p2p/<peer_id>: the daemon is given the peer id apart, and
+    """`address` without its trailing /p2p/<peer_id> (the daemon is given the peer id apart), with
+    any other /p2p/ part (a relay's, in a /p2p-circuit address) in the binary form p2pd reads.
     py-multiaddr writes a /p2p/ part as a CID, which p2pd cannot parse ("length greater than
-    remaining number of bytes in buffer"): every dial with a full announced address failed."""
+    remaining number of bytes in buffer"): every dial with a full announced address failed, and
+    so did every dial of a relayed one."""
     tail = Multiaddr(f"/p2p/{peer_id}")
-    return address.decapsulate(tail) if str(address).endswith(str(tail)) else address
+    if str(address).endswith(str(tail)):
+        address = address.decapsulate(tail)
+    parts = []
+    for part in address.split():
+        ((protocol, value),) = part.items()
+        if protocol.name == "p2p":  # code 421, then the multihash's length and bytes
+            digest = PeerID.from_base58(value).to_bytes()
+            parts.append(_P2P_CODE + _uvarint(len(digest)) + digest)
+        else:
+            parts.append(part.to_bytes())
+    return Multiaddr(b"".join(parts))
+
+
+_P2P_CODE = bytes.fromhex("a503")  # the unsigned varint of 421, the p2p protocol's code
+
+
+def _uvarint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        out.append(byte | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
