@@ -11,6 +11,8 @@ table below, once; tests/unit/test_membership_margins.py ties them together.
 from __future__ import annotations
 
 import hashlib
+import heapq
+from collections import Counter, defaultdict
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -228,30 +230,55 @@ def credible_gone(reports: Iterable[tuple[str, str, int]]) -> dict[str, set[int]
     that read the same reports judge the same peers gone.
     """
     gone: dict[str, set[int]] = {}
-    standing: set[tuple[str, str, int]] = set()
+    accused: dict[str, dict[str, set[int]]] = {}  # accused -> reporter -> rounds, standing
+    rounds: defaultdict[str, Counter[int]] = defaultdict(Counter)  # accused -> standing reports per round
+    filed: dict[str, list[tuple[str, int]]] = {}  # reporter -> (accused, round), standing or not
     for peer, reporter, round_ in reports:
         if peer == reporter:
             gone.setdefault(peer, set()).add(round_)
-        else:
-            standing.add((peer, reporter, round_))
-    while standing:
-        support: dict[str, set[str]] = {}
-        first: dict[str, int] = {}
-        for peer, reporter, round_ in standing:
-            support.setdefault(peer, set()).add(reporter)
-            first[peer] = min(first.get(peer, round_), round_)
-        most = max(len(r) for r in support.values())
-        tied = [p for p, r in support.items() if len(r) == most]
-        earliest = min(first[p] for p in tied)
-        judged = {p for p in tied if first[p] == earliest}
-        for peer, _, round_ in standing:
-            if peer in judged:
-                gone.setdefault(peer, set()).add(round_)
-        standing = {
-            (peer, reporter, round_)
-            for peer, reporter, round_ in standing
-            if peer not in judged and not (reporter in judged and round_ >= first[reporter] - 1)
-        }
+        elif round_ not in accused.setdefault(peer, {}).setdefault(reporter, set()):
+            accused[peer][reporter].add(round_)
+            rounds[peer][round_] += 1
+            filed.setdefault(reporter, []).append((peer, round_))
+    # The weighing, incrementally: a heap of (-reporters, earliest round, peer) whose stale entries
+    # are skipped; judging a peer withdraws its reports, which changes only the peers they accuse.
+    heap = [(-len(by), min(rounds[p]), p) for p, by in accused.items() if by]
+    heapq.heapify(heap)
+
+    def rank(peer: str) -> tuple[int, int]:
+        return -len(accused[peer]), min(rounds[peer])
+
+    while heap:
+        key, peer = heap[0][:2], heap[0][2]
+        if peer not in accused or rank(peer) != key:
+            heapq.heappop(heap)  # stale
+            continue
+        judged: dict[str, int] = {}  # judged peer -> its earliest accusation
+        while heap and heap[0][:2] == key:
+            _, first, p = heapq.heappop(heap)
+            if p in accused and rank(p) == key:
+                judged[p] = first
+        for p in judged:
+            gone.setdefault(p, set()).update(rounds.pop(p))
+            del accused[p]
+        touched = set()
+        for reporter, first in judged.items():
+            for p, round_ in filed.get(reporter, ()):
+                by = accused.get(p)
+                if by is None or round_ < first - 1 or round_ not in by.get(reporter, ()):
+                    continue
+                by[reporter].discard(round_)
+                if not by[reporter]:
+                    del by[reporter]
+                rounds[p][round_] -= 1
+                if not rounds[p][round_]:
+                    del rounds[p][round_]
+                touched.add(p)
+        for p in touched:
+            if accused[p]:
+                heapq.heappush(heap, (*rank(p), p))
+            else:
+                del accused[p], rounds[p]
     return gone
 
 

@@ -99,6 +99,9 @@ class Partition:
     share: float  # of the peers, cut off from the rest
 
 
+JUDGED_SETS = 16  # distinct report sets whose judgement the simulator remembers
+
+
 @dataclass(frozen=True)
 class Scenario:
     peers: int
@@ -311,10 +314,13 @@ class Model:
             del peer.views[old]
 
     def _credible(self, kept: Sequence[tuple[str, str, int]]) -> dict[str, set[int]]:
-        """credible_gone, once per distinct set of reports (most peers hold the same)."""
+        """credible_gone, once per distinct set of reports (most peers hold one of a few: those of
+        each side of a partition, of a late read). The last JUDGED_SETS sets are kept."""
         key = frozenset(kept)
         if key not in self.judged:
-            self.judged = {key: credible_gone(kept)}  # one entry: a round's reads differ little
+            if len(self.judged) >= JUDGED_SETS:
+                del self.judged[next(iter(self.judged))]  # the oldest
+            self.judged[key] = credible_gone(kept)
         return self.judged[key]
 
     def rejoin(self, peer: Peer, t: float) -> None:
