@@ -92,16 +92,15 @@ def join_target(args: argparse.Namespace, resolved: Resolved, defaults: dict[str
         closed = len(catalog.runs) - len(opened.runs)
         if opened.runs:
             console.print(render_runs(opened), highlight=False, soft_wrap=True)
-        else:
-            console.print("noloco join: no open run on this DHT")
         if closed:
             console.print(
                 f"({closed} closed run(s) not shown: they need a join ticket; `noloco runs` lists them)"
             )
-        if opened.runs:
-            console.print(
-                "noloco join: give --run-id RUN to join one of these, or --auto to join the one that needs a peer most"
-            )
+        console.print(
+            "noloco join: give --run-id RUN to join one of these, or --auto to join the one that needs a peer most"
+            if opened.runs
+            else "noloco join: no open run on this DHT"
+        )
         return 2
 
     def fits(run: RunSummary, stage: int) -> Check:

@@ -27,6 +27,7 @@ from typing import Any
 from noloco_swarm.cli.doctor_local import SETUP, Check
 from noloco_swarm.peer.net import dialback
 from noloco_swarm.peer.net.dialback import first_line
+from noloco_swarm.peer.net.streams import relayed
 from noloco_swarm.train.config import RunConfig
 
 HIVEMIND_PIN = "hivemind==1.1.12"
@@ -282,7 +283,7 @@ async def dialback_check(
     except Exception as e:  # noqa: BLE001  (the daemon's own message says what is wrong)
         return Check("dial-back", False, f"could not listen on {listen}: {first_line(str(e))}", SETUP)
     try:
-        ours = [str(a) for a in await p2p.get_visible_maddrs() if "/p2p-circuit" not in str(a)]
+        ours = [str(a) for a in await p2p.get_visible_maddrs() if not relayed(a)]
         shown = (
             Multiaddr(ours[0]).value_for_protocol("tcp") if ours else (port or "PORT")
         )  # announced, if any

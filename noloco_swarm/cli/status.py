@@ -23,7 +23,7 @@ from noloco_swarm.cli.view import short_id
 from noloco_swarm.peer.directory import RunDirectory, signed_dht_kwargs
 from noloco_swarm.peer.liveness import ask_status
 from noloco_swarm.peer.net.lifetime import DHT
-from noloco_swarm.peer.net.streams import PeerUnavailable, RemoteRefused
+from noloco_swarm.peer.net.streams import PeerUnavailable, RemoteRefused, relayed
 from noloco_swarm.peer.net.transport import Transport
 from noloco_swarm.protocol import codec, records, rpc
 from noloco_swarm.train.config import NetworkConfig
@@ -131,8 +131,8 @@ async def look(transport: Transport, directory: RunDirectory) -> SwarmStatus:
     gone = await asyncio.to_thread(directory.read_gone, announced)
 
     async def ask(a: records.PeerAnnouncement) -> PeerRow:
-        relayed = bool(a.addresses) and all("/p2p-circuit" in address for address in a.addresses)
-        row = PeerRow(a.peer_id, a.stage, a.joined_round, a.device, relayed=relayed)
+        only_relayed = bool(a.addresses) and all(relayed(address) for address in a.addresses)
+        row = PeerRow(a.peer_id, a.stage, a.joined_round, a.device, relayed=only_relayed)
         try:
             await transport.connect(a.peer_id, a.addresses, timeout=STATUS_TIMEOUT)
             status = await ask_status(transport, a.peer_id, directory.run_id, STATUS_TIMEOUT)

@@ -7,7 +7,8 @@ two replicas, owns the failures and the bytes, and is finalised once.
 
 Errors a swap reports per member: PeerUnavailable (gone or too slow: the member is probed, and
 reported if it does not answer; RelayOnly, reachable only through a circuit relay, which never
-carries an exchange: told at once, like an avoided member, and not suspected), RemoteRefused, MessageError (it sent garbage: not trusted again),
+carries an exchange: told at once, like an avoided member, and not suspected), RemoteRefused,
+MessageError (it sent garbage: not trusted again),
 Implausible (it sent weights that fail protocol/plausible.py: non-finite, of another shape or
 dtype, or too far from our slow weights). A member that fails is left out of this step's mean; the
 replica steps with the rest (alone, when that was its only partner). An implausible member is

@@ -15,6 +15,7 @@ from noloco_swarm.peer.directory import signed_dht_kwargs
 from noloco_swarm.peer.net import identity
 from noloco_swarm.peer.net.identity import Identity
 from noloco_swarm.peer.net.lifetime import DHT
+from noloco_swarm.peer.net.streams import relayed
 from noloco_swarm.train.config import NetworkConfig
 
 T = TypeVar("T")
@@ -38,10 +39,6 @@ def start_dht(net: NetworkConfig) -> DHT:
     return dht
 
 
-def _relayed(addr: str) -> bool:
-    return "/p2p-circuit" in addr
-
-
 def _loopback(addr: str) -> bool:
     return "/127.0.0.1/" in addr or "/::1/" in addr
 
@@ -50,7 +47,7 @@ def reachability(addresses: Sequence[str]) -> list[str]:
     """Human-readable lines: how others can reach a node at these addresses (direct or relayed)."""
     lines = []
     for addr in addresses:
-        kind = "relayed" if _relayed(addr) else ("loopback only" if "/127.0.0.1/" in addr else "direct")
+        kind = "relayed" if relayed(addr) else ("loopback only" if "/127.0.0.1/" in addr else "direct")
         lines.append(f"{addr}  ({kind})")
     if addresses and all(_loopback(a) for a in addresses):
         lines.append(
@@ -61,7 +58,7 @@ def reachability(addresses: Sequence[str]) -> list[str]:
 
 def reachability_kind(addresses: Sequence[str]) -> str:
     """One line for a live view: how others can reach a node at these addresses."""
-    direct = [a for a in addresses if not _relayed(a)]
+    direct = [a for a in addresses if not relayed(a)]
     if not addresses:
         return "not reachable (no visible addresses)"
     if direct and all(_loopback(a) for a in direct):

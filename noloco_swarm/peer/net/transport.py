@@ -345,8 +345,8 @@ class Transport:
         for address in addresses:
             with contextlib.suppress(ValueError, TypeError):  # an announcement's address is untrusted
                 maddrs.append(dialable(Multiaddr(address), peer_id))
-        if any(not relayed(m) for m in maddrs):
-            self._dialer.direct[peer_id] = [m for m in maddrs if not relayed(m)]
+        if direct := [m for m in maddrs if not relayed(m)]:
+            self._dialer.direct[peer_id] = direct
         try:
             async with asyncio.timeout(timeout):
                 await self._dialer.dial(
