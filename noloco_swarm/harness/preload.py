@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import gc
 import importlib
 import json
 import os
@@ -220,6 +221,10 @@ def serve(control: socket.socket) -> dict | None:
     socket (returns None). In a child it returns that child's request."""
     for name in PRELOADED:
         importlib.import_module(name)
+    # What the imports made is kept for good: moved out of the collector's reach, the children's
+    # collections never walk it, and so never touch (and copy) the pages they share with us. A
+    # forked peer's collection at exit walked it all: 2.5 s of CPU per peer (2026-12-06).
+    gc.freeze()
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)

@@ -238,12 +238,15 @@ class RunDirectory:
         return found
 
     def _wait(self, future: MPFuture[T] | concurrent.futures.Future[T]) -> T:
-        """The DHT's answer within DHT_CALL_TIMEOUT; TimeoutError (and the call cancelled) after."""
+        """The DHT's answer within DHT_CALL_TIMEOUT; TimeoutError (and the call cancelled) after, and
+        RuntimeError if the node shuts down first."""
         try:
             return future.result(timeout=DHT_CALL_TIMEOUT)
         except TimeoutError:
             future.cancel()
             raise TimeoutError(f"the DHT did not answer within {DHT_CALL_TIMEOUT:.0f} s") from None
+        except concurrent.futures.CancelledError:  # the node shut down (LoopDHT.shutdown)
+            raise RuntimeError("the DHT node shut down before it answered") from None
 
     def _records(self, found: ValueWithExpiration | None, cls: type[R]) -> tuple[list[R], int]:
         return signed_records(None if found is None else found.value, cls, self.run_id)

@@ -200,6 +200,11 @@ class Liveness:
             logger.warning("could not report %s gone: %s", report.peer_id, e)
 
     async def close(self) -> None:
-        """Stop probing reported peers; let pending gone reports finish."""
+        """Stop probing reported peers; let pending gone reports finish, unless we are stopping
+        now (our task is cancelled: a second signal). Then they are dropped: with our daemon
+        gone (a group SIGTERM ends it first) each waited out DHT_CALL_TIMEOUT."""
         await self.detours.close()
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            return
         await asyncio.gather(*self._reports, return_exceptions=True)

@@ -253,6 +253,17 @@ def test_a_directory_over_a_node_on_the_peers_own_loop(bootstrap: str, two_peers
                 assert {x.peer_id for x in both.announcements} == seen_by_us
                 with pytest.raises(RuntimeError, match="would wait on itself"):
                     ours.read_peers()
+
+                # A call still pending when the node shuts down ends then, not at its timeout (a
+                # stopping peer's threads held up its exit so), and a later call is refused.
+                async def forever(_dht: LoopDHT, _node: object) -> None:
+                    await asyncio.Event().wait()
+
+                pending = await asyncio.to_thread(dht.run_coroutine, forever, True)
+                await dht.shutdown()
+                assert pending.cancelled()
+                with pytest.raises(RuntimeError, match="shut down"):
+                    await asyncio.to_thread(ours.read_peers)
                 return seen_by_us, seen_by_them
             finally:
                 await dht.shutdown()

@@ -1061,6 +1061,13 @@ def test_noloco_status_shows_every_peer_of_a_running_swarm(cache: Path) -> None:
         ids = {next(e.peer_id for e in of_kind(p.events(), Membership)) for p in swarm.peers}
         refusals, steps, limits = asyncio.run(poke_with_bad_requests(swarm))
     assert p2pd_descendants() <= before
+    # The swarm's end (SIGTERM twice to each peer's process group, its daemon's too) stopped every
+    # peer as the second signal says, at once: none was SIGKILLed after the harness's grace. (Each
+    # was until 2026-12-06: its DHT node waited forever on its dead daemon, and its gone reports
+    # for DHT_CALL_TIMEOUT.)
+    assert [p.proc.returncode for p in swarm.peers] == [130] * len(swarm.peers), [
+        p.log_tail() for p in swarm.peers
+    ]
     # A status request announcing 512 MiB of tensors is refused before they are read: the peer's
     # memory does not grow by them. Streams beyond one caller's cap are refused 'busy' at once,
     # the peers train on meanwhile, and the caller is served again once its streams are closed.

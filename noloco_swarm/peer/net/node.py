@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 from hivemind.dht.node import DHTNode
 from hivemind.dht.validation import CompositeValidator
-from hivemind.p2p import P2P
+from hivemind.p2p import P2P, P2PDaemonError
 
 from noloco_swarm.peer.directory import signed_dht_kwargs
 from noloco_swarm.peer.net import identity
@@ -19,6 +20,9 @@ from noloco_swarm.peer.net.streams import relayed
 from noloco_swarm.train.config import NetworkConfig
 
 T = TypeVar("T")
+# Seconds the DHT node's shutdown may take to remove its handlers from a live daemon (milliseconds
+# when the daemon answers).
+SHUTDOWN_TIMEOUT = 3.0
 
 
 def start_dht(net: NetworkConfig) -> DHT:
@@ -84,6 +88,11 @@ class LoopDHT:
         self, node: DHTNode, loop: asyncio.AbstractEventLoop, identity: Identity | None = None
     ) -> None:
         self.node, self.loop, self.identity = node, loop, identity
+        self.closed = False
+        # Calls submitted from worker threads and not answered yet: shutdown cancels them, so the
+        # threads waiting on them return at once instead of at their timeout (which held up the
+        # process's exit by up to DHT_CALL_TIMEOUT).
+        self._pending: set[concurrent.futures.Future[Any]] = set()
 
     @classmethod
     async def create(cls, p2p: P2P, initial_peers: Sequence[str], identity: Identity | None) -> LoopDHT:
@@ -102,12 +111,16 @@ class LoopDHT:
             on_loop = asyncio.get_running_loop() is self.loop
         except RuntimeError:
             on_loop = False
-        if on_loop:
+        if on_loop or self.closed:
             coro.close()
+            if self.closed:
+                raise RuntimeError("the DHT node has shut down")
             raise RuntimeError(
                 "a DHT call from the event loop's own thread would wait on itself: use a thread"
             )
         future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        self._pending.add(future)
+        future.add_done_callback(self._pending.discard)
         return future if return_future else future.result()
 
     def get(self, key: str, latest: bool = False, return_future: bool = False) -> Any:
@@ -124,4 +137,19 @@ class LoopDHT:
         return self._submit(coro(self, self.node), return_future)
 
     async def shutdown(self) -> None:
-        await self.node.shutdown()
+        """Stop the node. hivemind removes its handlers from the daemon one request each, and its
+        control connection never fails a request to a daemon that has died: it waits forever (a
+        peer whose group got SIGTERM, p2pd's included, took the whole 10 s grace to stop, then was
+        SIGKILLed). So skip that with a dead daemon and give up after a bound with a live one: the
+        transport stops the daemon next, and its handlers with it."""
+        if self.closed:
+            return
+        self.closed = True
+        for future in list(self._pending):
+            future.cancel()
+        self.node.is_alive = False
+        child = getattr(self.node.p2p, "_child", None)
+        if child is not None and child.returncode is not None:
+            return
+        with contextlib.suppress(TimeoutError, P2PDaemonError, OSError):
+            await asyncio.wait_for(self.node.shutdown(), SHUTDOWN_TIMEOUT)
