@@ -58,7 +58,6 @@ SECOND_LANE=(
     tests/integration/test_trust.py
     tests/integration/test_plot.py
     tests/integration/test_metrics.py
-    tests/integration/test_join_logs.py
     tests/integration/test_runs.py
     tests/integration/test_local_cli.py
     tests/integration/test_doctor.py

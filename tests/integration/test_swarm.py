@@ -622,9 +622,11 @@ def finish_without(swarm, victim) -> tuple[list, dict, str, int]:
     return survivors, summaries, victim_id, max(e.step for e in of_kind(victim.events(), Step))
 
 
-@pytest.mark.parametrize(
-    ("when", "stages", "stage"), [("mid-round", 3, 1), ("mid-round", 3, 2), ("at-outer-step", 2, 1)]
-)
+# Two cases cover the three paths: a dead middle stage's rows carried on by its stand-in (killed
+# at its outer step: its partner sees it in that round, the stage-0 peers only on the next round's
+# forwards) and a dead last stage's lost rows marked for stage 0 (killed mid-round). Until
+# 2026-12-06 a third case killed a middle stage mid-round; the suite's time (CI's 20 minutes) cut it.
+@pytest.mark.parametrize(("when", "stages", "stage"), [("at-outer-step", 3, 1), ("mid-round", 3, 2)])
 def test_a_killed_peer_takes_its_processes_and_a_replacement_takes_its_stage(
     cache: Path, tmp_path: Path, when: str, stages: int, stage: int
 ) -> None:
