@@ -545,6 +545,9 @@ class Model:
             "busiest_dht_node_bytes_per_round": max(self.node_bytes.values(), default=0) / max(1, rounds),
             "join_seconds_median": statistics.median(joins) if joins else None,
             "joins": len(joins),
+            # gone reports filed, and the peers they accuse (a partition's grow as N squared)
+            "gone_reports": len(self.reports),
+            "accused": len({peer for _, peer, _, _ in self.reports}),
         }
 
 
