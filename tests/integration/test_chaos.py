@@ -30,8 +30,9 @@ pytestmark = pytest.mark.integration
 H = INNER_STEPS
 # Enough steps for the whole schedule on a loaded machine and a few rounds after it: the last
 # window began at step 213 in a quiet run and at steps 207-222 under stress-ng --cpu 2
-# (2026-12-06); a run that ends first fails saying so.
-STEPS = 340
+# (2026-12-06); a run that ends first fails saying so. (340 until 2026-12-06, when the suite's
+# time called for 300: the runs of bench/chaos.py below are of 300 steps.)
+STEPS = 300
 WINDOW = 2 * H
 # The validation loss every surviving stage-0 peer must end below: the first steps' loss is 8.34;
 # after 300 steps the chaos runs of bench/chaos.py ended at 6.11, the same swarm without faults
