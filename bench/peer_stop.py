@@ -2,11 +2,11 @@
 
 Each rep runs a fresh launcher process from one checkout (--trees; PYTHONPATH and cwd set to it),
 which starts a 2 x 2 swarm of the tiny preset with `local_swarm` (peers forked from the
-preloader), waits until every peer trains, then signals every peer's process group (the peer and
-its p2pd) as `end_groups` does: SIGTERM, 0.5 s, SIGTERM. It reports the seconds from the second
-signal until each peer has exited, and each exit status (130: stopped by the signal; the launcher
-waits up to --wait seconds, then SIGKILLs what is left: -9). Trees alternate over --reps, so all
-see the same machine state; the ratio is of the medians of the slowest peer per rep.
+preloader), waits until every peer trains, then ends it with the harness's own `end_groups`:
+SIGTERM to every peer's process group (the peer and its p2pd), 0.5 s, SIGTERM again, SIGKILL to
+what is left --wait seconds later. It reports the seconds from the second signal until the last
+peer has exited, and each exit status (130: stopped by the signal; -9: SIGKILLed). Trees
+alternate over --reps, so all see the same machine state; the ratio is of the medians.
 
     python bench/peer_stop.py --trees /path/to/old-checkout,. --reps 3 --out docs/results/peer_stop.json
 """
@@ -16,18 +16,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
 import time
-from contextlib import suppress
 from pathlib import Path
+
+STOP_GAP = 0.5  # end_groups' pause between its two SIGTERMs
 
 
 def child(wait: float) -> None:
     """In the launcher process: start the swarm, stop it with two signals, print what happened."""
-    from noloco_swarm.harness.local import local_swarm
+    from noloco_swarm.harness.local import end_groups, local_swarm
     from noloco_swarm.peer.events import Step, of_kind
     from noloco_swarm.train.layering import build_config
 
@@ -39,27 +39,10 @@ def child(wait: float) -> None:
                 raise SystemExit("the swarm did not train: " + swarm.peers[0].log_tail())
             time.sleep(0.1)
         procs = [p.proc for p in swarm.peers]
-        for sig_round in range(2):
-            for proc in procs:
-                with suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGTERM)
-            if sig_round == 0:
-                time.sleep(0.5)
-        second = time.monotonic()
-        exited: dict[int, float] = {}
-        while len(exited) < len(procs) and time.monotonic() < second + wait:
-            for i, proc in enumerate(procs):
-                if i not in exited and proc.poll() is not None:
-                    exited[i] = time.monotonic() - second
-            time.sleep(0.02)
-        for i, proc in enumerate(procs):
-            if i not in exited:
-                with suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-                exited[i] = time.monotonic() - second
-        codes = [proc.returncode for proc in procs]
-        print(json.dumps({"seconds": [round(exited[i], 3) for i in range(len(procs))], "codes": codes}))
+        began = time.monotonic()
+        end_groups(procs, grace=wait)  # SIGTERM, 0.5 s, SIGTERM; SIGKILL after `grace`
+        seconds = time.monotonic() - began - STOP_GAP
+        print(json.dumps({"seconds": round(seconds, 3), "codes": [proc.returncode for proc in procs]}))
 
 
 def main() -> None:
@@ -89,7 +72,7 @@ def main() -> None:
             print(f"rep {rep} {tree}: {result}", flush=True)
     summary = {
         tree: {
-            "slowest_seconds_median": statistics.median(max(r["seconds"]) for r in reps),
+            "slowest_seconds_median": statistics.median(r["seconds"] for r in reps),
             "codes": sorted({c for r in reps for c in r["codes"]}),
         }
         for tree, reps in runs.items()

@@ -111,10 +111,11 @@ class LoopDHT:
             on_loop = asyncio.get_running_loop() is self.loop
         except RuntimeError:
             on_loop = False
-        if on_loop or self.closed:
+        if self.closed:
             coro.close()
-            if self.closed:
-                raise RuntimeError("the DHT node has shut down")
+            raise RuntimeError("the DHT node has shut down")
+        if on_loop:
+            coro.close()
             raise RuntimeError(
                 "a DHT call from the event loop's own thread would wait on itself: use a thread"
             )
