@@ -289,7 +289,7 @@ def run_local_swarm(
         try:
             if live is not None:
                 live.start()
-            wait(swarm, timeout=max(600.0, steps * 10.0), on_poll=on_poll)
+            wait(swarm, timeout=max(600.0, steps * 10.0), poll=0.5, on_poll=on_poll)
         except KeyboardInterrupt:
             interrupted = True
         except (RuntimeError, TimeoutError) as e:

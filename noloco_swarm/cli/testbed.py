@@ -100,7 +100,7 @@ def run_testbed(
                 apply_due(ns.bed, timeline, time.monotonic() - start, cut_mode, console)
 
             try:
-                wait(ns.swarm, timeout=max(600.0, steps * 10.0), on_poll=on_poll)
+                wait(ns.swarm, timeout=max(600.0, steps * 10.0), poll=0.5, on_poll=on_poll)
             except (RuntimeError, TimeoutError) as e:
                 console.print(f"[red]the swarm failed:[/] {e}")
                 code = 1

@@ -319,7 +319,7 @@ def until(check: Callable[[], bool], timeout: float, what: str, poll: float = 0.
 
 
 def wait(
-    swarm: LocalSwarm, timeout: float, poll: float = 0.5, on_poll=None, ignore: Sequence[PeerProcess] = ()
+    swarm: LocalSwarm, timeout: float, poll: float = 0.1, on_poll=None, ignore: Sequence[PeerProcess] = ()
 ) -> None:
     """Until every peer (but those in `ignore`, e.g. killed on purpose) exited 0; raise with the
     failing peer's log if one fails or time runs out."""

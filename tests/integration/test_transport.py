@@ -455,6 +455,27 @@ def test_calls_to_a_peer_reuse_one_stream_which_the_callee_closes_when_idle(
     assert a.streams_opened_to(b.peer_id) == before + 1
 
 
+def test_settle_closes_our_kept_streams_and_waits_for_the_callers_to_close_theirs(
+    loop: asyncio.AbstractEventLoop, pair: tuple[Transport, Transport]
+) -> None:
+    """A peer's last act before it stops (Peer.run): its own kept streams close at once, and it
+    waits while a caller keeps a stream to it open, until that caller closes it."""
+    a, b = pair
+    healthy(loop, a, b)  # a keeps a stream to b
+    assert b.kept_from(a.peer_id) == 1
+    assert run(loop, b.settle(0.3)) is False, "settled with a caller's stream open"
+
+    async def caller_closes_later() -> bool:
+        settling = asyncio.ensure_future(b.settle(20))
+        await asyncio.sleep(0.3)
+        assert not settling.done(), "settled with a caller's stream open"
+        return await a.settle(20) and await settling  # a closes its kept stream; nobody calls a
+
+    assert run(loop, caller_closes_later()) is True
+    assert b.kept_from(a.peer_id) == 0
+    healthy(loop, a, b)  # calls go on, on a fresh stream
+
+
 def test_a_kept_stream_the_callee_ended_is_not_served_twice_and_the_call_goes_through(
     loop: asyncio.AbstractEventLoop,
 ) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -39,6 +40,7 @@ from noloco_swarm.protocol.rpc import REPLY_VERB, Envelope
 logger = logging.getLogger(__name__)
 
 _BUSY_LINGER = 1.0  # seconds a 'busy' refusal waits for the caller to read it
+_SETTLE_POLL = 0.02  # seconds between looks for inbound streams still open (callers_gone)
 Handler = Callable[[str, Message, list[torch.Tensor]], Awaitable[tuple[Message, Sequence[torch.Tensor]]]]
 # Serves a verb from the envelope on: reads the request's tensors and writes the reply itself.
 StreamHandler = Callable[[InboundStream, Message, Envelope], Awaitable[None]]
@@ -66,6 +68,14 @@ class Server:
         await asyncio.gather(*self._serving, return_exceptions=True)
         for close in self._closing:
             close()
+
+    async def callers_gone(self, timeout: float) -> bool:
+        """Wait up to `timeout` s until no inbound stream is open (each caller closed its own, or
+        went away); True if none is."""
+        deadline = time.monotonic() + timeout
+        while self._serving and time.monotonic() < deadline:
+            await asyncio.sleep(_SETTLE_POLL)
+        return not self._serving
 
     def register(self, verb: str, handler: Handler, accepts: Accepts = NONE) -> None:
         """Serve `verb` with `handler(peer_id, header, tensors) -> (reply_header, reply_tensors)`.

@@ -317,6 +317,13 @@ class Transport:
         """Snapshot of bytes moved per remote peer id (diff two snapshots for one outer step)."""
         return {peer: counts.as_dict() for peer, counts in sorted(self._counts.items())}
 
+    async def settle(self, timeout: float) -> bool:
+        """Close the streams our calls keep for reuse, then wait up to `timeout` s until every
+        caller has closed its streams to us (or gone): a reply we wrote last has reached a caller
+        that closed its stream. True if all have; then shutting down loses no reply."""
+        self.close_idle()
+        return await self._server.callers_gone(timeout)
+
     async def shutdown(self) -> None:
         """Stop serving, fail pending exchanges, and stop the daemon if we started it. Idempotent."""
         if self._closed:
