@@ -79,6 +79,12 @@ def main() -> None:
     ap.add_argument("--peers", default="8,32,128,1000")
     ap.add_argument("--dhts", default=",".join(DHTS))
     ap.add_argument("--rounds", default="8:60,32:60,128:30,1000:8", help="N:rounds, per swarm size")
+    ap.add_argument(
+        "--records",
+        default="dht",
+        help="how records spread besides the DHT, comma-separated: dht (today's peer), swap, gossip "
+        "(designs the peer does not run: sim/membership.py, Scenario.records)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -88,20 +94,22 @@ def main() -> None:
     for n in (int(x) for x in args.peers.split(",")):
         for name in args.dhts.split(","):
             dht, partitions = DHTS[name]
-            scenario = Scenario(
-                peers=n,
-                rounds=rounds[n],
-                dht=dht,
-                churn=CHURN,
-                partitions=partitions,
-                announcement_bytes=announcement,
-                report_bytes=report,
-                seed=args.seed,
-            )
-            began = time.monotonic()
-            row = simulate(scenario) | {"dht": name, "seconds": round(time.monotonic() - began, 1)}
-            runs.append(row)
-            print(json.dumps(row), flush=True)
+            for spread in args.records.split(","):
+                scenario = Scenario(
+                    peers=n,
+                    rounds=rounds[n],
+                    dht=dht,
+                    churn=CHURN,
+                    partitions=partitions,
+                    announcement_bytes=announcement,
+                    report_bytes=report,
+                    seed=args.seed,
+                    records=spread,
+                )
+                began = time.monotonic()
+                row = simulate(scenario) | {"dht": name, "seconds": round(time.monotonic() - began, 1)}
+                runs.append(row | ({"records": spread} if spread != "dht" else {}))
+                print(json.dumps(runs[-1]), flush=True)
     result = {
         "command": "python bench/membership_scale.py " + " ".join(sys.argv[1:]),
         "record_bytes": {"announcement": announcement, "gone_report": report},

@@ -50,7 +50,9 @@ from noloco_swarm.train.config import RunConfig
 from noloco_swarm.train.replica import StageReplica
 
 logger = logging.getLogger(__name__)
-# Seconds a later stage waits at its end for its callers to close their streams (Transport.settle).
+# Seconds a later stage waits at its end for its callers to close their streams (Transport.settle):
+# it may have just answered an evaluation batch, whose reply must reach the caller before our
+# daemon stops, and a caller closes its streams once it has its answers (it exits).
 FINAL_SETTLE = 1.0
 
 
@@ -132,9 +134,7 @@ class Peer:
         ctx.events.emit(final)
         if not await self.board.drain(ctx.deadlines.exchange):
             logger.warning("stopping with an outer exchange answer still on its way to a partner")
-        # A later stage may have just answered an evaluation batch: its reply must reach the caller
-        # before our daemon stops. A caller closes its streams once it has its answers (it exits).
-        if not ctx.is_first and not await ctx.transport.settle(FINAL_SETTLE):
+        if not ctx.is_first and not await ctx.transport.settle(FINAL_SETTLE):  # see FINAL_SETTLE
             logger.info("stopping with a caller's stream still open after %.0f s", FINAL_SETTLE)
         return final
 

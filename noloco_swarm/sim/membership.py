@@ -47,6 +47,7 @@ from noloco_swarm.protocol.membership import (
     Judgement,
     Listing,
     MembershipView,
+    Report,
     credible_gone,
     reports_to_weigh,
 )
@@ -99,6 +100,7 @@ class Partition:
     share: float  # of the peers, cut off from the rest
 
 
+SPREADS = ("dht", "swap", "gossip")  # Scenario.records
 JUDGED_SETS = 16  # distinct report sets whose judgement the simulator remembers
 
 
@@ -125,6 +127,20 @@ class Scenario:
     # index; ignored for a join, which starts a new peer).
     faults: tuple[tuple[float, str, int], ...] = ()
     seed: int = 0
+    # How records spread besides the DHT. "dht": nothing else (today's peer). Two designs the peer
+    # does not run (issue 36, item 2), for comparison: "swap": two members of adjacent stages whose
+    # views of a round differ (their requests are refused) hand each other the records each has;
+    # "gossip": every member passes the records it has to its adjacent-stage neighbours along with
+    # the round's traffic, so all that one member has reach every member it is connected to
+    # (Model._spread), and a joiner hands its announcement to the peers it asks where they are
+    # (Model.rejoin). With either, a boundary read that fails takes what a neighbour read
+    # (Model._ask_a_neighbour).
+    records: str = "dht"
+    handover_seconds: float = 2.0  # "gossip": a joiner's announcement handed to the peers it asks
+
+    def __post_init__(self) -> None:
+        if self.records not in SPREADS:
+            raise ValueError(f"records={self.records!r}: one of {', '.join(SPREADS)}")
 
 
 @dataclass
@@ -190,6 +206,8 @@ class Model:
         self.stalls = 0
         self.samples_lost = 0
         self.member_rounds = 0
+        self.swap_pairs = 0  # member pairs that passed records in a round (Scenario.records)
+        self.swap_bytes = 0  # and the bytes they sent each other: peer to peer, not DHT traffic
 
     # ------------------------------------------------------------------ the DHT
 
@@ -241,12 +259,44 @@ class Model:
             (self.store(reporter, t, self.sc.report_bytes, repeat=False), peer, reporter.name, round_)
         )
 
-    def read(self, reader: Peer, t: float) -> tuple[list[Listing], list[tuple[str, str, int]]] | None:
+    def read(self, reader: Peer, t: float) -> tuple[list[Listing], list[Report]] | None:
         """What `reader` reads at t: the live announcements and every gone report; None if the
         read fails. Counts its operations and bytes, and the key holders' load."""
         sc = self.sc
         if self.rng.random() < sc.dht.read_fail:
+            return self._ask_a_neighbour(reader, t) if sc.records != "dht" else None
+        listings, reports = self._readable(reader, t)
+        value = len(listings) * self.sc.announcement_bytes + len(reports) * self.sc.report_bytes
+        self.ops[reader.name] += 2
+        self.bytes[reader.name] += 2 * KEY_OVERHEAD + value * sc.dht.replicas
+        for holder in self.holders:
+            self.node_bytes[holder] += value
+        return listings, reports
+
+    def _ask_a_neighbour(self, reader: Peer, t: float) -> tuple[list[Listing], list[Report]] | None:
+        """A design the peer does not run (Scenario.records): a boundary read that fails
+        takes what a member of an adjacent stage that answers read; None if none answers."""
+        view = reader.views.get(reader.round())
+        if view is None:
             return None
+        near = {
+            x
+            for s in (reader.stage - 1, reader.stage + 1)
+            if 0 <= s < view.num_stages
+            for x in view.stages[s]
+        }
+        for peer in self.peers:
+            if peer.name in near and self.reaches(reader, peer, t):
+                listings, reports = self._readable(peer, t)
+                self.swap_bytes += (
+                    len(listings) * self.sc.announcement_bytes + len(reports) * self.sc.report_bytes
+                )
+                return listings, reports
+        return None
+
+    def _readable(self, reader: Peer, t: float) -> tuple[list[Listing], list[Report]]:
+        """The live announcements and every gone report readable at `reader` at t."""
+        sc = self.sc
         listings = []
         for peer in self.peers:
             stopped = peer.stopped[0] if peer.stopped[0] <= t < peer.stopped[1] else math.inf
@@ -257,11 +307,6 @@ class Model:
             if seen:
                 listings.append(Listing(peer.name, *seen[-1]))
         reports = [(p, r, n) for record, p, r, n in self.reports if record.readable[reader.index] <= t]
-        value = len(listings) * self.sc.announcement_bytes + len(reports) * self.sc.report_bytes
-        self.ops[reader.name] += 2
-        self.bytes[reader.name] += 2 * KEY_OVERHEAD + value * sc.dht.replicas
-        for holder in self.holders:
-            self.node_bytes[holder] += value
         return listings, reports
 
     def _holders(self, t: float) -> list[str]:
@@ -335,6 +380,13 @@ class Model:
             peer.started = t
         peer.joining_at = target * sc.round_seconds
         self.announce(peer, t)
+        if sc.records == "gossip":  # it hands its announcement to the live peers it asks where they are
+            record = peer.announced[-1][0]
+            asked = np.array(
+                [q.index for q in self.peers if q is not peer and self.reaches(peer, q, t)], dtype=int
+            )
+            record.readable[asked] = np.minimum(record.readable[asked], t + sc.handover_seconds)
+            self.swap_bytes += sc.announcement_bytes * len(asked)
 
     def enter(self, peer: Peer, t: float) -> None:
         """At its round's boundary, a joiner adopts a donor's view of that round, if one admits it."""
@@ -480,7 +532,54 @@ class Model:
                 if peer.joining_at is not None and peer.joining_at <= t_boundary:
                     self.enter(peer, t)
             self._measure(r)
+            if sc.records != "dht":
+                self._spread(r)
         return self.result()
+
+    def _spread(self, r: int) -> None:
+        """Records pass between members during round r (Scenario.records): what each read at the
+        boundary and the records it wrote itself (a joiner's announcement that it entered, among
+        them) become readable, by the middle of the round, at the other member of every pair of
+        adjacent-stage members whose views differ ("swap"), or at every member connected to the
+        holder through such pairs, agreeing or not ("gossip"); never across a partition."""
+        sc = self.sc
+        t = r * sc.round_seconds
+        at = t + sc.round_seconds / 2
+        holding = [p for p in self.peers if p.runs(at) and self.member(p, r)]
+        digest = {p.name: p.views[r].digest() for p in holding}
+        pairs = [
+            (a.index, b.index)
+            for a in holding
+            for b in holding
+            if b.stage == a.stage + 1
+            and (sc.records == "gossip" or digest[a.name] != digest[b.name])
+            and not self._cut(a.index, b.index, at)
+        ]
+        if not pairs:
+            return
+        group = np.arange(self.capacity)  # gossip: the connected groups of members (union-find)
+        if sc.records == "gossip":
+            for i, j in pairs:
+                gi, gj = _root(group, i), _root(group, j)
+                group[max(gi, gj)] = min(gi, gj)
+            group = np.array([_root(group, i) for i in range(self.capacity)])
+        members = np.array(sorted({x for pair in pairs for x in pair}))
+        stored = [(record, p.index, sc.announcement_bytes) for p in self.peers for record, *_ in p.announced]
+        stored += [(record, int(reporter[1:]), sc.report_bytes) for record, _, reporter, _ in self.reports]
+        a, b = (np.array(x) for x in zip(*pairs, strict=True))
+        for record, writer, size in stored:
+            had = record.readable <= t
+            had[writer] |= record.at <= at
+            gets = np.zeros(len(record.readable), dtype=bool)
+            if sc.records == "gossip":
+                gets[members] = np.isin(group[members], group[members][had[members]])
+            else:
+                gets[a[had[b]]] = True
+                gets[b[had[a]]] = True
+            gets &= ~had
+            self.swap_bytes += size * int(gets.sum())  # each record once to each peer that lacked it
+            record.readable = np.where(gets, np.minimum(record.readable, at), record.readable)
+        self.swap_pairs += len(pairs)
 
     def _straggle(self) -> float:
         churn = self.sc.churn
@@ -548,7 +647,18 @@ class Model:
             # gone reports filed, and the peers they accuse (a partition's grow as N squared)
             "gone_reports": len(self.reports),
             "accused": len({peer for _, peer, _, _ in self.reports}),
-        }
+        } | (
+            {"swap_pairs": self.swap_pairs, "swap_bytes_per_peer_round": self.swap_bytes / peer_rounds}
+            if sc.records != "dht"
+            else {}
+        )
+
+
+def _root(group: np.ndarray, i: int) -> int:
+    while group[i] != i:
+        group[i] = group[group[i]]
+        i = int(group[i])
+    return i
 
 
 def simulate(scenario: Scenario) -> dict:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from noloco_swarm.sim.membership import KEY_OVERHEAD, Churn, Dht, Model, Partition, Scenario, simulate
@@ -94,3 +96,45 @@ def test_churn_at_scale_on_a_fast_dht_splits_rarely_and_briefly() -> None:
     row = simulate(busy)
     assert row["joins"] > 0
     assert row["rounds_all_agree"] >= 8 and row["longest_split_rounds"] <= 2, row
+
+
+@pytest.mark.parametrize("spread", ["swap", "gossip"])
+def test_records_passed_between_members_heal_a_failed_read_by_the_next_boundary(spread: str) -> None:
+    """A peer whose boundary read fails keeps its members while the others admit joiners and drop
+    the dead: a split of one round at least. Taking a neighbour's read instead (both designs of
+    Scenario.records) leaves none."""
+    fails = Scenario(
+        peers=16,
+        rounds=12,
+        dht=Dht(read_fail=0.2),
+        faults=((150.0, "join", 0), (250.0, "crash", 5), (330.0, "join", 0)),
+    )
+    today = simulate(fails)
+    assert today["stalls"] > 0 and today["longest_split_rounds"] >= 1, today
+    healed = simulate(dataclasses.replace(fails, records=spread))
+    assert healed["longest_split_rounds"] == 0 and healed["stalls"] == 0, healed
+    assert healed["swap_bytes_per_peer_round"] > 0
+
+
+def test_gossip_heals_stores_two_rounds_late_where_a_swap_between_disagreeing_members_does_not() -> None:
+    """Records that reach a third of their readers two rounds late split today's views for up to
+    three rounds. Members that disagree swapping what they have heal most of it, but a member whose
+    neighbours lacked the record too keeps it apart one more round; members passing every record
+    on along the round's traffic (gossip) agree at every boundary."""
+    late = Scenario(
+        peers=16,
+        rounds=14,
+        dht=Dht(late=0.3, late_rounds=2),
+        faults=((150.0, "join", 0), (200.0, "join", 0), (420.0, "crash", 3)),
+    )
+    rows = {
+        spread: simulate(dataclasses.replace(late, records=spread)) for spread in ("dht", "swap", "gossip")
+    }
+    assert rows["dht"]["longest_split_rounds"] >= 2, rows["dht"]
+    assert rows["swap"]["stalls"] < rows["dht"]["stalls"] and rows["swap"]["longest_split_rounds"] >= 1, rows
+    assert rows["gossip"]["longest_split_rounds"] == 0 and rows["gossip"]["stalls"] == 0, rows["gossip"]
+
+
+def test_an_unknown_way_of_spreading_records_is_refused() -> None:
+    with pytest.raises(ValueError, match="records='rumour'"):
+        Scenario(peers=8, records="rumour")
