@@ -62,6 +62,10 @@ from tests.integration.helpers import (
 
 pytestmark = pytest.mark.integration
 STEPS = 7  # H = 3: two outer steps, then one inner step so that replicas differ at the end
+# Steps of a run a fifth peer joins (H = 4). Forked from the preloader, the joiner entered at round
+# 3 or 4 (step 12-16) on 2026-12-06; 64 steps leave it 12 rounds or more (96 before, for joiners
+# that imported torch themselves; the suite's time is worth more).
+JOINER_STEPS = 64
 
 
 SLOWER = {"model.seq_len": "128", "inner.batch_size": "4"}
@@ -883,9 +887,9 @@ def test_a_peer_joins_a_running_swarm_at_a_round_boundary(cache: Path, overlap: 
     stage's state at that boundary from a live replica, and trains from there with everyone
     agreeing on the new view; nothing is dropped or refused along the way. With an overlapped
     exchange (still in flight at the boundary) it gets the donor's fast weights there."""
-    # Long enough that a joiner starting on a loaded machine (imports, p2pd, DHT: tens of
-    # seconds) still finds a round to join before the run ends.
-    steps, H = 96, 4
+    # JOINER_STEPS: long enough that a joiner starting on a loaded machine still finds a round to
+    # join, and trains many rounds after it.
+    steps, H = JOINER_STEPS, 4
     cfg = small(
         "noloco",
         **{**SLOWER, "outer.inner_steps": str(H), "inner.total_steps": str(steps)},
@@ -940,7 +944,7 @@ def test_a_member_that_reads_a_joiner_late_admits_it_at_the_next_boundary(cache:
     next boundary it reads the announcement and admits the joiner (membership.next_view), and the
     views agree again from J + 1 on, with nobody reported or excluded. Before 2026-12-06 a joiner
     entered at its round or never, and the split lasted to the end of the run."""
-    steps, H = 96, 4
+    steps, H = JOINER_STEPS, 4
     cfg = small("noloco", **{**SLOWER, "outer.inner_steps": str(H), "inner.total_steps": str(steps)})
 
     def late(stage: int | None, replica: int) -> dict[str, str]:
@@ -978,7 +982,7 @@ def test_a_joiner_whose_donor_dies_mid_download_enters_with_the_other_donors_sta
     replica's snapshot, keeps the chunks both hold, fetches the rest from the survivor, and enters
     with exactly the survivor's state. Donors serve at a capped rate (peer.state_serve_rate), so
     the download outlasts the kill: the 16 MiB state travels in 64 chunks at 1 MiB/s per donor."""
-    steps, H = 96, 4
+    steps, H = JOINER_STEPS, 4
     cfg = small("noloco", **{**SLOWER, "outer.inner_steps": str(H), "inner.total_steps": str(steps)})
     cfg = cfg.replace(peer=dataclasses.replace(cfg.peer, state_serve_rate=1.0))
     with local_swarm(cfg, steps, step_timeout=30) as swarm:

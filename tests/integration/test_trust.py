@@ -39,7 +39,7 @@ from noloco_swarm.peer.net.streams import RemoteRefused
 from noloco_swarm.peer.net.transport import Transport
 from noloco_swarm.protocol import codec, records, rpc
 from noloco_swarm.protocol.plan import StepPlan
-from tests.integration.test_swarm import SLOWER, simulate, small
+from tests.integration.test_swarm import JOINER_STEPS, SLOWER, simulate, small
 from tests.integration.test_transport import wait_until
 
 pytestmark = pytest.mark.integration
@@ -206,7 +206,7 @@ def test_a_ticketed_peer_joins_a_running_closed_run(cache: Path, tmp_path: Path)
     is admitted by the donors' gates (they read its announcement when it first asks for state),
     downloads its stage's state and trains to the end, with every peer holding one view per round
     and nothing refused or dropped."""
-    steps, H = 96, 4  # long enough for a joiner started on a loaded machine to find its round
+    steps, H = JOINER_STEPS, 4  # long enough for a joiner started on a loaded machine to find its round
     authority = tmp_path / "authority.key"
     identity.generate(authority)
     cfg = small(
