@@ -17,6 +17,12 @@ from noloco_swarm.harness.local import end_group
 from noloco_swarm.peer.net.lifetime import parent_death_signal
 
 MADDR = re.compile(r"(/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+)")
+# For a swarm that only has to stay up and train while a test looks at it (lists it, runs commands
+# beside it): every round of its inner steps lasts at least e^MU seconds (the straggle failpoint,
+# peer/failpoints.py, with SIGMA 0), and its peers leave the CPU to the other lane meanwhile.
+# Trained flat out, such swarms took most of two cores for a minute or more.
+PACED_1S = {"NOLOCO_STRAGGLE": "0,0"}
+PACED_2S = {"NOLOCO_STRAGGLE": "0.7,0"}
 
 
 def unused_port() -> int:

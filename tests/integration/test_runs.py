@@ -23,6 +23,7 @@ from noloco_swarm.peer.events import Step, of_kind
 from noloco_swarm.peer.net import identity
 from noloco_swarm.peer.net.lifetime import DHT
 from noloco_swarm.protocol import codec, records
+from tests.integration.helpers import PACED_1S
 from tests.integration.test_swarm import small
 
 pytestmark = pytest.mark.integration
@@ -48,6 +49,10 @@ def started(swarm: object) -> None:
     while not all(of_kind(p.events(), Step) for p in swarm.peers):
         assert time.monotonic() < deadline, [p.log_tail() for p in swarm.peers]
         time.sleep(0.2)
+
+
+def paced(stage: int | None, replica: int) -> dict[str, str]:
+    return PACED_1S  # rounds of 3 steps, at least 1 s each: the test waits on the DHT, not on them
 
 
 def test_runs_lists_an_open_and_a_closed_run_with_the_stage_short_of_peers(
@@ -78,13 +83,14 @@ def test_runs_lists_an_open_and_a_closed_run_with_the_stage_short_of_peers(
         authority=tickets.public_key_text(identity.load(authority).key),
     )
     with (
-        local_swarm(open_cfg, STEPS, workdir=tmp_path / "open") as open_run,
+        local_swarm(open_cfg, STEPS, workdir=tmp_path / "open", peer_env=paced) as open_run,
         local_swarm(
             closed_cfg,
             STEPS,
             workdir=tmp_path / "closed",
             initial_peers=(open_run.bootstrap,),
             authority=authority,
+            peer_env=paced,
         ) as closed_run,
     ):
         started(open_run)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.helpers import descendants
+from tests.integration.helpers import PACED_2S, descendants
 from tests.small import SMALL_RUN
 
 pytestmark = pytest.mark.integration
@@ -114,7 +114,9 @@ def test_first_hour_doctor_runs_and_join_auto_beside_local_and_status(cache: Pat
         pytest.fail(
             "tmux is not installed: sudo apt-get install -y tmux (scripts/setup_tools.sh installs it as root)"
         )
-    env = {"NOLOCO_CACHE": str(cache), "PYTHONPATH": os.environ.get("PYTHONPATH", str(ROOT))}
+    # The swarm and the joiner train rounds of H steps of at least 2 s each (PACED_2S): the test
+    # watches them, it does not need them fast, and the CPU goes to the commands beside them.
+    env = {"NOLOCO_CACHE": str(cache), "PYTHONPATH": os.environ.get("PYTHONPATH", str(ROOT)), **PACED_2S}
     term = Terminal(f"noloco-test-{os.getpid()}", env)
     try:
         term.open("local", noloco("local", *RUN))
