@@ -206,8 +206,8 @@ class Model:
         self.stalls = 0
         self.samples_lost = 0
         self.member_rounds = 0
-        self.swap_pairs = 0  # member pairs that passed records in a round (Scenario.records)
-        self.swap_bytes = 0  # and the bytes they sent each other: peer to peer, not DHT traffic
+        self.passing_pairs = 0  # member pairs that passed records in a round (Scenario.records)
+        self.passed_bytes = 0  # and the bytes they sent each other: peer to peer, not DHT traffic
 
     # ------------------------------------------------------------------ the DHT
 
@@ -266,7 +266,7 @@ class Model:
         if self.rng.random() < sc.dht.read_fail:
             return self._ask_a_neighbour(reader, t) if sc.records != "dht" else None
         listings, reports = self._readable(reader, t)
-        value = len(listings) * self.sc.announcement_bytes + len(reports) * self.sc.report_bytes
+        value = self._value(listings, reports)
         self.ops[reader.name] += 2
         self.bytes[reader.name] += 2 * KEY_OVERHEAD + value * sc.dht.replicas
         for holder in self.holders:
@@ -288,11 +288,13 @@ class Model:
         for peer in self.peers:
             if peer.name in near and self.reaches(reader, peer, t):
                 listings, reports = self._readable(peer, t)
-                self.swap_bytes += (
-                    len(listings) * self.sc.announcement_bytes + len(reports) * self.sc.report_bytes
-                )
+                self.passed_bytes += self._value(listings, reports)
                 return listings, reports
         return None
+
+    def _value(self, listings: Sequence[Listing], reports: Sequence[Report]) -> int:
+        """Bytes of the records a read returns."""
+        return len(listings) * self.sc.announcement_bytes + len(reports) * self.sc.report_bytes
 
     def _readable(self, reader: Peer, t: float) -> tuple[list[Listing], list[Report]]:
         """The live announcements and every gone report readable at `reader` at t."""
@@ -386,7 +388,7 @@ class Model:
                 [q.index for q in self.peers if q is not peer and self.reaches(peer, q, t)], dtype=int
             )
             record.readable[asked] = np.minimum(record.readable[asked], t + sc.handover_seconds)
-            self.swap_bytes += sc.announcement_bytes * len(asked)
+            self.passed_bytes += sc.announcement_bytes * len(asked)
 
     def enter(self, peer: Peer, t: float) -> None:
         """At its round's boundary, a joiner adopts a donor's view of that round, if one admits it."""
@@ -557,15 +559,16 @@ class Model:
         ]
         if not pairs:
             return
-        group = np.arange(self.capacity)  # gossip: the connected groups of members (union-find)
-        if sc.records == "gossip":
+        members = np.array(sorted({x for pair in pairs for x in pair}))
+        if sc.records == "gossip":  # the connected groups of members: a union-find
+            group = np.arange(self.capacity)
             for i, j in pairs:
                 gi, gj = _root(group, i), _root(group, j)
                 group[max(gi, gj)] = min(gi, gj)
             group = np.array([_root(group, i) for i in range(self.capacity)])
-        members = np.array(sorted({x for pair in pairs for x in pair}))
+        index = {p.name: p.index for p in self.peers}
         stored = [(record, p.index, sc.announcement_bytes) for p in self.peers for record, *_ in p.announced]
-        stored += [(record, int(reporter[1:]), sc.report_bytes) for record, _, reporter, _ in self.reports]
+        stored += [(record, index[reporter], sc.report_bytes) for record, _, reporter, _ in self.reports]
         a, b = (np.array(x) for x in zip(*pairs, strict=True))
         for record, writer, size in stored:
             had = record.readable <= t
@@ -577,9 +580,9 @@ class Model:
                 gets[a[had[b]]] = True
                 gets[b[had[a]]] = True
             gets &= ~had
-            self.swap_bytes += size * int(gets.sum())  # each record once to each peer that lacked it
+            self.passed_bytes += size * int(gets.sum())  # each record once to each peer that lacked it
             record.readable = np.where(gets, np.minimum(record.readable, at), record.readable)
-        self.swap_pairs += len(pairs)
+        self.passing_pairs += len(pairs)
 
     def _straggle(self) -> float:
         churn = self.sc.churn
@@ -648,7 +651,10 @@ class Model:
             "gone_reports": len(self.reports),
             "accused": len({peer for _, peer, _, _ in self.reports}),
         } | (
-            {"swap_pairs": self.swap_pairs, "swap_bytes_per_peer_round": self.swap_bytes / peer_rounds}
+            {
+                "passing_pairs": self.passing_pairs,
+                "passed_bytes_per_peer_round": self.passed_bytes / peer_rounds,
+            }
             if sc.records != "dht"
             else {}
         )

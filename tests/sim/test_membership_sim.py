@@ -113,7 +113,7 @@ def test_records_passed_between_members_heal_a_failed_read_by_the_next_boundary(
     assert today["stalls"] > 0 and today["longest_split_rounds"] >= 1, today
     healed = simulate(dataclasses.replace(fails, records=spread))
     assert healed["longest_split_rounds"] == 0 and healed["stalls"] == 0, healed
-    assert healed["swap_bytes_per_peer_round"] > 0
+    assert healed["passed_bytes_per_peer_round"] > 0
 
 
 def test_gossip_heals_stores_two_rounds_late_where_a_swap_between_disagreeing_members_does_not() -> None:
