@@ -19,6 +19,8 @@ point is reached only at a boundary whose read lists a peer entering at the next
 
   miss_joiners:dht_read the read leaves out the announcements of the peers entering at the next
                         round, as if they had not reached this peer yet
+  miss_joiners:rpc_records  a joiner's announcement handed to this peer (peer/passing.py) is
+                        dropped, as if lost on the way: only the members can pass it on
 
 A hostile member, for the tests that prove a partner rejects what it sends (VERB: rpc_exchange;
 each point is reached once per exchange, at its start, whether this peer calls, is called or is

@@ -163,6 +163,7 @@ class Joining:
             if not await self._announce():
                 problem = f"the DHT did not store our announcement for round {target} (reconnecting)"
                 continue
+            await ctx.rounds.passing.hand_over(a.peer_id for a in others)  # in case the DHT is late
             now = await furthest_step(ctx.transport, ctx.run_id, others, PROBE_TIMEOUT)
             if now is not None and now >= start:
                 logger.warning(

@@ -20,7 +20,7 @@ import math
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from noloco_swarm.peer import events
 from noloco_swarm.peer.detours import Detours
@@ -30,6 +30,9 @@ from noloco_swarm.peer.net.streams import PeerUnavailable, RemoteRefused
 from noloco_swarm.peer.net.transport import Transport
 from noloco_swarm.protocol import records, rpc
 from noloco_swarm.protocol.codec import MessageError
+
+if TYPE_CHECKING:
+    from noloco_swarm.peer.passing import Passing
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -87,6 +90,7 @@ class Liveness:
         self.evidence = Evidence(me, sink)  # which gone reports we believe
         self._reports: set[asyncio.Task[None]] = set()
         self.round = 0  # the round of our latest view (views.py keeps it): gone reports name it
+        self.passing: Passing | None = None  # our reports also pass from member to member (views.py)
 
     async def alive(self, peer: str) -> bool:
         """Does `peer` answer a status request? (Refusing one counts: it is running.)"""
@@ -183,6 +187,8 @@ class Liveness:
         logger.warning("peer %s is gone (%s); continuing without it", peer, why)
         self.events.emit(events.PeerGone(peer=peer, round=round_, reason=why))
         report = records.GoneReport(self.directory.run_id, peer, self.me, round_)
+        if self.passing is not None:
+            self.passing.own(report)
         task = asyncio.get_running_loop().create_task(asyncio.to_thread(self._report, report))
         self._reports.add(task)
         task.add_done_callback(self._reports.discard)
@@ -190,6 +196,8 @@ class Liveness:
     async def report_leaving(self, round_: int) -> None:
         """Report ourselves gone in `round_`: members drop us at the boundary after the next one."""
         report = records.GoneReport(self.directory.run_id, self.me, self.me, round_)
+        if self.passing is not None:
+            self.passing.own(report)
         await asyncio.to_thread(self._report, report)
 
     def _report(self, report: records.GoneReport) -> None:
@@ -204,6 +212,8 @@ class Liveness:
         now (our task is cancelled: a second signal). Then they are dropped: with our daemon
         gone (a group SIGTERM ends it first) each waited out DHT_CALL_TIMEOUT."""
         await self.detours.close()
+        if self.passing is not None:
+            await self.passing.close()
         task = asyncio.current_task()
         if task is not None and task.cancelling():
             return

@@ -295,9 +295,10 @@ class Peer:
     # ------------------------------------------------------------------ presence
 
     def announcement(self) -> records.PeerAnnouncement:
-        """Our heartbeat record, with the round we (re)joined at and our progress."""
+        """Our heartbeat record, with the round we (re)joined at and our progress; passed to our
+        neighbours too when it changes a view (peer/passing.py)."""
         ctx = self.ctx
-        return records.PeerAnnouncement(
+        mine = records.PeerAnnouncement(
             ctx.run_id,
             ctx.me,
             ctx.stage,
@@ -307,28 +308,24 @@ class Peer:
             ctx.step,
             self.ticket,
         )
+        ctx.rounds.passing.own(mine)
+        return mine
 
     async def _announce(self) -> bool:
         """Store our announcement now; False if the DHT did not store it (the heartbeat retries)."""
         self.announced = True
         try:
             return await asyncio.to_thread(self.directory.announce, self.announcement())
-        except DHT_ERRORS as e:
+        except DHT_ERRORS as e:  # the DHT is best effort
             logger.warning("could not store our announcement: %s", e)
             return False
 
     async def _heartbeat(self) -> None:
-        """Re-store our announcement (with our current step) every ttl/3 seconds."""
+        """Re-store our announcement (with our current step) every ttl/3 seconds, once we made one
+        (a joiner announces itself once it has picked its round)."""
         while True:
             await asyncio.sleep(self.ctx.cfg.peer.heartbeat_ttl / 3)
-            if not self.announced:  # a joiner announces itself once it has picked its round
-                continue
-            try:
-                stored = await asyncio.to_thread(self.directory.announce, self.announcement())
-            except DHT_ERRORS as e:  # the DHT is best effort; try again next beat
-                stored = False
-                logger.warning("heartbeat failed: %s", e)
-            if not stored:
+            if self.announced and not await self._announce():
                 logger.warning("heartbeat: the DHT did not store our announcement; retrying")
 
     async def rpc_status(

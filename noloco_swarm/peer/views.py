@@ -17,6 +17,7 @@ from noloco_swarm.peer import events, failpoints
 from noloco_swarm.peer.directory import RunDirectory
 from noloco_swarm.peer.liveness import DHT_ERRORS, Liveness
 from noloco_swarm.peer.net.transport import Transport
+from noloco_swarm.peer.passing import Passing
 from noloco_swarm.peer.tickets import Gate
 from noloco_swarm.protocol import records
 from noloco_swarm.protocol.clock import StepClock
@@ -27,6 +28,7 @@ from noloco_swarm.protocol.membership import (
     Listing,
     MembershipView,
     founders,
+    newest,
     reports_to_weigh,
     round_zero_complete,
 )
@@ -70,7 +72,30 @@ class Rounds(Liveness):
         self.views: dict[int, MembershipView] = {}  # round -> frozen view
         self._ready: dict[int, asyncio.Event] = {}
         self.gate: Gate | None = None  # a closed run's: members are peers with a valid ticket
-        self.inner_steps = 0  # H, for whether a listed peer entered its round (0: trust that it did)
+        self.passing = Passing(
+            directory.identity, transport, directory.run_id, self._neighbours, self._members
+        )
+
+    @property
+    def inner_steps(self) -> int:
+        """H, for whether a listed peer entered its round (0: trust that it did)."""
+        return self.passing.book.inner_steps
+
+    @inner_steps.setter
+    def inner_steps(self, value: int) -> None:
+        self.passing.book.inner_steps = value
+
+    def _neighbours(self) -> list[str]:
+        """Whom we pass records to: the members of the stages next to ours in our latest view
+        (those we exchange rows with), or with one stage the other members."""
+        view = self.latest()
+        if view is None:
+            return []
+        near = [self.stage - 1, self.stage + 1] if view.num_stages > 1 else [self.stage]
+        return [p for s in near if 0 <= s < view.num_stages for p in view.stages[s] if p != self.me]
+
+    def _members(self) -> set[str]:
+        return {p for view in self.views.values() for p in view.members()}
 
     def adopt(self, view: MembershipView) -> None:
         """Take a donor's view on (re)joining: its members are alive by the swarm's consensus, so
@@ -89,6 +114,7 @@ class Rounds(Liveness):
             del self.views[old]
             self._ready.pop(old, None)
         self.round = max(self.views)
+        self.passing.at_round(self.round)
         self.events.emit(
             events.Membership(
                 round=view.round,
@@ -190,11 +216,22 @@ class Rounds(Liveness):
             x for x in listings if x.peer not in current.members() and x.joined_round == current.round + 1
         ]
         if entering and failpoints.fire("miss_joiners", "dht_read"):  # a test's late DHT
+            logger.warning(
+                "failpoint miss_joiners:dht_read: the read leaves out %s", [x.peer for x in entering]
+            )
             listings = [x for x in listings if x not in entering]
         # What we saw ourselves counts too, in case the DHT lost it (weighed with the rest).
         seen = [(peer, self.me, round_) for peer, round_ in self.dead.items()]
         # A member missing from the read is only suspect: check it before telling everyone it is gone.
         suspects = sorted(current.members() - {item.peer for item in listings} - set(self.dead) - {self.me})
+        # The records members passed us count with the DHT's (peer/passing.py): a record the DHT
+        # brought us late, or a read that failed, then changes nothing.
+        book = self.passing.book
+        passed = [
+            Listing(a.peer_id, a.stage, a.joined_round, book.entered(a))
+            for a in self._admitted(book.listed())
+        ]
+        listings, reports = newest(listings + passed), [*reports, *book.gone()]
         async with asyncio.TaskGroup() as group:
             for p in suspects:
                 group.create_task(self.suspect(p, "its announcement expired"))

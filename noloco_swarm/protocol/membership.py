@@ -190,6 +190,17 @@ def next_view(
     return MembershipView.from_announcements(nxt, current.num_stages, pairs)
 
 
+def newest(listings: Iterable[Listing]) -> list[Listing]:
+    """One listing per peer, of its newest membership (the latest round it joined, entered before
+    not yet), from listings read in several places (the DHT, records members passed on)."""
+    best: dict[str, Listing] = {}
+    for item in listings:
+        held = best.get(item.peer)
+        if held is None or (item.joined_round, item.entered) > (held.joined_round, held.entered):
+            best[item.peer] = item
+    return list(best.values())
+
+
 def reports_to_weigh(
     current: MembershipView, reports: Iterable[Report], seen: Iterable[Report]
 ) -> list[Report]:

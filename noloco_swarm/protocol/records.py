@@ -2,6 +2,8 @@
 the listing that puts a run in the DHT's list of runs (`noloco runs`).
 
 Each is a message of the codec (codec.py), signed by its writer where peer/directory.py stores it.
+A `Sealed` record carries its writer's signature inside it, so that members can pass it on to
+each other (peer/passing.py) and every receiver can check who wrote it.
 """
 
 from __future__ import annotations
@@ -141,3 +143,19 @@ class GoneReport(Message):
         if not self.peer_id or not self.reporter:
             raise ValueError("peer_id and reporter must not be empty")
         check_counters(self.round)
+
+
+@dataclass(frozen=True)
+class Sealed(Message):
+    """An announcement or a gone report (`record`, encoded) with its writer's RSA public key (ssh
+    form) and signature of `record`: anyone can check it without the DHT (peer/net/identity.py,
+    `opened`). The DHT strips the signature it checks, so records read there cannot be passed on."""
+
+    TAG: ClassVar[str] = "sealed"
+    record: bytes
+    key: bytes
+    signature: bytes
+
+    def __post_init__(self) -> None:
+        if not self.record or not self.key or not self.signature:
+            raise ValueError("a sealed record needs its record, its writer's key and a signature")

@@ -313,6 +313,27 @@ class PeerStatus(Message):
 
 
 @dataclass(frozen=True)
+class PassedRecords(Message):
+    """Membership records passed between members (peer/passing.py), as a request and as its reply:
+    encoded `records.Sealed`, each checked on its own (a bad one is skipped, not the rest).
+    `session` names the sender's process, so a receiver that sees a new one knows the sender
+    restarted and has forgotten what it was passed."""
+
+    TAG: ClassVar[str] = "records"
+    run_id: str
+    session: bytes
+    records: tuple[bytes, ...] = ()
+
+    def __post_init__(self) -> None:
+        check_run_id(self.run_id)
+        if len(self.session) != SESSION_BYTES:
+            raise ValueError(f"session must be {SESSION_BYTES} bytes, got {len(self.session)}")
+
+
+SESSION_BYTES = 8
+
+
+@dataclass(frozen=True)
 class ErrorReply(Message):
     """A refusal with a reason a volunteer can act on."""
 

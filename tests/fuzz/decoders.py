@@ -55,6 +55,8 @@ EXAMPLES: list[codec.Message] = [
     rpc.Envelope("rpc_forward", b"\x81\xa1v\x02", (ACT, TOK)),
     rpc.EvalHeader("run-1", 40, 0, 1, 3, ACT, TOK),
     rpc.EvalReply((3.5, 4.0)),
+    records.Sealed(b"\x81\xa1v\x0a", b"ssh-rsa AAAA", b"\x01" * 256),
+    rpc.PassedRecords("run-1", b"session!", (b"\x81\xa1v\x0a",)),
 ]
 TAGS = sorted({type(e).TAG for e in EXAMPLES})
 assert set(TAGS) == set(codec._REGISTRY), "every message class needs an example here"

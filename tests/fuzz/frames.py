@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 from unittest import mock
 
 import torch
+from hivemind.utils.crypto import RSAPrivateKey
 from hypothesis import strategies as st
 
 from noloco_swarm.peer.context import PeerContext
@@ -26,10 +27,12 @@ from noloco_swarm.peer.exchange.ledger import ByteLedger
 from noloco_swarm.peer.inner import InnerSteps
 from noloco_swarm.peer.joining import Joining
 from noloco_swarm.peer.net import streams
+from noloco_swarm.peer.net.identity import Identity, peer_id_of
 from noloco_swarm.peer.net.transport import Transport
+from noloco_swarm.peer.passing import seal
 from noloco_swarm.peer.runtime import Peer
 from noloco_swarm.peer.views import Rounds
-from noloco_swarm.protocol import codec, rpc
+from noloco_swarm.protocol import codec, records, rpc
 from noloco_swarm.protocol.membership import MembershipView
 from noloco_swarm.train.layering import build_config
 from tests.fuzz.decoders import EXAMPLES, HASH, message_bytes
@@ -60,6 +63,15 @@ METAS = st.one_of(
 )
 
 
+def _sealed() -> bytes:
+    """A founder's announcement, validly sealed: checked in full, and held by nobody (founders'
+    records change no view), so the handler passes nothing on."""
+    key = RSAPrivateKey()
+    writer = Identity(key, peer_id_of(key.get_public_key()))
+    return seal(writer, records.PeerAnnouncement("run-1", writer.peer_id, 0, 0)).sealed
+
+
+SEALED = _sealed()
 VERB_OF = {
     "forward": "rpc_forward",
     "eval": "rpc_eval",
@@ -68,6 +80,7 @@ VERB_OF = {
     "status": "rpc_status",
     "exchange": "rpc_exchange",
     "decline": "rpc_decline",
+    "records": "rpc_records",
 }
 
 
@@ -230,7 +243,8 @@ def rig() -> tuple[Transport, PeerContext]:
     )
     transport = Transport(_peer(ME), config)  # type: ignore[arg-type]  # serving never touches p2p
     sink = Events()
-    rounds = Rounds(ME, 1, 2, transport, None, sink)  # type: ignore[arg-type]  # no directory read
+    reads_nothing = SimpleNamespace(identity=None, run_id=cfg.peer.run_id)  # no directory read
+    rounds = Rounds(ME, 1, 2, transport, reads_nothing, sink)  # type: ignore[arg-type]
     rounds.set(VIEW)
     replica = SimpleNamespace(module=lambda x, targets: torch.zeros(len(x)), device=torch.device("cpu"))
     ctx = PeerContext(cfg, 1, transport, rounds, replica, sink, step=4)  # type: ignore[arg-type]
@@ -278,6 +292,7 @@ def _requests() -> list[codec.Message]:
             cfg.peer.run_id, 0, 8, 1, 0, ("theta",), codec.TensorMeta((8,), "float32"), 1 << 20
         ),
         rpc.Decline(cfg.peer.run_id, 0, 4, 1),
+        rpc.PassedRecords(cfg.peer.run_id, b"session!", (SEALED, b"\x00garbage", SEALED[:-1])),
     ]
 
 
@@ -289,6 +304,7 @@ VERBS = (
     "rpc_status",
     "rpc_exchange",
     "rpc_decline",
+    "rpc_records",
     "rpc_nope",
     "reply",
 )

@@ -6,6 +6,7 @@ say, and a newcomer and the founders agree on when round 0 is complete."""
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 from hypothesis import given
 from hypothesis import strategies as st
@@ -144,7 +145,10 @@ def announcement(peer: str, stage: int, joined_round: int = 0, step: int = 0) ->
 
 
 class Listed:
-    """A directory whose read returns fixed announcements."""
+    """A directory whose read returns fixed announcements (and that writes nothing)."""
+
+    identity = None
+    run_id = "run"
 
     def __init__(self, announcements: list[PeerAnnouncement]) -> None:
         self.announcements = announcements
@@ -154,7 +158,8 @@ class Listed:
 
 
 def rounds_of(me: str, stage: int, num_stages: int, announcements: list[PeerAnnouncement]) -> Rounds:
-    return Rounds(me, stage, num_stages, None, Listed(announcements), Events())
+    unserved = SimpleNamespace(peer_id=me, register=lambda verb, handler: None)  # nobody calls these
+    return Rounds(me, stage, num_stages, unserved, Listed(announcements), Events())
 
 
 def freezes(founder: Rounds, counts: tuple[int, ...]) -> str:

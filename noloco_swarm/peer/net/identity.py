@@ -15,6 +15,7 @@ that lives only until the daemon has read it.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import functools
 import hashlib
@@ -64,6 +65,22 @@ class Identity:
     def owned(self, base: str) -> str:
         """`base` as a subkey that only this peer may write."""
         return base + self.mark
+
+    def seal(self, record: bytes) -> tuple[bytes, bytes]:
+        """(our public key in ssh form, our signature of `record`): what `signer_of` checks."""
+        return self.key.get_public_key().to_bytes(), base64.b64decode(self.key.sign(record))
+
+
+def signer_of(record: bytes, key: bytes, signature: bytes) -> str | None:
+    """The peer id of `key` if `signature` is its signature of `record`; None if it is not, or
+    `key` is not an RSA public key in ssh form."""
+    try:
+        public = RSAPublicKey.from_bytes(key)
+    except (ValueError, TypeError, UnicodeError, UnsupportedAlgorithm):
+        return None
+    if not public.verify(record, base64.b64encode(signature)):
+        return None
+    return _peer_id_of_text(key.decode())
 
 
 def generate(path: str | Path) -> None:
