@@ -15,6 +15,14 @@ Churn, per peer and hour: 0.1 crashes, 0.1 graceful leaves, 0.1 stalls of 90 s, 
 
     python bench/membership_scale.py --out docs/results/membership_scale.json
 
+Where the DHT holds records (--directory): "whole" (today's peer) or "spread" (a key per peer
+and per accused, no whole read, records passed between members; issue 36, item 4: a design the
+peer does not run yet). The flat-load comparison:
+
+    python bench/membership_scale.py --peers 8,32,128,256,1000 \
+        --rounds 8:60,32:60,128:30,256:16,1000:8 --records gossip --directory spread \
+        --out docs/results/membership_flat.json
+
 The rules before 2026-12-06 (a joiner enters at its round or never; nothing settles a gone
 report but a probe), run by the same simulator: in a scratch copy of the repository,
 
@@ -82,8 +90,15 @@ def main() -> None:
     ap.add_argument(
         "--records",
         default="dht",
-        help="how records spread besides the DHT, comma-separated: dht (today's peer), swap, gossip "
-        "(designs the peer does not run: sim/membership.py, Scenario.records)",
+        help="how records spread besides the DHT, comma-separated: dht (the peer before 2026-12-06), "
+        "swap (a design the peer does not run), gossip (the peer since: sim/membership.py, Scenario.records)",
+    )
+    ap.add_argument(
+        "--directory",
+        default="whole",
+        help="where the DHT holds records, comma-separated: whole (today's peer: one key each for all "
+        "announcements and all reports, read whole every round), spread (a key per peer and per accused, "
+        "no whole read; needs --records gossip)",
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None)
@@ -94,7 +109,9 @@ def main() -> None:
     for n in (int(x) for x in args.peers.split(",")):
         for name in args.dhts.split(","):
             dht, partitions = DHTS[name]
-            for spread in args.records.split(","):
+            for spread, directory in (
+                (s, d) for s in args.records.split(",") for d in args.directory.split(",")
+            ):
                 scenario = Scenario(
                     peers=n,
                     rounds=rounds[n],
@@ -105,6 +122,7 @@ def main() -> None:
                     report_bytes=report,
                     seed=args.seed,
                     records=spread,
+                    directory=directory,
                 )
                 began = time.monotonic()
                 row = simulate(scenario) | {"dht": name, "seconds": round(time.monotonic() - began, 1)}

@@ -22,6 +22,17 @@ protocol.plan.join_round. What the model supplies is what a peer reads and when:
   finds it. Members missing from a read are probed (`suspects`), reported if they do not answer.
   Probes answer if the peer runs and no partition lies between.
 
+Where the DHT holds records (`Scenario.directory`): "whole" is today's peer (one key holds every
+announcement, one every gone report, and every member reads both whole at every boundary);
+"spread" is a layout for issue 36's item 4 that the peer does not run yet: each peer's
+announcement under a key of its own, the reports of a peer under a key per accused (a reporter
+reads it first and files only while fewer than CORROBORATION reports stand), and no whole read:
+records reach members only as members pass them on (records="gossip"; at its boundary a member
+also takes what it lacked from one adjacent-stage member), and each member checks
+`audits` members' keys per round for an expired announcement (probed then, as a member missing
+from today's read is). Each key is held by the `replicas` live nodes first in a fixed random
+order of its own (as the nodes nearest its hash).
+
 Measured: for each round, whether every live member holds the same view; the longest split (the
 most rounds in a row that one peer's view disagreed with the most common one about one member); stalls (member-rounds whose view differs from that of a member of
 an adjacent stage: their requests are refused, they wait for deadlines); samples lost to those
@@ -42,6 +53,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from noloco_swarm.protocol.membership import (
+    CORROBORATION,
     LEFT_BEHIND_ROUNDS,
     REPORT_LAG_ROUNDS,
     Judgement,
@@ -49,6 +61,7 @@ from noloco_swarm.protocol.membership import (
     MembershipView,
     Report,
     credible_gone,
+    newest,
     reports_to_weigh,
 )
 from noloco_swarm.protocol.plan import join_round
@@ -101,6 +114,7 @@ class Partition:
 
 
 SPREADS = ("dht", "swap", "gossip")  # Scenario.records
+DIRECTORIES = ("whole", "spread")  # Scenario.directory
 JUDGED_SETS = 16  # distinct report sets whose judgement the simulator remembers
 
 
@@ -137,10 +151,17 @@ class Scenario:
     # (Model._ask_a_neighbour).
     records: str = "dht"
     handover_seconds: float = 2.0  # "gossip": a joiner's announcement handed to the peers it asks
+    # Where the DHT holds records: "whole" (today) or "spread" (with records="gossip"; see above).
+    directory: str = "whole"
+    audits: int = 2  # "spread": members whose own key each member reads per round
 
     def __post_init__(self) -> None:
         if self.records not in SPREADS:
             raise ValueError(f"records={self.records!r}: one of {', '.join(SPREADS)}")
+        if self.directory not in DIRECTORIES:
+            raise ValueError(f"directory={self.directory!r}: one of {', '.join(DIRECTORIES)}")
+        if self.directory == "spread" and self.records != "gossip":
+            raise ValueError("a spread directory has no whole read: records must pass by gossip")
 
 
 @dataclass
@@ -149,6 +170,9 @@ class Record:
 
     at: float
     readable: np.ndarray  # per reader index: the time it becomes readable (inf: never)
+    # directory "spread": when each reader could read it from the DHT, by reading its key (an
+    # audit, a reporter's look); `readable` is then only how it reached members by gossip
+    fetched: np.ndarray | None = None
 
 
 @dataclass
@@ -208,6 +232,13 @@ class Model:
         self.member_rounds = 0
         self.passing_pairs = 0  # member pairs that passed records in a round (Scenario.records)
         self.passed_bytes = 0  # and the bytes they sent each other: peer to peer, not DHT traffic
+        self.by_index: dict[int, Peer] = {}
+        if sc.directory == "spread":  # each key's nodes, first live ones first (its hash's nearest)
+            orders = np.random.default_rng([sc.seed, 0x5EED])
+            self.key_order = {
+                kind: orders.random((self.capacity, self.capacity)).argsort(axis=1)
+                for kind in ("peer", "gone")
+            }
 
     # ------------------------------------------------------------------ the DHT
 
@@ -223,9 +254,13 @@ class Model:
         digest = hashlib.sha256(f"{self.sc.seed}/{partition}/{index}".encode()).digest()
         return int.from_bytes(digest[:4], "big") / 2**32 < share
 
-    def store(self, writer: Peer, t: float, nbytes: int, *, repeat: bool) -> Record:
-        """A store by `writer` at t; a lost one is stored again at the next heartbeat if `repeat`."""
+    def store(self, writer: Peer, t: float, nbytes: int, *, repeat: bool, key: tuple[str, int]) -> Record:
+        """A store by `writer` at t under `key` (its kind, and the peer it is of); a lost one is
+        stored again at the next heartbeat if `repeat`."""
         dht, sc = self.sc.dht, self.sc
+        if sc.directory == "spread":
+            for holder in self._key_holders(key, t):
+                self.node_bytes[holder] += nbytes
         self.ops[writer.name] += 1
         self.bytes[writer.name] += (nbytes + KEY_OVERHEAD) * dht.replicas
         at = t
@@ -245,24 +280,67 @@ class Model:
                 across = self.sides[i] != self.sides[i][writer.index]
                 readable = np.where(across, np.maximum(readable, p.start + p.seconds + delay), readable)
         readable[writer.index] = at
+        if sc.directory == "spread":  # nobody reads a whole key: members have it once it is passed on
+            only = np.full(self.capacity, math.inf)
+            only[writer.index] = at
+            return Record(at, only, fetched=readable)
         return Record(at, readable)
 
+    def _key_holders(self, key: tuple[str, int], t: float) -> list[str]:
+        """The live nodes holding `key` at t ("spread")."""
+        out = []
+        for i in self.key_order[key[0]][key[1]]:
+            node = self.by_index.get(int(i))
+            if node is not None and node.runs(t):
+                out.append(node.name)
+                if len(out) == self.sc.dht.replicas:
+                    break
+        return out
+
     def announce(self, peer: Peer, t: float, entered: bool = False) -> None:
-        record = self.store(peer, t, self.sc.announcement_bytes, repeat=True)
+        record = self.store(peer, t, self.sc.announcement_bytes, repeat=True, key=("peer", peer.index))
         peer.announced.append((record, peer.stage, peer.joined_round, entered))
 
     def report(self, reporter: Peer, peer: str, round_: int, t: float) -> None:
         if (peer, reporter.name, round_) in self.report_keys:
             return
         self.report_keys.add((peer, reporter.name, round_))
+        key = ("gone", int(peer[1:]))
+        if self.sc.directory == "spread" and peer != reporter.name and self._standing(reporter, key, t):
+            return  # reports enough to stand are on record: ours would add load, not evidence
         self.reports.append(
-            (self.store(reporter, t, self.sc.report_bytes, repeat=False), peer, reporter.name, round_)
+            (
+                self.store(reporter, t, self.sc.report_bytes, repeat=False, key=key),
+                peer,
+                reporter.name,
+                round_,
+            )
         )
+
+    def _standing(self, reporter: Peer, key: tuple[str, int], t: float) -> bool:
+        """In a spread directory `reporter` reads the accused's key before it files a report: do
+        reports of its current membership (of rounds from the one it joined) by CORROBORATION
+        distinct members stand there already? Counts the read. (Reports of an earlier membership
+        do not count: a member that acts on a report nobody else can read splits the views.)"""
+        sc, accused = self.sc, self.by_index[key[1]]
+        there = [
+            (who, round_)
+            for record, peer, who, round_ in self.reports
+            if peer == accused.name and record.fetched is not None and record.fetched[reporter.index] <= t
+        ]
+        value = len(there) * sc.report_bytes
+        self.ops[reporter.name] += 1
+        self.bytes[reporter.name] += KEY_OVERHEAD + value * sc.dht.replicas
+        for holder in self._key_holders(key, t):
+            self.node_bytes[holder] += value
+        return len({who for who, round_ in there if round_ >= accused.joined_round}) >= CORROBORATION
 
     def read(self, reader: Peer, t: float) -> tuple[list[Listing], list[Report]] | None:
         """What `reader` reads at t: the live announcements and every gone report; None if the
         read fails. Counts its operations and bytes, and the key holders' load."""
         sc = self.sc
+        if sc.directory == "spread":  # no DHT read: what members passed it, and one neighbour's
+            return self._pull(reader, t)
         if self.rng.random() < sc.dht.read_fail:
             return self._ask_a_neighbour(reader, t) if sc.records != "dht" else None
         listings, reports = self._readable(reader, t)
@@ -291,6 +369,26 @@ class Model:
                 self.passed_bytes += self._value(listings, reports)
                 return listings, reports
         return None
+
+    def _pull(self, reader: Peer, t: float) -> tuple[list[Listing], list[Report]]:
+        """In a spread directory: what `reader` holds, and what it lacked of what the first adjacent-stage
+        member that answers holds (a member that was stopped or cut off at the round's passing
+        gets it so). Counts an inventory of 16 bytes per record that changes a view (a founder's
+        announcement does not) and each record it lacked."""
+        listings, reports = self._readable(reader, t)
+        view = reader.views.get(reader.round())
+        near = set() if view is None else {
+            x for s in (reader.stage - 1, reader.stage + 1) if 0 <= s < view.num_stages for x in view.stages[s]
+        }  # fmt: skip
+        for peer in self.peers:
+            if peer.name in near and self.reaches(reader, peer, t):
+                theirs, their_reports = self._readable(peer, t)
+                lacked = set(theirs) - set(listings)
+                new_reports = set(their_reports) - set(reports)
+                held = sum(x.joined_round > 0 for x in theirs) + len(their_reports)
+                self.passed_bytes += 16 * held + self._value(list(lacked), list(new_reports))
+                return newest([*listings, *lacked]), [*reports, *new_reports]
+        return listings, reports
 
     def _value(self, listings: Sequence[Listing], reports: Sequence[Report]) -> int:
         """Bytes of the records a read returns."""
@@ -334,9 +432,13 @@ class Model:
         read = self.read(peer, t)
         listings, reports = read if read is not None else ([], [])
         by_name = {p.name: p for p in self.peers}
-        # members missing from the read are probed; the dead are reported
-        listed = {item.peer for item in listings}
-        for name in sorted(current.members() - listed - set(peer.dead) - {peer.name}):
+        # members missing from the read (or, "spread", whose key an audit finds expired) are
+        # probed; the dead are reported
+        if self.sc.directory == "spread":
+            missing = self._audit(peer, current, t)
+        else:
+            missing = current.members() - {item.peer for item in listings}
+        for name in sorted(missing - set(peer.dead) - {peer.name}):
             if not self.reaches(peer, by_name[name], t):
                 peer.dead[name] = current.round
                 self.report(peer, name, current.round, t)
@@ -359,6 +461,29 @@ class Model:
         peer.views[view.round] = view
         for old in [r for r in peer.views if r < view.round - 2]:
             del peer.views[old]
+
+    def _audit(self, peer: Peer, current: MembershipView, t: float) -> set[str]:
+        """In a spread directory: `peer` reads `audits` members' own keys; those whose announcement expired."""
+        sc = self.sc
+        others = sorted(current.members() - {peer.name})
+        picked = self.rng.choice(len(others), size=min(sc.audits, len(others)), replace=False)
+        expired = set()
+        for name in (others[int(i)] for i in picked):
+            q = self.by_index[int(name[1:])]
+            self.ops[peer.name] += 1
+            if self.rng.random() < sc.dht.read_fail:
+                self.bytes[peer.name] += KEY_OVERHEAD
+                continue
+            stopped = q.stopped[0] if q.stopped[0] <= t < q.stopped[1] else math.inf
+            live = min(t, q.crashed_at, q.left_at, stopped) >= t - sc.ttl and any(
+                record.fetched is None or record.fetched[peer.index] <= t for record, *_ in q.announced
+            )
+            self.bytes[peer.name] += KEY_OVERHEAD + live * sc.announcement_bytes * sc.dht.replicas
+            for holder in self._key_holders(("peer", q.index), t):
+                self.node_bytes[holder] += live * sc.announcement_bytes
+            if not live:
+                expired.add(name)
+        return expired
 
     def _credible(self, kept: Sequence[tuple[str, str, int]]) -> dict[str, set[int]]:
         """credible_gone, once per distinct set of reports (most peers hold one of a few: those of
@@ -415,6 +540,7 @@ class Model:
         for i in range(sc.peers):
             peer = Peer(i, f"p{i:04d}", i % sc.stages, 0, 0.0)
             self.peers.append(peer)
+            self.by_index[i] = peer
             peer.announced.append((Record(0.0, np.zeros(self.capacity)), peer.stage, 0, True))
         founders = MembershipView.from_announcements(0, sc.stages, [(p.name, p.stage) for p in self.peers])
         for peer in self.peers:
@@ -452,6 +578,7 @@ class Model:
             stage = min(range(sc.stages), key=lambda s: (counts[s], s))
             peer = Peer(peer_index, f"p{peer_index:04d}", stage, 0, t)
             self.peers.append(peer)
+            self.by_index[peer_index] = peer
             self.rejoin(peer, t)
             return
         peer = self.peers[peer_index]
@@ -618,6 +745,11 @@ class Model:
             self.bytes[peer.name] += (
                 heartbeats * (self.sc.announcement_bytes + KEY_OVERHEAD) * sc.dht.replicas
             )
+        if sc.directory == "spread":
+            for peer in holding:
+                for holder in self._key_holders(("peer", peer.index), t):
+                    self.node_bytes[holder] += heartbeats * sc.announcement_bytes
+            return
         for holder in self.holders:
             self.node_bytes[holder] += len(holding) * heartbeats * self.sc.announcement_bytes
 
@@ -626,37 +758,41 @@ class Model:
         rounds = len(self.splits)
         joins = [s for p in self.peers for s in p.entered]
         peer_rounds = max(1, self.member_rounds)
-        return {
-            "peers": sc.peers,
-            "stages": sc.stages,
-            "churn_per_hour": sc.churn.per_hour * sc.peers,
-            "dht_delay": "; ".join(
-                [sc.dht.describe()]
-                + [
-                    f"{p.share:.0%} of peers cut off for {p.seconds:g} s at {p.start:g} s"
-                    for p in sc.partitions
-                ]
-            ),
-            "rounds": rounds,
-            "rounds_all_agree": rounds - sum(self.splits),
-            "longest_split_rounds": self.longest,
-            "stalls": self.stalls,
-            "samples_lost": self.samples_lost,
-            "dht_ops_per_peer_round": sum(self.ops.values()) / peer_rounds,
-            "dht_bytes_per_peer_round": sum(self.bytes.values()) / peer_rounds,
-            "busiest_dht_node_bytes_per_round": max(self.node_bytes.values(), default=0) / max(1, rounds),
-            "join_seconds_median": statistics.median(joins) if joins else None,
-            "joins": len(joins),
-            # gone reports filed, and the peers they accuse (a partition's grow as N squared)
-            "gone_reports": len(self.reports),
-            "accused": len({peer for _, peer, _, _ in self.reports}),
-        } | (
+        return (
             {
-                "passing_pairs": self.passing_pairs,
-                "passed_bytes_per_peer_round": self.passed_bytes / peer_rounds,
+                "peers": sc.peers,
+                "stages": sc.stages,
+                "churn_per_hour": sc.churn.per_hour * sc.peers,
+                "dht_delay": "; ".join(
+                    [sc.dht.describe()]
+                    + [
+                        f"{p.share:.0%} of peers cut off for {p.seconds:g} s at {p.start:g} s"
+                        for p in sc.partitions
+                    ]
+                ),
+                "rounds": rounds,
+                "rounds_all_agree": rounds - sum(self.splits),
+                "longest_split_rounds": self.longest,
+                "stalls": self.stalls,
+                "samples_lost": self.samples_lost,
+                "dht_ops_per_peer_round": sum(self.ops.values()) / peer_rounds,
+                "dht_bytes_per_peer_round": sum(self.bytes.values()) / peer_rounds,
+                "busiest_dht_node_bytes_per_round": max(self.node_bytes.values(), default=0) / max(1, rounds),
+                "join_seconds_median": statistics.median(joins) if joins else None,
+                "joins": len(joins),
+                # gone reports filed, and the peers they accuse (a partition's grow as N squared)
+                "gone_reports": len(self.reports),
+                "accused": len({peer for _, peer, _, _ in self.reports}),
             }
-            if sc.records != "dht"
-            else {}
+            | (
+                {
+                    "passing_pairs": self.passing_pairs,
+                    "passed_bytes_per_peer_round": self.passed_bytes / peer_rounds,
+                }
+                if sc.records != "dht"
+                else {}
+            )
+            | ({"directory": sc.directory} if sc.directory != "whole" else {})
         )
 
 

@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 
+from noloco_swarm.protocol.membership import CORROBORATION
 from noloco_swarm.sim.membership import KEY_OVERHEAD, Churn, Dht, Model, Partition, Scenario, simulate
 
 QUIET = Scenario(peers=8, rounds=6)
@@ -138,3 +139,51 @@ def test_gossip_heals_stores_two_rounds_late_where_a_swap_between_disagreeing_me
 def test_an_unknown_way_of_spreading_records_is_refused() -> None:
     with pytest.raises(ValueError, match="records='rumour'"):
         Scenario(peers=8, records="rumour")
+
+
+def test_a_spread_directory_keeps_each_peers_dht_load_flat_as_the_swarm_grows() -> None:
+    """Directory "spread" (issue 36, item 4): no whole read, a key per peer, audits. In a quiet
+    swarm each peer's DHT traffic is its heartbeats and its audits at any N, and the busiest node
+    holds a few peers' keys, not every peer's: from 8 to 128 peers neither grows with N, where
+    today's layout grows both (per peer as N, the busiest node as N squared)."""
+    rows = {
+        (n, d): simulate(Scenario(peers=n, rounds=6, records="gossip", directory=d))
+        for n in (8, 128)
+        for d in ("whole", "spread")
+    }
+    heartbeats = QUIET.round_seconds / QUIET.heartbeat_seconds
+    beats = heartbeats * (QUIET.announcement_bytes + KEY_OVERHEAD) * QUIET.dht.replicas
+    for n in (8, 128):
+        row = rows[(n, "spread")]
+        assert row["rounds_all_agree"] == 6 and row["stalls"] == 0, row
+        assert row["dht_ops_per_peer_round"] == pytest.approx(heartbeats + QUIET.audits)
+        assert row["dht_bytes_per_peer_round"] == pytest.approx(
+            beats + QUIET.audits * (KEY_OVERHEAD + QUIET.announcement_bytes * QUIET.dht.replicas)
+        )
+    busiest = {key: row["busiest_dht_node_bytes_per_round"] for key, row in rows.items()}
+    assert busiest[(128, "spread")] < 3 * busiest[(8, "spread")], busiest
+    assert busiest[(128, "whole")] > 100 * busiest[(8, "whole")], busiest
+    per_peer = {key: row["dht_bytes_per_peer_round"] for key, row in rows.items()}
+    assert per_peer[(128, "whole")] > 8 * per_peer[(8, "whole")], per_peer
+
+
+def test_a_spread_directory_drops_a_crashed_peer_in_agreement_with_reports_capped() -> None:
+    """With no whole read a crashed peer is found by its neighbours and by audits; reporters read
+    its key first and stop filing once CORROBORATION reports stand there: fewer reports than
+    today, where every member whose read lacks it reports it once its announcement expires."""
+    crash = Scenario(peers=16, rounds=10, records="gossip", directory="spread", faults=((130.0, "crash", 5),))
+    model = Model(crash)
+    row = model.run()
+    assert row["rounds_all_agree"] == 10 and row["stalls"] == 0, row
+    assert all("p0005" not in p.views[10].members() for p in model.peers if p.name != "p0005")
+    whole = Model(dataclasses.replace(crash, directory="whole"))
+    whole.run()
+    filed = {m: sum(peer == "p0005" for _, peer, _, _ in m.reports) for m in (model, whole)}
+    assert CORROBORATION <= filed[model] < filed[whole], filed
+
+
+def test_a_spread_directory_needs_gossip_and_a_known_layout() -> None:
+    with pytest.raises(ValueError, match="gossip"):
+        Scenario(peers=8, directory="spread")
+    with pytest.raises(ValueError, match="directory='flat'"):
+        Scenario(peers=8, records="gossip", directory="flat")
