@@ -25,8 +25,8 @@ protocol.plan.join_round. What the model supplies is what a peer reads and when:
 Where the DHT holds records (`Scenario.directory`): "whole" is today's peer (one key holds every
 announcement, one every gone report, and every member reads both whole at every boundary);
 "spread" is a layout for issue 36's item 4 that the peer does not run yet: each peer's
-announcement under a key of its own, the reports of a peer under a key per accused (a reporter
-reads it first and files only while fewer than CORROBORATION reports stand), and no whole read:
+announcement under a key of its own, the reports of a peer under a key per accused, and no
+whole read:
 records reach members only as members pass them on (records="gossip"; at its boundary a member
 also takes what it lacked from one adjacent-stage member), and each member checks
 `audits` members' keys per round for an expired announcement (probed then, as a member missing
@@ -53,7 +53,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from noloco_swarm.protocol.membership import (
-    CORROBORATION,
     LEFT_BEHIND_ROUNDS,
     REPORT_LAG_ROUNDS,
     Judgement,
@@ -141,14 +140,15 @@ class Scenario:
     # index; ignored for a join, which starts a new peer).
     faults: tuple[tuple[float, str, int], ...] = ()
     seed: int = 0
-    # How records spread besides the DHT. "dht": nothing else (today's peer). Two designs the peer
-    # does not run (issue 36, item 2), for comparison: "swap": two members of adjacent stages whose
-    # views of a round differ (their requests are refused) hand each other the records each has;
-    # "gossip": every member passes the records it has to its adjacent-stage neighbours along with
-    # the round's traffic, so all that one member has reach every member it is connected to
-    # (Model._spread), and a joiner hands its announcement to the peers it asks where they are
-    # (Model.rejoin). With either, a boundary read that fails takes what a neighbour read
-    # (Model._ask_a_neighbour).
+    # How records spread besides the DHT (issue 36, item 2). "dht": nothing else (the peer before
+    # 2026-12-06). "swap", a design the peer does not run: two members of adjacent stages whose
+    # views of a round differ (their requests are refused) hand each other the records each has.
+    # "gossip", as the peer does since (peer/passing.py): every member passes the records it has to
+    # its adjacent-stage neighbours, so all that one member has reach every member it is connected
+    # to by the middle of the round (Model._spread), and a joiner hands its announcement to the
+    # peers it asks where they are (Model.rejoin). With either, a boundary read that fails takes
+    # what a neighbour read (Model._ask_a_neighbour). The peer passes a record at once, and only
+    # records their writer sealed (not what it read from the DHT): see docs/membership.md.
     records: str = "dht"
     handover_seconds: float = 2.0  # "gossip": a joiner's announcement handed to the peers it asks
     # Where the DHT holds records: "whole" (today) or "spread" (with records="gossip"; see above).
@@ -306,8 +306,6 @@ class Model:
             return
         self.report_keys.add((peer, reporter.name, round_))
         key = ("gone", int(peer[1:]))
-        if self.sc.directory == "spread" and peer != reporter.name and self._standing(reporter, key, t):
-            return  # reports enough to stand are on record: ours would add load, not evidence
         self.reports.append(
             (
                 self.store(reporter, t, self.sc.report_bytes, repeat=False, key=key),
@@ -316,24 +314,6 @@ class Model:
                 round_,
             )
         )
-
-    def _standing(self, reporter: Peer, key: tuple[str, int], t: float) -> bool:
-        """In a spread directory `reporter` reads the accused's key before it files a report: do
-        reports of its current membership (of rounds from the one it joined) by CORROBORATION
-        distinct members stand there already? Counts the read. (Reports of an earlier membership
-        do not count: a member that acts on a report nobody else can read splits the views.)"""
-        sc, accused = self.sc, self.by_index[key[1]]
-        there = [
-            (who, round_)
-            for record, peer, who, round_ in self.reports
-            if peer == accused.name and record.fetched is not None and record.fetched[reporter.index] <= t
-        ]
-        value = len(there) * sc.report_bytes
-        self.ops[reporter.name] += 1
-        self.bytes[reporter.name] += KEY_OVERHEAD + value * sc.dht.replicas
-        for holder in self._key_holders(key, t):
-            self.node_bytes[holder] += value
-        return len({who for who, round_ in there if round_ >= accused.joined_round}) >= CORROBORATION
 
     def read(self, reader: Peer, t: float) -> tuple[list[Listing], list[Report]] | None:
         """What `reader` reads at t: the live announcements and every gone report; None if the
@@ -371,8 +351,8 @@ class Model:
         return None
 
     def _pull(self, reader: Peer, t: float) -> tuple[list[Listing], list[Report]]:
-        """In a spread directory: what `reader` holds, and what it lacked of what the first adjacent-stage
-        member that answers holds (a member that was stopped or cut off at the round's passing
+        """In a spread directory: what `reader` holds, and what it lacked of what the first
+        adjacent-stage member that answers holds (a member that was stopped or cut off at the round's passing
         gets it so). Counts an inventory of 16 bytes per record that changes a view (a founder's
         announcement does not) and each record it lacked."""
         listings, reports = self._readable(reader, t)
@@ -463,7 +443,8 @@ class Model:
             del peer.views[old]
 
     def _audit(self, peer: Peer, current: MembershipView, t: float) -> set[str]:
-        """In a spread directory: `peer` reads `audits` members' own keys; those whose announcement expired."""
+        """In a spread directory: `peer` reads `audits` members' own keys; the members whose
+        announcement expired."""
         sc = self.sc
         others = sorted(current.members() - {peer.name})
         picked = self.rng.choice(len(others), size=min(sc.audits, len(others)), replace=False)
