@@ -162,12 +162,7 @@ def next_view(
       it, so this heals the split instead of keeping it for as long as the joiner lives. A
       joiner that nobody admitted never entered its round (it announces a later one); a peer
       that left reported itself, and stays out for that.
-    - A member that announces a new membership enters with it at its round, and stays a member
-      until then unless it is reported: a rejoiner's announcement reaches members at different
-      moments, so acting on it before its round would split the views (before 2026-12-06 a
-      member that announced a later round left at the first boundary that read it, and a dead
-      peer restarted with --resume split the views for a round). Reports of it count whatever
-      round they name (the listing no longer says when its membership began).
+    - A member that announces a new membership for exactly the next round enters with it.
     Pure: peers that saw the same listings and reports build the same view.
     """
     nxt = current.round + 1
@@ -182,14 +177,9 @@ def next_view(
     for stage, peers in enumerate(current.stages):
         for peer in peers:
             item = listed.get(peer)
-            # A new membership announced for a later round: this one lasts until then, unless
-            # reported (any report of it counts: the listing no longer says when it began).
-            pending = item is not None and item.joined_round > current.round
-            if pending and item.joined_round == nxt:
-                continue  # its new membership begins now: it enters through that (below)
-            if item is not None and not pending and item.stage != stage:
-                continue  # it lists another stage: it would have to join again
-            if not reported(peer, item.joined_round if item is not None and not pending else 0):
+            if item is not None and (item.stage != stage or item.joined_round > current.round):
+                continue  # it announced a new membership: it re-enters only through that
+            if not reported(peer, item.joined_round if item is not None else 0):
                 pairs.append((peer, stage))
     members = current.members()
     for item in listed.values():
