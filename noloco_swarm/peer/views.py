@@ -38,8 +38,10 @@ logger = logging.getLogger(__name__)
 # How often a founding peer reads the directory until round 0 is complete: the peers start
 # training within about this much of each other, and the first step waits for the last.
 FREEZE_POLL = 0.1
-# What a read of the run's directory returns: the peers listed, and (peer, reporter, round) reports.
-Directory = tuple[list[Listing], list[tuple[str, str, int]]]
+# What a read of the run's directory returns: the peers listed, and (peer, reporter, round)
+# reports; then the same of the records members passed us (peer/passing.py), as held right after
+# the DHT answered.
+Directory = tuple[list[Listing], list[tuple[str, str, int]], list[Listing], list[tuple[str, str, int]]]
 
 
 class PeerExcluded(RuntimeError):
@@ -191,19 +193,30 @@ class Rounds(Liveness):
             await asyncio.sleep(FREEZE_POLL)
 
     async def read_directory(self) -> Directory:
-        """The run's listings and gone reports, for `next`; empty if the DHT cannot be read twice
-        (the next view then keeps this round's members). The loop starts this read at the
+        """The run's listings and gone reports, for `next`, and the records members passed us; the
+        DHT's part is empty if it cannot be read twice (the next view then keeps this round's
+        members, and admits whom the passed records admit). The loop starts this read at the
         boundary, beside the outer exchange, so that the exchange hides its DHT round trip:
         only reports of rounds before the current one decide the next view (membership.py),
         and those were stored a round ago."""
+        read: tuple[list[Listing], list[tuple[str, str, int]]] = ([], [])
         for attempt in range(2):
             try:
-                return await asyncio.to_thread(self._read_directory)
+                read = await asyncio.to_thread(self._read_directory)
+                break
             except DHT_ERRORS as e:
                 logger.warning(
                     "could not read the run's directory (%s)%s", e, "" if attempt else "; retrying"
                 )
-        return [], []
+        # The records members passed us, as we hold them now: taken with the read, not when the
+        # view is built (after the outer exchange, which may wait seconds for a partner), so that
+        # what reaches us meanwhile counts at the next boundary at every member alike.
+        book = self.passing.book
+        passed = [
+            Listing(a.peer_id, a.stage, a.joined_round, book.entered(a))
+            for a in self._admitted(book.listed())
+        ]
+        return *read, passed, book.gone()
 
     async def next(self, current: MembershipView, joined_round: int, directory: Directory) -> MembershipView:
         """The view of the round after `current`, by the rule every peer applies (not yet frozen),
@@ -211,7 +224,7 @@ class Rounds(Liveness):
 
         Raises PeerExcluded if it leaves us out or a stage has nobody left (see below).
         """
-        listings, reports = list(directory[0]), directory[1]
+        listings, reports, passed, passed_reports = list(directory[0]), *directory[1:]
         entering = [
             x for x in listings if x.peer not in current.members() and x.joined_round == current.round + 1
         ]
@@ -226,12 +239,7 @@ class Rounds(Liveness):
         suspects = sorted(current.members() - {item.peer for item in listings} - set(self.dead) - {self.me})
         # The records members passed us count with the DHT's (peer/passing.py): a record the DHT
         # brought us late, or a read that failed, then changes nothing.
-        book = self.passing.book
-        passed = [
-            Listing(a.peer_id, a.stage, a.joined_round, book.entered(a))
-            for a in self._admitted(book.listed())
-        ]
-        listings, reports = newest(listings + passed), [*reports, *book.gone()]
+        listings, reports = newest(listings + passed), [*reports, *passed_reports]
         async with asyncio.TaskGroup() as group:
             for p in suspects:
                 group.create_task(self.suspect(p, "its announcement expired"))

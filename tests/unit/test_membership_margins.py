@@ -215,8 +215,8 @@ def test_a_peer_that_left_stays_out_while_its_announcement_lives() -> None:
     me = rounds_of("me", 0, 2, [])
     current = MembershipView(4, (("a", "me"), ("b",)))
     listings = [Listing("a", 0, 0), Listing("b", 1, 0), Listing("x", 1, 0)]
-    view = asyncio.run(me.next(current, 0, (listings, [("x", "x", 2)])))
+    view = asyncio.run(me.next(current, 0, (listings, [("x", "x", 2)], [], [])))
     assert view.stages == (("a", "me"), ("b",))
     # a joiner that missed its round is admitted late, a leaver is not
-    joiner = asyncio.run(me.next(view, 0, ([*listings, Listing("y", 1, 4)], [("x", "x", 2)])))
+    joiner = asyncio.run(me.next(view, 0, ([*listings, Listing("y", 1, 4)], [("x", "x", 2)], [], [])))
     assert joiner.stages == (("a", "me"), ("b", "y"))
