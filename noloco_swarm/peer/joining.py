@@ -163,8 +163,11 @@ class Joining:
             if not await self._announce():
                 problem = f"the DHT did not store our announcement for round {target} (reconnecting)"
                 continue
-            await ctx.rounds.passing.hand_over(a.peer_id for a in others)  # in case the DHT is late
+            # Hand our announcement to them too, in case the DHT is late, while we ask again
+            # where they are (a dead one costs each the same timeout, once).
+            handing = asyncio.ensure_future(ctx.rounds.passing.hand_over(a.peer_id for a in others))
             now = await furthest_step(ctx.transport, ctx.run_id, others, PROBE_TIMEOUT)
+            await handing
             if now is not None and now >= start:
                 logger.warning(
                     "the swarm reached step %d while we announced round %d (step %d); choosing a later one",
