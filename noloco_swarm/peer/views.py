@@ -212,11 +212,7 @@ class Rounds(Liveness):
         # view is built (after the outer exchange, which may wait seconds for a partner), so that
         # what reaches us meanwhile counts at the next boundary at every member alike.
         book = self.passing.book
-        passed = [
-            Listing(a.peer_id, a.stage, a.joined_round, book.entered(a))
-            for a in self._admitted(book.listed())
-        ]
-        return *read, passed, book.gone()
+        return *read, self._listings(book.listed()), book.gone()
 
     async def next(self, current: MembershipView, joined_round: int, directory: Directory) -> MembershipView:
         """The view of the round after `current`, by the rule every peer applies (not yet frozen),
@@ -269,8 +265,12 @@ class Rounds(Liveness):
 
     def _read_directory(self) -> Directory:
         peers, reports = self.directory.read_both()
-        listings = [
-            Listing(a.peer_id, a.stage, a.joined_round, a.step >= a.joined_round * self.inner_steps)
-            for a in self._admitted(peers.announcements)
+        return self._listings(peers.announcements), reports
+
+    def _listings(self, announcements: list[records.PeerAnnouncement]) -> list[Listing]:
+        """The admitted ones of `announcements` as the view rule reads them: whether each peer
+        entered its round is whether its step has reached the round's first."""
+        return [
+            Listing(a.peer_id, a.stage, a.joined_round, self.passing.book.entered(a))
+            for a in self._admitted(announcements)
         ]
-        return listings, reports

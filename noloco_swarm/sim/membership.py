@@ -331,9 +331,9 @@ class Model:
             self.node_bytes[holder] += value
         return listings, reports
 
-    def _ask_a_neighbour(self, reader: Peer, t: float) -> tuple[list[Listing], list[Report]] | None:
-        """A design the peer does not run (Scenario.records): a boundary read that fails
-        takes what a member of an adjacent stage that answers read; None if none answers."""
+    def _answering_neighbour(self, reader: Peer, t: float) -> Peer | None:
+        """The first member of a stage next to `reader`'s (in its latest view) that answers it at
+        t; None if it holds no view or none answers."""
         view = reader.views.get(reader.round())
         if view is None:
             return None
@@ -343,32 +343,33 @@ class Model:
             if 0 <= s < view.num_stages
             for x in view.stages[s]
         }
-        for peer in self.peers:
-            if peer.name in near and self.reaches(reader, peer, t):
-                listings, reports = self._readable(peer, t)
-                self.passed_bytes += self._value(listings, reports)
-                return listings, reports
-        return None
+        return next((p for p in self.peers if p.name in near and self.reaches(reader, p, t)), None)
+
+    def _ask_a_neighbour(self, reader: Peer, t: float) -> tuple[list[Listing], list[Report]] | None:
+        """A design the peer does not run (Scenario.records): a boundary read that fails
+        takes what a member of an adjacent stage that answers read; None if none answers."""
+        peer = self._answering_neighbour(reader, t)
+        if peer is None:
+            return None
+        listings, reports = self._readable(peer, t)
+        self.passed_bytes += self._value(listings, reports)
+        return listings, reports
 
     def _pull(self, reader: Peer, t: float) -> tuple[list[Listing], list[Report]]:
         """In a spread directory: what `reader` holds, and what it lacked of what the first
-        adjacent-stage member that answers holds (a member that was stopped or cut off at the round's passing
-        gets it so). Counts an inventory of 16 bytes per record that changes a view (a founder's
-        announcement does not) and each record it lacked."""
+        adjacent-stage member that answers holds (a member that was stopped or cut off at the
+        round's passing gets it so). Counts an inventory of 16 bytes per record that changes a view
+        (a founder's announcement does not) and each record it lacked."""
         listings, reports = self._readable(reader, t)
-        view = reader.views.get(reader.round())
-        near = set() if view is None else {
-            x for s in (reader.stage - 1, reader.stage + 1) if 0 <= s < view.num_stages for x in view.stages[s]
-        }  # fmt: skip
-        for peer in self.peers:
-            if peer.name in near and self.reaches(reader, peer, t):
-                theirs, their_reports = self._readable(peer, t)
-                lacked = set(theirs) - set(listings)
-                new_reports = set(their_reports) - set(reports)
-                held = sum(x.joined_round > 0 for x in theirs) + len(their_reports)
-                self.passed_bytes += 16 * held + self._value(list(lacked), list(new_reports))
-                return newest([*listings, *lacked]), [*reports, *new_reports]
-        return listings, reports
+        peer = self._answering_neighbour(reader, t)
+        if peer is None:
+            return listings, reports
+        theirs, their_reports = self._readable(peer, t)
+        lacked = set(theirs) - set(listings)
+        new_reports = set(their_reports) - set(reports)
+        held = sum(x.joined_round > 0 for x in theirs) + len(their_reports)
+        self.passed_bytes += 16 * held + self._value(list(lacked), list(new_reports))
+        return newest([*listings, *lacked]), [*reports, *new_reports]
 
     def _value(self, listings: Sequence[Listing], reports: Sequence[Report]) -> int:
         """Bytes of the records a read returns."""
