@@ -117,7 +117,7 @@ def summarise(
         exact = (
             joined is not None
             and final is not None
-            and any(stage == final.stage and step == joined.step and h == joined.state_hash for stage, step, h in outer_hashes)
+            and any(stage == final.stage and step == joined.from_step and h == joined.state_hash for stage, step, h in outer_hashes)
         )  # fmt: skip
         joins.append(
             {

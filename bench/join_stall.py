@@ -1,22 +1,40 @@
-"""What a join costs the swarm it joins: the round a joiner enters, against the same round of the
-same swarm left alone, side by side in one run.
+"""What a join costs the swarm it joins: the joiner's round and the round before it (when the
+donors serve it), against the same rounds of the same swarm left alone, side by side in one run.
 
 A 2 x 2 swarm (tiny's vocabulary, widened so that a stage's state, phi + delta + AdamW's two
-moments, is about 300 MB) trains; in the `join` run a fifth peer starts on stage 1 after the
-swarm's first steps and joins at round J (two rounds ahead, peer/joining.py). Per run:
+moments, is about 300 MB) trains; a fifth peer starts on stage 1 after the swarm's first steps
+and joins at round J (two rounds ahead, peer/joining.py). Three runs per repetition:
 
-  round_seconds     wall time of round J on the four first peers (median): from their step J*H
-                    (the boundary that admits the joiner, its outer step included) to the end
-                    of step J*H + H
+  early   the donors keep their state for the joiner at the boundary before J, where they read
+          its announcement, and the joiner downloads it while the swarm trains round J-1 (the
+          rule since 2026-12-07)
+  late    the same, with failpoint miss_joiners:rpc_fetch_state on both donors: they keep nothing there,
+          so they keep their state at J's boundary and round J waits for the download (every
+          join before 2026-12-07; now the fallback for a donor that reads the joiner late)
+  calm    no joiner
+
+Per run:
+
+  round_seconds     wall time of every round r but the first on the four first peers (median of
+                    each): from their step r*H (a boundary, its outer step included) to the end of
+                    step r*H + H
   serving_seconds   from the donors' snapshot (`joiners` event) to the last chunk they served
-  ready_seconds     from the snapshot to the joiner's `joined` event (downloaded, checked, loaded)
-  slowest_step      the longest step of round J on the first peers, and which step it was
+  ready_seconds     from the snapshot to the joiner's `joined` event (downloaded, checked, loaded,
+                    and, on the early path, its view of J received at J's boundary)
+  from_step         the step of the state the joiner loaded: (J-1)*H early, J*H late
+  slowest_step      the longest step of rounds J-1 and J on the first peers, and which step it was
 
-The `calm` run names the same J. The cost of a join is join's round_seconds minus calm's. On
-this 2-core machine the joiner's own download, hashing and loading take CPU from the four
-donors and neighbours, which a volunteer's joiner on its own machine would not.
+The cost of a join is its run's time for the two rounds
+minus calm's (`extra_seconds`), with each round's part beside it. On this 2-core machine the
+joiner's own download, hashing and loading take CPU from the four donors and neighbours, which a
+volunteer's joiner on its own machine would not: `--joiner-cpu 1` runs the joiner on CPU 1
+and the four others on CPU 0 (`--swarm-cpus`), in every run, so that only the donors' serving
+and the swarm's waiting can slow the swarm. `--serve-rate` caps each donor's serving
+(`peer.state_serve_rate`, MiB/s), as a slow link to the joiner would.
 
     python bench/join_stall.py --reps 2 --out docs/results/join_stall.json
+    python bench/join_stall.py --reps 2 --joiner-cpu 1 --out docs/results/join_stall_pinned.json
+    python bench/join_stall.py --reps 2 --serve-rate 30 --out docs/results/join_stall_paced.json
 """
 
 from __future__ import annotations
@@ -40,6 +58,7 @@ WIDE = {
 
 
 def config(args: argparse.Namespace):
+    rate = {"peer.state_serve_rate": str(args.serve_rate)} if args.serve_rate else {}
     return build_config(
         "tiny",
         "noloco",
@@ -51,23 +70,34 @@ def config(args: argparse.Namespace):
             "outer.inner_steps": str(args.inner_steps),
             "inner.total_steps": str(args.steps),
             **WIDE,
+            **rate,
         },
         env={},
     )
 
 
-def run(args: argparse.Namespace, join: bool, round_: int | None) -> dict:
-    """One swarm; with `join`, a stage-1 joiner. Measures round `round_` (the joiner's if None)."""
+def run(args: argparse.Namespace, mode: str) -> dict:
+    """One swarm; early or late, a stage-1 joiner; calm, none. Measures every round but the first."""
     cfg = config(args)
-    with local_swarm(cfg, args.steps, step_timeout=60) as swarm:
+
+    def env(stage: int | None, replica: int) -> dict[str, str]:
+        joiner = replica == 2  # the first four peers are replicas 0 and 1 of each stage
+        late = (
+            {"NOLOCO_FAILPOINTS": "miss_joiners:rpc_fetch_state=1"} if mode == "late" and stage == 1 else {}
+        )
+        pinned = {"NOLOCO_SET": f"peer.cpus={args.joiner_cpu if joiner else args.swarm_cpus}"}
+        return late | (pinned if args.joiner_cpu is not None else {})
+
+    with local_swarm(cfg, args.steps, step_timeout=60, peer_env=env) as swarm:
         first = list(swarm.peers)
         until(lambda: all(len(of_kind(p.events(), Step)) >= 3 for p in first), 600, "every peer's third step")
-        joiner = swarm.start_peer(1) if join else None
+        joiner = swarm.start_peer(1) if mode != "calm" else None
         until(lambda: all(p.proc.poll() is not None for p in swarm.peers), 1800, "the run's end")
         if any(p.proc.returncode != 0 for p in swarm.peers):
             raise RuntimeError("a peer failed:\n" + "\n".join(p.log_tail(10) for p in swarm.peers))
         events = {id(p): p.events() for p in swarm.peers}
-    row: dict = {"join": join}
+    row: dict = {"mode": mode}
+    round_ = None
     if joiner is not None:
         joined = of_kind(events[id(joiner)], Joined)[0]
         round_ = joined.round
@@ -78,19 +108,24 @@ def run(args: argparse.Namespace, join: bool, round_: int | None) -> dict:
             "chunks_served": len(served),
             "serving_seconds": max(served) - snapshot,
             "ready_seconds": joined.time - snapshot,
+            "from_step": joined.from_step,
         }
     h = args.inner_steps
-    rounds, slowest = [], []
+    rounds: dict[int, list[float]] = {r: [] for r in range(1, args.steps // h)}
     for p in first:
         at = {e.step: e.time for e in of_kind(events[id(p)], Step)}
-        start, end = round_ * h, round_ * h + h
-        rounds.append(at[end] - at[start])
-        slowest.append(max((at[s] - at[s - 1], s) for s in range(start + 1, end + 1)))
-    row |= {
-        "round": round_,
-        "round_seconds": statistics.median(rounds),
-        "slowest_step": {"seconds": max(slowest)[0], "step": max(slowest)[1]},
-    }
+        for r, times in rounds.items():
+            times.append(at[r * h + h] - at[r * h])
+    row["round_seconds"] = {str(r): statistics.median(times) for r, times in rounds.items()}
+    if round_ is not None:
+        start, end = (round_ - 1) * h, round_ * h + h
+        slowest = max(
+            (at[s] - at[s - 1], s)
+            for p in first
+            for at in [{e.step: e.time for e in of_kind(events[id(p)], Step)}]
+            for s in range(start + 1, end + 1)
+        )
+        row |= {"round": round_, "slowest_step": {"seconds": slowest[0], "step": slowest[1]}}
     return row
 
 
@@ -99,16 +134,21 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--inner-steps", type=int, default=5)
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--serve-rate", type=float, default=0.0, help="peer.state_serve_rate, MiB/s (0: no cap)")
+    ap.add_argument("--joiner-cpu", default=None, help="run the joiner (and its p2pd) on these CPUs only")
+    ap.add_argument("--swarm-cpus", default="0", help="with --joiner-cpu: the four first peers' CPUs")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     reps = []
     for _ in range(args.reps):
-        joined = run(args, True, None)
-        calm = run(args, False, joined["round"])
-        reps.append(
-            {"join": joined, "calm": calm, "extra_seconds": joined["round_seconds"] - calm["round_seconds"]}
-        )
-        print(json.dumps(reps[-1]), flush=True)
+        rep: dict = {mode: run(args, mode) for mode in ("early", "late", "calm")}
+        calm = rep["calm"]["round_seconds"]
+        for mode in ("early", "late"):
+            J = rep[mode]["round"]
+            extra = {str(r): rep[mode]["round_seconds"][str(r)] - calm[str(r)] for r in (J - 1, J)}
+            rep |= {f"{mode}_extra_seconds": sum(extra.values()), f"{mode}_extra_by_round": extra}
+        reps.append(rep)
+        print(json.dumps({k: v for k, v in rep.items() if "extra" in k}), flush=True)
     result = {
         "command": "python bench/join_stall.py " + " ".join(sys.argv[1:]),
         "config": {
@@ -121,9 +161,12 @@ def main() -> None:
             "inner_steps": args.inner_steps,
             "steps": args.steps,
         },
+        "serve_rate_mib_s": args.serve_rate,
+        "cpus": None if args.joiner_cpu is None else {"swarm": args.swarm_cpus, "joiner": args.joiner_cpu},
         "reps": reps,
-        "extra_seconds_median": statistics.median(r["extra_seconds"] for r in reps),
     }
+    for mode in ("early", "late"):
+        result[f"{mode}_extra_seconds_median"] = statistics.median(r[f"{mode}_extra_seconds"] for r in reps)
     print(json.dumps(result, indent=1))
     if args.out is not None:
         args.out.write_text(json.dumps(result, indent=1) + "\n")

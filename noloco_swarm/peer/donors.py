@@ -38,7 +38,8 @@ DONOR_ERRORS = (PeerUnavailable, RemoteRefused, MessageError)
 
 @dataclass
 class Snapshot:
-    """A replica's state at the start of a round, kept for the peers that join at that round."""
+    """A replica's state at the start of `view`'s round, kept for the peers that join at that
+    round (members of `view` new to it) or at the next (`pending`: announced for it)."""
 
     view: MembershipView
     step: int
@@ -48,6 +49,7 @@ class Snapshot:
     chunk_elements: int
     hashes: tuple[str, ...] = ()
     digest: str = ""  # StateManifest.snapshot, the name chunk requests must give
+    pending: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         self.digest = self.manifest("run", 0).snapshot  # independent of the run and stage named
@@ -61,20 +63,29 @@ class Snapshot:
         view: MembershipView,
         step: int,
         chunk_bytes: int | None = None,
+        pending: frozenset[str] = frozenset(),
     ) -> Snapshot:
         """From `StageReplica.state_parts()` and its `state_hash()`; hashes every chunk (CPU-bound).
         `chunk_bytes` overrides the size chunks.chunk_elements_for picks."""
         numel = parts[STATE_PARTS[0]].numel()
         elements = chunking.chunk_elements_for(numel) if chunk_bytes is None else max(1, chunk_bytes // 4)
-        return cls(view, step, adam_step, state_hash, parts, elements, chunking.chunk_hashes(parts, elements))
+        hashes = chunking.chunk_hashes(parts, elements)
+        return cls(view, step, adam_step, state_hash, parts, elements, hashes, pending=pending)
 
-    def manifest(self, run_id: str, stage: int) -> StateManifest:
+    def serves(self, peer: str, stage: int) -> bool:
+        """May `peer` fetch this state: a member of our `stage` in the view (the joiners it admits
+        among them), or a joiner of the next round it was kept for?"""
+        return peer in self.pending or peer in self.view.stages[stage]
+
+    def manifest(self, run_id: str, stage: int, view: MembershipView | None = None) -> StateManifest:
+        """The manifest of this state, with `view` (a later round's: the joiner's) or our own."""
+        view = view or self.view
         return StateManifest(
             run_id=run_id,
             stage=stage,
-            round=self.view.round,
+            round=view.round,
             step=self.step,
-            view=self.view.stages,
+            view=view.stages,
             adam_step=self.adam_step,
             state_hash=self.state_hash,
             numel=self.parts[STATE_PARTS[0]].numel(),
@@ -112,14 +123,24 @@ class Download:
 
 
 async def ask_manifest(
-    transport: Transport, donor: str, run_id: str, stage: int, round_: int, timeout: float
+    transport: Transport,
+    donor: str,
+    run_id: str,
+    stage: int,
+    round_: int,
+    timeout: float,
+    *,
+    admitted: bool = False,
 ) -> StateManifest:
+    """`donor`'s manifest for a joiner of `round_`: of the state at the start of `round_` or of
+    the round before (StateRequest says when); with `admitted`, with its view of `round_`."""
     reply, tensors = await transport.call(
-        donor, "rpc_fetch_state", StateRequest(run_id, stage, round_), timeout=timeout
+        donor, "rpc_fetch_state", StateRequest(run_id, stage, round_, admitted), timeout=timeout
     )
     if not isinstance(reply, StateManifest) or tensors:
         raise MessageError(f"{donor} answered the state request with something else")
-    if reply.stage != stage or reply.round != round_:
+    rounds = (round_,) if admitted else (round_ - 1, round_)
+    if reply.stage != stage or reply.round not in rounds:
         raise MessageError(f"{donor} sent the manifest of stage {reply.stage} round {reply.round}")
     return reply
 
@@ -136,7 +157,7 @@ async def download_state(
     admits: Callable[[StateManifest], bool] = lambda m: True,
     emit: Callable[[events.Event], None] | None = None,
 ) -> Download:
-    """Fetch the state of `stage` at the start of `round_` from `donors` (in order of preference).
+    """Fetch the state `donors` (in order of preference) keep for a joiner of `stage` at `round_`.
 
     `admits` rejects a manifest this peer may not use (e.g. a view without it). Raises
     PeerUnavailable when no donor is left before every chunk arrived; MessageError when no donor

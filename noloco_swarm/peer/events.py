@@ -110,8 +110,10 @@ class Joining(Event):
 
 @dataclass(frozen=True)
 class Joined(Event):
-    """This peer loaded its stage's state for `round`: `server`'s snapshot, whose chunks came
-    from the donors in `sent` (donor -> chunks)."""
+    """This peer loaded its stage's state for `round`, which starts at inner step `step`:
+    `server`'s snapshot of step `from_step` (the boundary before `round`, or `round`'s own when
+    the server read our announcement only there), whose chunks came from the donors in `sent`
+    (donor -> chunks)."""
 
     KIND: ClassVar[str] = "joined"
     round: int
@@ -121,6 +123,7 @@ class Joined(Event):
     peer_id: str
     snapshot: str = ""  # the manifest's digest of the whole state (weights, momenta, counters)
     sent: dict[str, int] = field(default_factory=dict)
+    from_step: int = -1
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,9 @@ point is reached only at a boundary whose read lists a peer entering at the next
                         round, as if they had not reached this peer yet
   miss_joiners:rpc_records  a joiner's announcement handed to this peer (peer/passing.py) is
                         dropped, as if lost on the way: only the members can pass it on
+  miss_joiners:rpc_fetch_state  at the boundary before a joiner's round this peer keeps no
+                        state for it (reached only where it would), as if it read the
+                        announcement late: it keeps its state at the joiner's own boundary
 
 A hostile member, for the tests that prove a partner rejects what it sends (VERB: rpc_exchange;
 each point is reached once per exchange, at its start, whether this peer calls, is called or is

@@ -289,7 +289,7 @@ class Peer:
         ctx = self.ctx
         current = ctx.view_at(ctx.step - 1)
         view = await ctx.rounds.next(current, self.joining.joined_round, directory)
-        await self.joining.keep_for_joiners(current, view)
+        await self.joining.keep_for_joiners(current, view, directory)
         ctx.rounds.set(view)
 
     # ------------------------------------------------------------------ presence

@@ -34,8 +34,10 @@ import torch
 # 7: forward rows in the subspace format (bf16 coefficients with int32 token windows);
 # 8: an exchange's confirmation and receipt say how fast the other side's tensors arrived (`rate`);
 # 9: a caller that avoids its callee says so (`rpc_decline`), which a version-8 peer would refuse;
-# 10: members pass each other their sealed membership records (`rpc_records`)
-PROTOCOL_VERSION = 10
+# 10: members pass each other their sealed membership records (`rpc_records`);
+# 11: a donor serves a joiner the state of the boundary before its round (a manifest's `round` is
+# that of its view, and a joiner asks for its entry view apart: `StateRequest.admitted`)
+PROTOCOL_VERSION = 11
 MAX_MESSAGE_BYTES = 1 << 20  # headers only; tensor payloads are streamed separately
 MAX_SEQUENCE = 1 << 16
 MAX_STRING = 4096

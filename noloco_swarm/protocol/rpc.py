@@ -169,12 +169,16 @@ class Decline(Message):
 
 @dataclass(frozen=True)
 class StateRequest(Message):
-    """A joining peer asks a live replica of `stage` for the manifest of its state at `round`."""
+    """A peer joining at `round` asks a live replica of `stage` for the manifest of the state it
+    keeps for it: of the boundary before `round` if the replica read the joiner's announcement
+    there, else of `round`'s own. With `admitted` (the joiner holds that state already) the
+    replica answers once it has built its view of `round`, which must admit the joiner."""
 
     TAG: ClassVar[str] = "fetch_state"
     run_id: str
     stage: int
     round: int = 0
+    admitted: bool = False
 
     def __post_init__(self) -> None:
         check_run_id(self.run_id)
@@ -191,14 +195,16 @@ def _is_digest(text: str) -> bool:
 
 @dataclass(frozen=True)
 class StateManifest(Message):
-    """What a replica holds at the start of `round` (after the outer step), for a joiner.
+    """The state a replica keeps for a joiner: what it held at inner step `step`, a round boundary
+    (after the outer step there).
 
     The state is STATE_PARTS, each a flat fp32 vector of `numel` values (phi: the weights, = theta
     at a boundary; delta: outer momentum; the AdamW moments), cut into chunks of `chunk_elements`
     values that never straddle two parts (protocol/chunks.py). `chunks` is each chunk's BLAKE3, in
-    order. `view` is the server's membership of `round` (sorted peer ids per stage), `state_hash`
-    the hash of the weights phi loads into. `snapshot` names the state's content, so two replicas
-    that hold the same bytes (and counters) announce the same snapshot.
+    order. `view` is the server's membership of `round` (sorted peer ids per stage): the round
+    the state starts, or the joiner's round when the joiner asks for its entry view. `state_hash`
+    is the hash of the weights phi loads into. `snapshot` names the state's content, so two
+    replicas that hold the same bytes (and counters) announce the same snapshot.
     """
 
     TAG: ClassVar[str] = "state_manifest"

@@ -253,7 +253,8 @@ def rig() -> tuple[Transport, PeerContext]:
     evaluation.trained.set()
     joining = Joining(ctx, ByteLedger(transport), announce=lambda: asyncio.sleep(0, True))
     parts = {p: torch.arange(10, dtype=torch.float32) for p in rpc.STATE_PARTS}
-    joining.snapshots[0] = Snapshot.take(parts, 3, HASH, VIEW, 4, chunk_bytes=16)
+    # Kept at round 0's boundary for JOINER, announced for round 1.
+    joining.snapshots[0] = Snapshot.take(parts, 3, HASH, VIEW, 4, chunk_bytes=16, pending=frozenset({JOINER}))
     status = SimpleNamespace(
         ctx=ctx,
         last_loss=None,
@@ -281,7 +282,8 @@ def _requests() -> list[codec.Message]:
         rpc.ForwardHeader(cfg.peer.run_id, 0, 4, 0, 0, (8, 9), acts, tokens, digest),
         rpc.ForwardHeader(cfg.peer.run_id, 0, 5, 0, 0, (10, 11), acts, tokens, digest),
         rpc.EvalHeader(cfg.peer.run_id, 4, 0, 0, 0, acts, tokens),
-        rpc.StateRequest(cfg.peer.run_id, 1, 0),
+        rpc.StateRequest(cfg.peer.run_id, 1, 1, True),
+        rpc.StateRequest(cfg.peer.run_id, 1, 1),
         rpc.ChunkRequest(cfg.peer.run_id, 1, 0, served, 3),
         rpc.ChunkRequest(cfg.peer.run_id, 1, 0, other, 0),
         rpc.StatusRequest(cfg.peer.run_id),

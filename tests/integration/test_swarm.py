@@ -883,10 +883,13 @@ def test_a_swarm_with_overlap_resumes_from_its_checkpoints_bit_for_bit(
 
 @pytest.mark.parametrize("overlap", [0, 2])
 def test_a_peer_joins_a_running_swarm_at_a_round_boundary(cache: Path, overlap: int) -> None:
-    """A fifth peer started while a 2x2 swarm trains announces a round two ahead, downloads its
-    stage's state at that boundary from a live replica, and trains from there with everyone
-    agreeing on the new view; nothing is dropped or refused along the way. With an overlapped
-    exchange (still in flight at the boundary) it gets the donor's fast weights there."""
+    """A fifth peer started while a 2x2 swarm trains announces a round J two ahead, downloads its
+    stage's state at the boundary before J from a live replica while the swarm trains on, and
+    trains from J with everyone agreeing on the new view; nothing is dropped or refused along
+    the way. With an overlapped exchange (still in flight at the boundary) it gets the donor's
+    fast weights there, and both donors read its announcement too late for that boundary
+    (failpoint miss_joiners:rpc_fetch_state): they keep their state at J's own boundary, and the joiner
+    downloads it there instead (the swarm waits for it)."""
     # JOINER_STEPS: long enough that a joiner starting on a loaded machine still finds a round to
     # join, and trains many rounds after it.
     steps, H = JOINER_STEPS, 4
@@ -895,7 +898,12 @@ def test_a_peer_joins_a_running_swarm_at_a_round_boundary(cache: Path, overlap: 
         **{**SLOWER, "outer.inner_steps": str(H), "inner.total_steps": str(steps)},
         **{"outer.overlap_steps": str(overlap)},
     )
-    with local_swarm(cfg, steps, step_timeout=60) as swarm:
+    late = overlap > 0
+
+    def donors_read_late(stage: int | None, replica: int) -> dict[str, str]:
+        return {"NOLOCO_FAILPOINTS": "miss_joiners:rpc_fetch_state=1"} if late and stage == 0 else {}
+
+    with local_swarm(cfg, steps, step_timeout=60, peer_env=donors_read_late) as swarm:
         deadline = time.monotonic() + 120
         while not all(any(isinstance(e, Membership) for e in p.events()) for p in swarm.peers):
             assert time.monotonic() < deadline, "\n".join(p.log_tail() for p in swarm.peers)
@@ -904,19 +912,25 @@ def test_a_peer_joins_a_running_swarm_at_a_round_boundary(cache: Path, overlap: 
         wait(swarm, timeout=400)
         events = {id(p): p.events() for p in swarm.peers}
         summaries = swarm.summaries()
+        said = [p.log.read_text() for p in swarm.peers if p.stage == 0 and p is not joiner]
     me = next(iter(of_kind(events[id(joiner)], Joined)))
     J = me.round
     assert J >= 2 and me.step == J * H
     final = next(s for s in summaries if s.peer_id == me.peer_id)
     assert final.joined_round == J and final.steps == steps and final.outer_steps == steps // H - J
-    # The state it started from is its server's, right after the outer step that closed round J-1
-    # (with overlap: the snapshot a server kept at that boundary, with that step still in flight).
+    # The state it started from is its server's, right after the outer step that closed round J-2,
+    # which every member read its announcement by. With overlap the donors read it late, and it is
+    # the snapshot a server kept at J's own boundary, with that boundary's outer step in flight.
+    assert me.from_step == (J if late else J - 1) * H
+    assert all(
+        (f"miss_joiners:rpc_fetch_state: no state kept for ['{me.peer_id}']" in x) == late for x in said
+    )
     server_outer = [
         e.state_hash
         for p in swarm.peers
         if p is not joiner
         for e in of_kind(events[id(p)], Outer)
-        if e.step == J * H
+        if e.step == me.from_step
     ]
     kept = [e.snapshot for p in swarm.peers for e in of_kind(events[id(p)], Joiners) if e.round == J]
     assert me.snapshot in kept
@@ -1034,8 +1048,8 @@ def test_a_joiner_whose_donor_dies_mid_download_enters_with_the_other_donors_sta
     }
     assert me.server == survivor_id and me.snapshot == kept["survivor"] == fetches[1].snapshot
     assert kept["victim"] != kept["survivor"], "replicas' AdamW moments differ: the snapshots should too"
-    survivor_outer = [e.state_hash for e in of_kind(events[id(survivor)], Outer) if e.step == J * H]
-    assert me.state_hash in survivor_outer and me.step == J * H
+    survivor_outer = [e.state_hash for e in of_kind(events[id(survivor)], Outer) if e.step == me.from_step]
+    assert me.state_hash in survivor_outer and me.step == J * H and me.from_step == (J - 1) * H
     assert set(me.sent) <= {survivor_id, fetch.target} and sum(me.sent.values()) == 64
     final = next(s for s in summaries if s.peer_id == me.peer_id)
     assert final.joined_round == J and final.steps == steps

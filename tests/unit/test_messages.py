@@ -29,6 +29,7 @@ EXAMPLES: list[codec.Message] = [
     ),
     rpc.StateRequest("run-1", 1),
     rpc.StateRequest("run-1", 1, 7),
+    rpc.StateRequest("run-1", 1, 7, True),
     records.GoneReport("run-1", "12D3KooWabc", "12D3KooWdef", 3),
     records.RunListing("run-1", "e" * 64),
     rpc.StateManifest("run-1", 1, 7, 70, (("a", "b"), ("c",)), 70, "f" * 64, 9, 4, ("0" * 64,) * 12),
