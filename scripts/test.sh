@@ -56,7 +56,6 @@ SECOND_LANE=(
     tests/integration/test_faults.py
     tests/integration/test_terminal.py
     tests/integration/test_trust.py
-    tests/integration/test_metrics.py
     tests/integration/test_runs.py
     tests/integration/test_local_cli.py
     tests/integration/test_doctor.py
