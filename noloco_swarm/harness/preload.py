@@ -40,6 +40,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Mapping, Sequence
 from contextlib import suppress
@@ -293,6 +294,7 @@ def become(request: dict) -> None:
     os.close(devnull)
     os.environ.clear()
     os.environ.update(request["env"])
+    tempfile.tempdir = None  # the preloader's, cached: gettempdir() reads this TMPDIR instead
     sys.argv = [sys.argv[0], *request["args"]]
     import numpy
 

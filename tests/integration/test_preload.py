@@ -76,7 +76,9 @@ def test_a_signal_that_ends_a_forked_process_comes_back_as_minus_its_number(
     preloader: Preloader, tmp_path: Path
 ) -> None:
     log = tmp_path / "dht.log"
-    dht = preloader.spawn(["dht", "--host-maddrs", "/ip4/127.0.0.1/tcp/0"], dict(preloader.env), log)
+    # Killed, it cannot remove its temporary files (multiprocessing's pymp-*): they go to tmp_path.
+    env = dict(preloader.env) | {"TMPDIR": str(tmp_path)}
+    dht = preloader.spawn(["dht", "--host-maddrs", "/ip4/127.0.0.1/tcp/0"], env, log)
     try:
         wait_for(lambda: "/p2p/" in log.read_text() or dht.poll() is not None)
         dht.kill()
