@@ -111,20 +111,14 @@ def run(args: argparse.Namespace, mode: str) -> dict:
             "from_step": joined.from_step,
         }
     h = args.inner_steps
-    rounds: dict[int, list[float]] = {r: [] for r in range(1, args.steps // h)}
-    for p in first:
-        at = {e.step: e.time for e in of_kind(events[id(p)], Step)}
-        for r, times in rounds.items():
-            times.append(at[r * h + h] - at[r * h])
-    row["round_seconds"] = {str(r): statistics.median(times) for r, times in rounds.items()}
+    steps_at = [{e.step: e.time for e in of_kind(events[id(p)], Step)} for p in first]
+    rounds = range(1, args.steps // h)
+    row["round_seconds"] = {
+        str(r): statistics.median(at[r * h + h] - at[r * h] for at in steps_at) for r in rounds
+    }
     if round_ is not None:
         start, end = (round_ - 1) * h, round_ * h + h
-        slowest = max(
-            (at[s] - at[s - 1], s)
-            for p in first
-            for at in [{e.step: e.time for e in of_kind(events[id(p)], Step)}]
-            for s in range(start + 1, end + 1)
-        )
+        slowest = max((at[s] - at[s - 1], s) for at in steps_at for s in range(start + 1, end + 1))
         row |= {"round": round_, "slowest_step": {"seconds": slowest[0], "step": slowest[1]}}
     return row
 

@@ -374,7 +374,10 @@ class Joining:
 
     def _kept_for(self, peer_id: str, request: rpc.ChunkRequest) -> Snapshot:
         """The snapshot `request` names, if we keep it for `peer_id` (see Snapshot.serves)."""
-        kept = [x for x in self.snapshots.values() if x.serves(peer_id, self.ctx.stage)]
-        if not kept:
-            raise MessageError(f"this peer keeps no state for {peer_id} (round {request.round})")
-        return next((x for x in kept if x.digest == request.snapshot), kept[-1])  # kept[-1]: says why not
+        for snapshot in self.snapshots.values():
+            if snapshot.digest == request.snapshot and snapshot.serves(peer_id, self.ctx.stage):
+                return snapshot
+        raise MessageError(
+            f"this peer keeps no snapshot {request.snapshot[:12]} for {peer_id} (round {request.round}): "
+            "ask for its manifest again"
+        )
