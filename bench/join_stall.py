@@ -24,8 +24,16 @@ Per run:
   from_step         the step of the state the joiner loaded: (J-1)*H early, J*H late
   slowest_step      the longest step of rounds J-1 and J on the first peers, and which step it was
 
+  cpu_seconds       CPU time over rounds J-1 and J (calm: the early run's J) of each group of
+                    processes: the two donors (stage 1), the two stage-0 peers and the joiner,
+                    each split into the peers' event loops, their compute threads and their p2pd
+                    daemons (read from /proc every 0.25 s, as bench/cpu_accounting.py reads it)
+
 The cost of a join is its run's time for the two rounds
-minus calm's (`extra_seconds`), with each round's part beside it. On this 2-core machine the
+minus calm's (`extra_seconds`), with each round's part beside it, and its CPU time over calm's
+(`early_extra_cpu_seconds`, by group and part): what the donors' own processes spend serving, against
+what their daemons and the joiner spend, which a volunteer's machines would not take from the
+same cores. On this 2-core machine the
 joiner's own download, hashing and loading take CPU from the four donors and neighbours, which a
 volunteer's joiner on its own machine would not: `--joiner-cpu 1` runs the joiner on CPU 1
 and the four others on CPU 0 (`--swarm-cpus`), in every run, so that only the donors' serving
@@ -43,7 +51,11 @@ import argparse
 import json
 import statistics
 import sys
+import threading
+import time
 from pathlib import Path
+
+from cpu_accounting import by_part
 
 from noloco_swarm.harness.local import local_swarm, until
 from noloco_swarm.peer.events import Joined, Joiners, ServedState, Step, of_kind
@@ -76,7 +88,31 @@ def config(args: argparse.Namespace):
     )
 
 
-def run(args: argparse.Namespace, mode: str) -> dict:
+class CpuLog(threading.Thread):
+    """CPU seconds so far of each group of peers (and their daemons), by part, every `period` s."""
+
+    def __init__(self, groups: dict[str, list[int]], period: float = 0.25) -> None:
+        super().__init__(daemon=True)
+        self.groups, self.period = groups, period
+        self.samples: list[tuple[float, dict[str, dict[str, float]]]] = []
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(self.period):
+            self.samples.append((time.time(), {g: by_part(pids) for g, pids in self.groups.items()}))
+
+    def between(self, start: float, end: float) -> dict[str, dict[str, float]]:
+        """CPU seconds of each group and part from the last sample at or before `start` to the
+        first at or after `end`."""
+        a = max((s for s in self.samples if s[0] <= start), default=self.samples[0], key=lambda s: s[0])
+        b = min((s for s in self.samples if s[0] >= end), default=self.samples[-1], key=lambda s: s[0])
+        return {
+            g: {part: round(b[1][g].get(part, 0.0) - a[1][g].get(part, 0.0), 2) for part in b[1][g]}
+            for g in b[1]
+        }
+
+
+def run(args: argparse.Namespace, mode: str, cpu_round: int | None = None) -> dict:
     """One swarm; early or late, a stage-1 joiner; calm, none. Measures every round but the first."""
     cfg = config(args)
 
@@ -91,8 +127,13 @@ def run(args: argparse.Namespace, mode: str) -> dict:
     with local_swarm(cfg, args.steps, step_timeout=60, peer_env=env) as swarm:
         first = list(swarm.peers)
         until(lambda: all(len(of_kind(p.events(), Step)) >= 3 for p in first), 600, "every peer's third step")
+        groups = {f"stage {s}": [p.proc.pid for p in first if p.stage == s] for s in (0, 1)}
         joiner = swarm.start_peer(1) if mode != "calm" else None
+        cpu = CpuLog(groups | ({"joiner": [joiner.proc.pid]} if joiner is not None else {}))
+        cpu.start()
         until(lambda: all(p.proc.poll() is not None for p in swarm.peers), 1800, "the run's end")
+        cpu.done.set()
+        cpu.join()
         if any(p.proc.returncode != 0 for p in swarm.peers):
             raise RuntimeError("a peer failed:\n" + "\n".join(p.log_tail(10) for p in swarm.peers))
         events = {id(p): p.events() for p in swarm.peers}
@@ -120,6 +161,10 @@ def run(args: argparse.Namespace, mode: str) -> dict:
         start, end = (round_ - 1) * h, round_ * h + h
         slowest = max((at[s] - at[s - 1], s) for at in steps_at for s in range(start + 1, end + 1))
         row |= {"round": round_, "slowest_step": {"seconds": slowest[0], "step": slowest[1]}}
+    J = round_ if round_ is not None else cpu_round
+    if J is not None:  # from the first peers' step (J-1)*H to J*H + H (medians)
+        start = statistics.median(at[(J - 1) * h] for at in steps_at)
+        row["cpu_seconds"] = cpu.between(start, statistics.median(at[J * h + h] for at in steps_at))
     return row
 
 
@@ -135,12 +180,20 @@ def main() -> None:
     args = ap.parse_args()
     reps = []
     for _ in range(args.reps):
-        rep: dict = {mode: run(args, mode) for mode in ("early", "late", "calm")}
+        rep: dict = {mode: run(args, mode) for mode in ("early", "late")}
+        rep["calm"] = run(args, "calm", cpu_round=rep["early"]["round"])
         calm = rep["calm"]["round_seconds"]
         for mode in ("early", "late"):
             J = rep[mode]["round"]
             extra = {str(r): rep[mode]["round_seconds"][str(r)] - calm[str(r)] for r in (J - 1, J)}
             rep |= {f"{mode}_extra_seconds": sum(extra.values()), f"{mode}_extra_by_round": extra}
+        rep["early_extra_cpu_seconds"] = {  # the early run's CPU over rounds J-1 and J, over calm's
+            group: {
+                part: round(cpu - rep["calm"]["cpu_seconds"].get(group, {}).get(part, 0.0), 2)
+                for part, cpu in parts.items()
+            }
+            for group, parts in rep["early"]["cpu_seconds"].items()
+        }
         reps.append(rep)
         print(json.dumps({k: v for k, v in rep.items() if "extra" in k}), flush=True)
     result = {

@@ -34,6 +34,11 @@ logger = logging.getLogger(__name__)
 IN_FLIGHT = 2  # chunk requests open per donor: one travels while the next is being served
 MIB = 1 << 20
 DONOR_ERRORS = (PeerUnavailable, RemoteRefused, MessageError)
+# A donor that read a joiner in time answers its manifest request at once, with the state of the
+# boundary before the joiner's round; one that read it late answers only at the round's own
+# boundary, with a state that shares no chunk with the early one. Once an early manifest is in,
+# the other donors get this long to answer before the download starts without them.
+EARLY_GRACE = 2.0
 
 
 @dataclass
@@ -164,14 +169,58 @@ async def download_state(
     sent a usable manifest. Within `timeout` overall.
     """
     async with asyncio.timeout(timeout):
-        answers = await asyncio.gather(
-            *(ask_manifest(transport, d, run_id, stage, round_, timeout) for d in donors),
-            return_exceptions=True,
-        )
+        answers = await _manifests(transport, donors, run_id, stage, round_, timeout, admits)
         room = _Room.from_answers(
             transport, donors, answers, run_id, stage, round_, numel, admits, timeout, emit
         )
         return await room.run()
+
+
+async def _manifests(
+    transport: Transport,
+    donors: Sequence[str],
+    run_id: str,
+    stage: int,
+    round_: int,
+    timeout: float,
+    admits: Callable[[StateManifest], bool],
+) -> list[StateManifest | BaseException]:
+    """Every donor's answer to our manifest request, in `donors`' order; but once one usable
+    manifest of the round before `round_` is in, a donor that has not answered EARLY_GRACE
+    seconds later is given up (PeerUnavailable): a donor on the late path would hold the download
+    back until our round's boundary, and the swarm would wait for it there."""
+    asks = [asyncio.ensure_future(ask_manifest(transport, d, run_id, stage, round_, timeout)) for d in donors]
+
+    def early(task: asyncio.Future[StateManifest]) -> bool:
+        if task.cancelled() or task.exception() is not None:
+            return False
+        answer = task.result()
+        return answer.round == round_ - 1 and admits(answer)
+
+    pending, until = set(asks), None
+    try:
+        while pending:
+            left = None if until is None else max(0.0, until - asyncio.get_running_loop().time())
+            done, pending = await asyncio.wait(pending, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            if not done:
+                break  # the grace is over
+            if until is None and any(early(task) for task in done):
+                until = asyncio.get_running_loop().time() + EARLY_GRACE
+    finally:
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+    if until is None:
+        return [task.exception() or task.result() for task in asks]
+    # Only the early states: a later one shares no chunk with them, and waits for our round.
+    late = PeerUnavailable(f"it had not answered {EARLY_GRACE:g} s after a manifest of round {round_ - 1}")
+    later = MessageError(f"it keeps the state of round {round_}; another donor's of round {round_ - 1} is in")
+    return [
+        late
+        if task.cancelled()
+        else task.exception() or (later if task.result().round == round_ else task.result())
+        for task in asks
+    ]
 
 
 class _Room:

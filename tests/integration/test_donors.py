@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from noloco_swarm.peer import events
-from noloco_swarm.peer.donors import Snapshot, download_state
+from noloco_swarm.peer.donors import EARLY_GRACE, Snapshot, download_state
 from noloco_swarm.peer.net.transport import Transport, TransportConfig
 from noloco_swarm.protocol import codec, rpc
 from noloco_swarm.protocol.membership import MembershipView
@@ -44,14 +44,17 @@ class Donor:
         self.die_once_fetched: list[events.Event] | None = None  # the joiner's events: die after one
         self.served = 0
         self.dying: asyncio.Task[None] | None = None
+        self.hold: asyncio.Event | None = None  # a late donor's: its manifest waits for this
         transport.register("rpc_fetch_state", self.manifest)
         transport.register("rpc_fetch_chunk", self.chunk)
 
-    def serve(self, seed: int) -> None:
-        self.snapshot = Snapshot.take(parts(seed), 6, "e" * 64, VIEW, 6, CHUNK_BYTES)
-        self.forge, self.die_once_fetched, self.served = set(), None, 0
+    def serve(self, seed: int, view: MembershipView = VIEW) -> None:
+        self.snapshot = Snapshot.take(parts(seed), 6, "e" * 64, view, 6, CHUNK_BYTES)
+        self.forge, self.die_once_fetched, self.served, self.hold = set(), None, 0, None
 
     async def manifest(self, peer: str, header: codec.Message, _: list) -> tuple[codec.Message, list]:
+        if self.hold is not None:  # as a donor that read the joiner late waits for its round
+            await self.hold.wait()
         return self.snapshot.manifest(RUN, 0), []
 
     async def chunk(self, peer: str, header: codec.Message, _: list) -> tuple[codec.Message, list]:
@@ -147,6 +150,31 @@ def test_a_forged_chunk_never_reaches_the_state(
     assert [e.donor for e in lost] == [forger.transport.peer_id]
 
 
+def test_a_donor_on_the_late_path_does_not_hold_back_the_early_ones(
+    loop: asyncio.AbstractEventLoop, swarm: tuple[Transport, Donor, Donor]
+) -> None:
+    """One donor keeps the joiner's state at the boundary before its round (round 1 of a joiner
+    of round 2) and answers at once; the other read the joiner late and answers only at the
+    round's own boundary (here: never, until the test lets it). The joiner downloads the early
+    state EARLY_GRACE after its manifest came, without the late donor, whose state shares no
+    chunk with it; before, it waited for every manifest, and the swarm with it."""
+    joiner, a, b = swarm
+    a.serve(1, MembershipView(1, VIEW.stages))
+    b.serve(2)
+    b.hold = asyncio.Event()
+    seen: list[events.Event] = []
+    try:
+        got = fetch(loop, joiner, [b, a], seen)  # the late donor first in preference
+        assert not b.hold.is_set()
+    finally:
+        b.hold.set()
+    ida, idb = a.transport.peer_id, b.transport.peer_id
+    assert got.target == ida and got.manifest.round == 1 and same(got.parts, parts(1))
+    assert got.sent == {ida: 28} and b.served == 0
+    assert f"{EARLY_GRACE:g} s after a manifest of round 1" in got.lost[idb]
+
+
+# Last in this module: its donor stays dead.
 def test_a_donor_that_dies_mid_download_hands_over_to_the_other(
     loop: asyncio.AbstractEventLoop, swarm: tuple[Transport, Donor, Donor]
 ) -> None:
