@@ -23,6 +23,11 @@ peer does not run yet). The flat-load comparison:
         --rounds 8:60,32:60,128:30,256:16,1000:8 --records gossip --directory spread \
         --out docs/results/membership_flat.json
 
+The peer since 2026-12-07 reads no directory at a boundary, and audits nobody: the same with
+
+    python bench/membership_scale.py --peers 8,32,128 --rounds 8:60,32:60,128:30 --records gossip \
+        --directory spread --audits 0 --out docs/results/membership_no_audits.json
+
 The rules before 2026-12-06 (a joiner enters at its round or never; nothing settles a gone
 report but a probe), run by the same simulator: in a scratch copy of the repository,
 
@@ -100,6 +105,12 @@ def main() -> None:
         "announcements and all reports, read whole every round), spread (a key per peer and per accused, "
         "no whole read; needs --records gossip)",
     )
+    ap.add_argument(
+        "--audits",
+        type=int,
+        default=2,
+        help="spread directory: members' own keys each member reads per round (the peer reads none)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -123,6 +134,7 @@ def main() -> None:
                     seed=args.seed,
                     records=spread,
                     directory=directory,
+                    audits=args.audits,
                 )
                 began = time.monotonic()
                 row = simulate(scenario) | {"dht": name, "seconds": round(time.monotonic() - began, 1)}

@@ -207,16 +207,6 @@ class RunDirectory:
         """Every live, well-formed announcement of this run (subkey must equal the peer id)."""
         return _readout(*self._records(self._get(peers_key(self.run_id)), records.PeerAnnouncement))
 
-    def read_both(self) -> tuple[DirectoryReadout, list[tuple[str, str, int]]]:
-        """`read_peers()` and `read_reports()` in one DHT lookup, as every boundary reads them:
-        one traversal of the DHT for both keys instead of one each."""
-        keys = (peers_key(self.run_id), gone_key(self.run_id))
-        found = self._wait(self.dht.run_coroutine(functools.partial(get_latest, keys), return_future=True))
-        for key in keys:
-            self.calls.read(found.get(key))
-        peers = _readout(*self._records(found.get(keys[0]), records.PeerAnnouncement))
-        return peers, self._reports(found.get(keys[1]))
-
     def rebootstrap(self, peer_ids: Sequence[str]) -> int:
         """Ping `peer_ids` (the run's entry points) from our DHT node and look up our neighbours
         again, as hivemind does at start: a node that was cut off from everyone has emptied its

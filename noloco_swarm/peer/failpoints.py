@@ -14,11 +14,8 @@ after the first `skip` (unset: no point ever fires). Points:
                         caller's frame and sent its reply, then closes the stream without the
                         confirmation that ends the caller's call (it counts itself done)
 
-A DHT that is late for one peer (VERB: dht_read, the directory read at a round boundary; the
-point is reached only at a boundary whose read lists a peer entering at the next round):
+Records that reach one peer late:
 
-  miss_joiners:dht_read the read leaves out the announcements of the peers entering at the next
-                        round, as if they had not reached this peer yet
   miss_joiners:rpc_records  a joiner's announcement handed to this peer (peer/passing.py) is
                         dropped, as if lost on the way: only the members can pass it on
   miss_joiners:rpc_fetch_state  at the boundary before a joiner's round this peer keeps no
@@ -33,7 +30,13 @@ avoided; a call made again sends the same):
   poison_nan:VERB       ... hold a few NaNs
   poison_shape:VERB     ... lack their last element (a tensor of the wrong shape)
 
-The peer still averages its own, true weights: only what it sends lies.
+The peer still averages its own, true weights: only what it sends lies. And a member that lies
+in the records it passes (VERB: rpc_records):
+
+  false_report:rpc_records  at a boundary (once per boundary) this peer reports a live member
+                        gone in the current round, through the records it passes: the last
+                        member (by id) of the next stage, or of the previous one on the last
+                        stage. It goes on sending to that member: only its word lies.
 
 Stragglers, for benchmarks of the outer step (bench/outer_sync.py): `NOLOCO_STRAGGLE="MU,SIGMA"`
 (or `"MU,SIGMA,SCALE"`) makes every inner phase of this peer (the H inner steps of one round)
@@ -60,8 +63,8 @@ import torch
 ENV = "NOLOCO_FAILPOINTS"
 STRAGGLE_ENV = "NOLOCO_STRAGGLE"
 POISONS = ("poison_scale", "poison_nan", "poison_shape")
-KINDS = ("lose_reply", "close_unanswered", "close_unconfirmed", "miss_joiners", *POISONS)
-_ENTRY = re.compile(r"^(?P<kind>[a-z_]+):(?P<verb>rpc_[a-z_]+|dht_read)(@(?P<skip>\d+))?=(?P<count>\d+)$")
+KINDS = ("lose_reply", "close_unanswered", "close_unconfirmed", "miss_joiners", "false_report", *POISONS)
+_ENTRY = re.compile(r"^(?P<kind>[a-z_]+):(?P<verb>rpc_[a-z_]+)(@(?P<skip>\d+))?=(?P<count>\d+)$")
 
 
 def parse(text: str) -> dict[str, list[int]]:

@@ -120,7 +120,7 @@ class Joining:
         ]
         pending = frozenset(
             x.peer
-            for x in newest([*directory[0], *directory[2]])
+            for x in newest(directory[0])
             if x.stage == ctx.stage and x.joined_round == view.round + 1 and x.peer not in view.members()
         )
         if pending and failpoints.fire("miss_joiners", "rpc_fetch_state"):  # a test's announcement read late

@@ -13,8 +13,8 @@ to peer, sealed with its writer's signature (records.Sealed), which the DHT stri
   passes what a new neighbour lacks, so a record reaches every member connected to its writer
   within seconds, whatever the DHT does;
 - a joiner hands its announcement to the peers it asks where they are, as it makes it.
-At a boundary the view is built from the DHT's read and these records together (views.py). The
-joining margin (two rounds) and the report lag (one round) leave a round for a record to arrive.
+At a boundary the view is built from these records alone (views.py: since 2026-12-07 no
+boundary reads the DHT, after asking one neighbour for what it lacks). The joining margin (two rounds) and the report lag (one round) leave a round for a record to arrive.
 
 Only records that change a view are held and passed: announcements of memberships that began in
 the last JOIN_MARGIN_ROUNDS rounds or begin later (a founder's never), and the reports a boundary
@@ -206,9 +206,10 @@ class Passing:
             self._known[peer] = known & held
         self.push()
 
-    def _take(self, sender: str, items: Iterable[bytes], member: bool) -> int:
-        """Hold the good records among `items` from `sender`; how many were new to us."""
-        known, new = self._known.setdefault(sender, set()), 0
+    def _take(self, sender: str, items: Iterable[bytes], member: bool) -> tuple[int, int]:
+        """Hold the good records among `items` from `sender`: (how many were new to us, how many
+        we refused because `sender` is no member of our views)."""
+        known, new, strange = self._known.setdefault(sender, set()), 0, 0
         for data in items:
             try:
                 entry = open_sealed(data, self.run_id)
@@ -221,12 +222,13 @@ class Passing:
                 author(entry.record) != sender or not isinstance(entry.record, records.PeerAnnouncement)
             ):
                 self.bad += 1  # a stranger hands over its own announcement, nothing else
+                strange += 1
                 continue
             if not member and failpoints.fire("miss_joiners", "rpc_records"):  # a test's lost handover
                 logger.warning("failpoint miss_joiners:rpc_records: %s's handover dropped", sender)
                 continue
             new += self.book.add(entry)
-        return new
+        return new, strange
 
     # ------------------------------------------------------------------ passing
 
@@ -238,8 +240,16 @@ class Passing:
             raise MessageError(f"expected records of run {self.run_id!r}")
         self._meet(peer_id, header.session)
         member = peer_id in self.members()
-        if self._take(peer_id, header.records, member):
+        new, strange = self._take(peer_id, header.records, member)
+        if new:
             self.push()
+        if strange:
+            # Said, so that the sender does not count them as ours: a joiner that has no view yet
+            # refused the reports a member passed it, and lacked them at its first boundary.
+            raise MessageError(
+                f"{strange} record(s) refused: {peer_id} is no member of this peer's views, and may "
+                "hand over only its own announcement"
+            )
         reply = self._unknown_to(peer_id) if member else []
         return rpc.PassedRecords(self.run_id, self.session, tuple(e.sealed for e in reply)), []
 
@@ -251,6 +261,25 @@ class Passing:
             return
         header = rpc.PassedRecords(self.run_id, self.session, (mine.sealed,))
         await asyncio.gather(*(self._call(p, header, ()) for p in peers))
+
+    async def pull(self, peers: Iterable[str], timeout: float) -> bool:
+        """Ask the first of `peers` that answers, within `timeout` in all, for the records it holds
+        that we lack (passing it what it lacks, as a push would); False if none answered."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        for peer in peers:
+            left = deadline - loop.time()
+            if left <= 0 or self._closed:
+                break
+            sent = self._unknown_to(peer)
+            header = rpc.PassedRecords(self.run_id, self.session, tuple(e.sealed for e in sent))
+            try:
+                if await asyncio.wait_for(self._call(peer, header, sent), left):
+                    return True
+            except TimeoutError:
+                logger.info("%s did not answer our pull of records within %.1f s", peer, left)
+                break
+        return False
 
     def push(self) -> None:
         """Pass every neighbour the records it lacks (in the background; one call at a time each)."""
@@ -286,7 +315,7 @@ class Passing:
             return False
         self._meet(peer, reply.session)
         self._known.setdefault(peer, set()).update(e.id for e in sent)
-        if self._take(peer, reply.records, peer in self.members()):
+        if self._take(peer, reply.records, peer in self.members())[0]:
             self.push()
         return True
 

@@ -1,21 +1,22 @@
 """Who serves which stage in each round, as one peer sees it.
 
 A peer keeps the frozen views of the last few rounds (routes and groups of step t come from the
-view of t's round), and builds the next one at every boundary from the run's directory with the
-pure rule `protocol.membership.next_view`. The margins that decide when a peer enters, leaves or
+view of t's round), and builds the next one at every boundary from the records members passed it
+(peer/passing.py) with the pure rule `protocol.membership.next_view`. The margins that decide when a peer enters, leaves or
 is left behind are protocol/membership.py's table; whom this peer judged gone is liveness.py's.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from collections.abc import Iterable
 
 from noloco_swarm.peer import events, failpoints
 from noloco_swarm.peer.directory import RunDirectory
-from noloco_swarm.peer.liveness import DHT_ERRORS, Liveness
+from noloco_swarm.peer.liveness import Liveness
 from noloco_swarm.peer.net.transport import Transport
 from noloco_swarm.peer.passing import Passing
 from noloco_swarm.peer.tickets import Gate
@@ -38,10 +39,13 @@ logger = logging.getLogger(__name__)
 # How often a founding peer reads the directory until round 0 is complete: the peers start
 # training within about this much of each other, and the first step waits for the last.
 FREEZE_POLL = 0.1
-# What a read of the run's directory returns: the peers listed, and (peer, reporter, round)
-# reports; then the same of the records members passed us (peer/passing.py), as held right after
-# the DHT answered.
-Directory = tuple[list[Listing], list[tuple[str, str, int]], list[Listing], list[tuple[str, str, int]]]
+# What a boundary builds the next view from: the listings and (peer, reporter, round) reports of
+# the records members passed us (peer/passing.py), as we hold them at the boundary.
+Directory = tuple[list[Listing], list[tuple[str, str, int]]]
+# At a boundary a peer asks a neighbour for the records it lacks, for at most this long, beside
+# the outer exchange: a member that was stopped or cut off while a round's records were passed
+# gets them so (the membership simulator: without it a thawed peer kept itself for a round).
+PULL_TIMEOUT = 2.0
 
 
 class PeerExcluded(RuntimeError):
@@ -193,26 +197,34 @@ class Rounds(Liveness):
             await asyncio.sleep(FREEZE_POLL)
 
     async def read_directory(self) -> Directory:
-        """The run's listings and gone reports, for `next`, and the records members passed us; the
-        DHT's part is empty if it cannot be read twice (the next view then keeps this round's
-        members, and admits whom the passed records admit). The loop starts this read at the
-        boundary, beside the outer exchange, so that the exchange hides its DHT round trip:
-        only reports of rounds before the current one decide the next view (membership.py),
-        and those were stored a round ago."""
-        read: tuple[list[Listing], list[tuple[str, str, int]]] = ([], [])
-        for attempt in range(2):
-            try:
-                read = await asyncio.to_thread(self._read_directory)
-                break
-            except DHT_ERRORS as e:
-                logger.warning(
-                    "could not read the run's directory (%s)%s", e, "" if attempt else "; retrying"
-                )
-        # The records members passed us, as we hold them now: taken with the read, not when the
-        # view is built (after the outer exchange, which may wait seconds for a partner), so that
-        # what reaches us meanwhile counts at the next boundary at every member alike.
+        """The records that decide the next view: those members passed us during the round, and
+        what one neighbour holds that we lack (asked now). No DHT read: every record that can
+        change a view is passed from member to member within seconds (peer/passing.py), so the
+        whole directory, N records read by each of N peers every round, is read only by peers
+        that join (issue 36, item 4). The loop starts this at the boundary, beside the outer
+        exchange, which hides the neighbour's round trip; the records are taken as held then, not
+        when the view is built (after the exchange, which may wait seconds for a partner), so
+        that what reaches us meanwhile counts at the next boundary at every member alike."""
+        if failpoints.fire("false_report", "rpc_records"):  # a test's lying member
+            self._lie()
+        near = [p for p in self._neighbours() if p not in self.dead]
+        order = sorted(near, key=lambda p: hashlib.sha256(f"{self.me}/{self.round}/{p}".encode()).digest())
+        await self.passing.pull(order, PULL_TIMEOUT)
         book = self.passing.book
-        return *read, self._listings(book.listed()), book.gone()
+        return self._listings(book.listed()), book.gone()
+
+    def _lie(self) -> None:
+        """Failpoint false_report: pass a report that a live member of the next stage (or the
+        previous, on the last) is gone in our round, and nothing else."""
+        view = self.latest()
+        if view is None or view.num_stages < 2:
+            return
+        stage = self.stage + 1 if self.stage + 1 < view.num_stages else self.stage - 1
+        victim = view.stages[stage][-1]
+        logger.warning(
+            "failpoint false_report:rpc_records: reporting %s gone in round %d", victim, view.round
+        )
+        self.passing.own(records.GoneReport(self.directory.run_id, victim, self.me, view.round))
 
     async def next(self, current: MembershipView, joined_round: int, directory: Directory) -> MembershipView:
         """The view of the round after `current`, by the rule every peer applies (not yet frozen),
@@ -220,25 +232,11 @@ class Rounds(Liveness):
 
         Raises PeerExcluded if it leaves us out or a stage has nobody left (see below).
         """
-        listings, reports, passed, passed_reports = list(directory[0]), *directory[1:]
-        entering = [
-            x for x in listings if x.peer not in current.members() and x.joined_round == current.round + 1
-        ]
-        if entering and failpoints.fire("miss_joiners", "dht_read"):  # a test's late DHT
-            logger.warning(
-                "failpoint miss_joiners:dht_read: the read leaves out %s", [x.peer for x in entering]
-            )
-            listings = [x for x in listings if x not in entering]
-        # What we saw ourselves counts too, in case the DHT lost it (weighed with the rest).
+        listings, reports = newest(directory[0]), directory[1]
+        # What we saw ourselves counts too, in case a report of ours was not passed (weighed with
+        # the rest). A member that died is found by the peers it fails: those that route rows to
+        # it, and its exchange partner.
         seen = [(peer, self.me, round_) for peer, round_ in self.dead.items()]
-        # A member missing from the read is only suspect: check it before telling everyone it is gone.
-        suspects = sorted(current.members() - {item.peer for item in listings} - set(self.dead) - {self.me})
-        # The records members passed us count with the DHT's (peer/passing.py): a record the DHT
-        # brought us late, or a read that failed, then changes nothing.
-        listings, reports = newest(listings + passed), [*reports, *passed_reports]
-        async with asyncio.TaskGroup() as group:
-            for p in suspects:
-                group.create_task(self.suspect(p, "its announcement expired"))
         joined = {item.peer: item.joined_round for item in listings}
         due = reports_to_weigh(current, reports, seen)
         kept = await self.evidence.weigh(current, joined, due, self.alive)
@@ -262,10 +260,6 @@ class Rounds(Liveness):
                 "(was this peer cut off?)"
             )
         return view
-
-    def _read_directory(self) -> Directory:
-        peers, reports = self.directory.read_both()
-        return self._listings(peers.announcements), reports
 
     def _listings(self, announcements: list[records.PeerAnnouncement]) -> list[Listing]:
         """The admitted ones of `announcements` as the view rule reads them: whether each peer

@@ -36,8 +36,10 @@ import torch
 # 9: a caller that avoids its callee says so (`rpc_decline`), which a version-8 peer would refuse;
 # 10: members pass each other their sealed membership records (`rpc_records`);
 # 11: a donor serves a joiner the state of the boundary before its round (a manifest's `round` is
-# that of its view, and a joiner asks for its entry view apart: `StateRequest.admitted`)
-PROTOCOL_VERSION = 11
+# that of its view, and a joiner asks for its entry view apart: `StateRequest.admitted`);
+# 12: a boundary builds its view from the records members passed alone (a version-11 peer also
+# reads the directory, and could build another), and a non-member's others' records are refused
+PROTOCOL_VERSION = 12
 MAX_MESSAGE_BYTES = 1 << 20  # headers only; tensor payloads are streamed separately
 MAX_SEQUENCE = 1 << 16
 MAX_STRING = 4096

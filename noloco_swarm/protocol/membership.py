@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 # ---------------------------------------------------------------- the margins, in rounds
 # A joiner enters this many rounds after the round of the furthest step it hears of, so that every
-# member has read its announcement before that boundary (peers read the DHT at different times).
+# member holds its announcement before that boundary (records reach peers at different times).
 JOIN_MARGIN_ROUNDS = 2
 # A joiner whose announcement the swarm outpaced aims at most this many rounds further.
 JOIN_RETRY_ROUNDS = 1

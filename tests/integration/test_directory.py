@@ -149,11 +149,6 @@ def test_gone_reports_are_shared_and_only_members_count(two_peers: tuple[DHT, DH
         [("crashed", me(a), 4), ("crashed", me(b), 5), (me(b), me(stranger), 4)]
     )
     assert db.read_peers().announcements == []  # reports are not announcements
-    # A boundary reads both keys in one lookup, and finds what the two reads find.
-    assert da.announce(records.PeerAnnouncement("run-g", me(a), 0, 0))
-    peers, reports = db.read_both()
-    assert peers == db.read_peers() and [x.peer_id for x in peers.announcements] == [me(a)]
-    assert sorted(reports) == sorted(db.read_reports())
 
 
 def test_announcements_expire(two_peers: tuple[DHT, DHT]) -> None:
@@ -249,8 +244,6 @@ def test_a_directory_over_a_node_on_the_peers_own_loop(bootstrap: str, two_peers
                 assert await asyncio.to_thread(ours.announce, announcement)
                 seen_by_us = {x.peer_id for x in (await asyncio.to_thread(ours.read_peers)).announcements}
                 seen_by_them = {x.peer_id for x in (await asyncio.to_thread(theirs.read_peers)).announcements}
-                both, _ = await asyncio.to_thread(ours.read_both)  # one lookup of both keys
-                assert {x.peer_id for x in both.announcements} == seen_by_us
                 with pytest.raises(RuntimeError, match="would wait on itself"):
                     ours.read_peers()
 

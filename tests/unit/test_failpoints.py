@@ -19,7 +19,7 @@ def test_points_parse_into_counts() -> None:
         "close_unanswered:rpc_exchange": [0, 1],
     }
     assert failpoints.parse("lose_reply:rpc_exchange@3=1") == {"lose_reply:rpc_exchange": [3, 1]}
-    assert failpoints.parse("miss_joiners:dht_read=1") == {"miss_joiners:dht_read": [0, 1]}
+    assert failpoints.parse("miss_joiners:rpc_records=1") == {"miss_joiners:rpc_records": [0, 1]}
     assert failpoints.parse("") == {}
 
 

@@ -136,12 +136,14 @@ def test_a_stranger_hands_over_only_its_own_announcement_and_hears_nothing() -> 
     me, served = passing(A, {A.peer_id, B.peer_id})
     assert [verb for verb, _ in served] == ["rpc_records"]
     me.book.add(seal(B, joiner(B, 2)))
-    handed = (
-        seal(C, joiner(C, 2)).sealed,
-        seal(C, report(C, B.peer_id, 0)).sealed,
-        seal(B, joiner(B, 3)).sealed,
-    )
-    reply, _ = asyncio.run(me.rpc_records(C.peer_id, rpc.PassedRecords(RUN, b"session1", handed), []))
+    own = seal(C, joiner(C, 2)).sealed
+    reply, _ = asyncio.run(me.rpc_records(C.peer_id, rpc.PassedRecords(RUN, b"session1", (own,)), []))
     assert isinstance(reply, rpc.PassedRecords) and reply.records == ()
+    # Anything else it hands over is refused, and it is told so: a sender that took the call for
+    # a delivery would count the records as ours (a joiner with no view yet refused the reports
+    # a member passed it, and lacked them at its first boundary).
+    others = (seal(C, report(C, B.peer_id, 0)).sealed, seal(B, joiner(B, 3)).sealed)
+    with pytest.raises(MessageError, match=r"2 record\(s\) refused: .* is no member of this peer's views"):
+        asyncio.run(me.rpc_records(C.peer_id, rpc.PassedRecords(RUN, b"session1", others), []))
     assert sorted(a.peer_id for a in me.book.listed()) == sorted([B.peer_id, C.peer_id])
     assert me.book.gone() == [] and me.bad == 2
