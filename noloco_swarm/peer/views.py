@@ -201,7 +201,7 @@ class Rounds(Liveness):
         what one neighbour holds that we lack (asked now). No DHT read: every record that can
         change a view is passed from member to member within seconds (peer/passing.py), so the
         whole directory, N records read by each of N peers every round, is read only by peers
-        that join (issue 36, item 4). The loop starts this at the boundary, beside the outer
+        that join, founders before round 0 and `noloco status` (issue 36, item 4). The loop starts this at the boundary, beside the outer
         exchange, which hides the neighbour's round trip; the records are taken as held then, not
         when the view is built (after the exchange, which may wait seconds for a partner), so
         that what reaches us meanwhile counts at the next boundary at every member alike."""
