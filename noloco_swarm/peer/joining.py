@@ -36,7 +36,7 @@ from noloco_swarm.peer.liveness import DHT_ERRORS, PROBE_TIMEOUT, ask_status
 from noloco_swarm.peer.net.limits import Accepts
 from noloco_swarm.peer.net.streams import Pacer
 from noloco_swarm.peer.net.transport import Transport
-from noloco_swarm.peer.views import Directory
+from noloco_swarm.peer.views import Held
 from noloco_swarm.protocol import codec, records, rpc
 from noloco_swarm.protocol.clock import StepClock
 from noloco_swarm.protocol.codec import MessageError
@@ -104,13 +104,11 @@ class Joining:
         ctx.transport.register("rpc_fetch_state", self.rpc_fetch_state)
         ctx.transport.register("rpc_fetch_chunk", self.rpc_fetch_chunk, Accepts(direct_only=True))
 
-    async def keep_for_joiners(
-        self, previous: MembershipView, view: MembershipView, directory: Directory
-    ) -> None:
+    async def keep_for_joiners(self, previous: MembershipView, view: MembershipView, held: Held) -> None:
         """At a boundary: snapshot our state (just after the outer step) for the joiners of our
-        stage that `directory` announces for the next round (they download it during this one,
-        and nobody waits for them), and for those `view` admits that we kept nothing for at the
-        boundary before (they download it now, and the round waits for them)."""
+        stage that the records `held` announce for the next round (they download it during this
+        one, and nobody waits for them), and for those `view` admits that we kept nothing for at
+        the boundary before (they download it now, and the round waits for them)."""
         ctx = self.ctx
         early = self.snapshots.get(view.round - 1)
         joiners = [
@@ -120,7 +118,7 @@ class Joining:
         ]
         pending = frozenset(
             x.peer
-            for x in newest(directory[0])
+            for x in newest(held[0])
             if x.stage == ctx.stage and x.joined_round == view.round + 1 and x.peer not in view.members()
         )
         if pending and failpoints.fire("miss_joiners", "rpc_fetch_state"):  # a test's announcement read late

@@ -13,8 +13,9 @@ to peer, sealed with its writer's signature (records.Sealed), which the DHT stri
   passes what a new neighbour lacks, so a record reaches every member connected to its writer
   within seconds, whatever the DHT does;
 - a joiner hands its announcement to the peers it asks where they are, as it makes it.
-At a boundary the view is built from these records alone (views.py: since 2026-12-07 no
-boundary reads the DHT, after asking one neighbour for what it lacks). The joining margin (two rounds) and the report lag (one round) leave a round for a record to arrive.
+At a boundary the view is built from these records alone (views.py: since 2026-12-07 no boundary
+reads the DHT; a member first asks one neighbour for what it lacks). The joining margin (two
+rounds) and the report lag (one round) leave a round for a record to arrive.
 
 Only records that change a view are held and passed: announcements of memberships that began in
 the last JOIN_MARGIN_ROUNDS rounds or begin later (a founder's never), and the reports a boundary

@@ -43,7 +43,7 @@ from noloco_swarm.peer.net.transport import Transport
 from noloco_swarm.peer.outer_steps import OuterSteps
 from noloco_swarm.peer.resume import Resume, SwarmMovedOn
 from noloco_swarm.peer.tickets import Gate
-from noloco_swarm.peer.views import Directory, PeerExcluded, Rounds, raise_if_left_behind
+from noloco_swarm.peer.views import Held, PeerExcluded, Rounds, raise_if_left_behind
 from noloco_swarm.protocol import codec, records, rpc
 from noloco_swarm.protocol.codec import MessageError
 from noloco_swarm.train.config import RunConfig
@@ -232,18 +232,18 @@ class Peer:
         tensors, so it still equals the run that never stopped."""
         ctx, overlap = self.ctx, self.ctx.cfg.outer.overlap_steps > 0
         last = ctx.step >= self.steps
-        async with asyncio.TaskGroup() as group:  # the DHT read runs behind the exchange
-            directory = None if last else group.create_task(ctx.rounds.read_directory())
+        async with asyncio.TaskGroup() as group:  # the neighbour's pull runs behind the exchange
+            held = None if last else group.create_task(ctx.rounds.gather_records())
             if overlap:
                 await self._save(with_theta=True)
             if ctx.run_plan.update is not None:  # the method has an outer step
                 await self.outer.at_boundary(self.steps)
             if not overlap:
                 await self._save()
-        if directory is None:
+        if held is None:
             return False
         try:
-            await self._advance_view(directory.result())
+            await self._advance_view(held.result())
         except PeerExcluded:
             if self.leaving is None:
                 raise
@@ -283,13 +283,13 @@ class Peer:
         self.outer.taken, self.tokens = ckpt.outer_steps, ckpt.tokens
         self.resumed_pending = ckpt.step if "theta" in ckpt.parts else None
 
-    async def _advance_view(self, directory: Directory) -> None:
-        """At a round boundary: freeze the next round's view, built from `directory` (read at the
-        boundary); keep our state for its joiners."""
+    async def _advance_view(self, held: Held) -> None:
+        """At a round boundary: freeze the next round's view, built from the records `held` at
+        the boundary; keep our state for its joiners."""
         ctx = self.ctx
         current = ctx.view_at(ctx.step - 1)
-        view = await ctx.rounds.next(current, self.joining.joined_round, directory)
-        await self.joining.keep_for_joiners(current, view, directory)
+        view = await ctx.rounds.next(current, self.joining.joined_round, held)
+        await self.joining.keep_for_joiners(current, view, held)
         ctx.rounds.set(view)
 
     # ------------------------------------------------------------------ presence

@@ -1,9 +1,10 @@
 """Who serves which stage in each round, as one peer sees it.
 
 A peer keeps the frozen views of the last few rounds (routes and groups of step t come from the
-view of t's round), and builds the next one at every boundary from the records members passed it
-(peer/passing.py) with the pure rule `protocol.membership.next_view`. The margins that decide when a peer enters, leaves or
-is left behind are protocol/membership.py's table; whom this peer judged gone is liveness.py's.
+view of t's round), and builds the next one at every boundary from the records members passed
+it (peer/passing.py) with the pure rule `protocol.membership.next_view`. The margins that decide
+when a peer enters, leaves or is left behind are protocol/membership.py's table; whom this peer
+judged gone is liveness.py's.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ logger = logging.getLogger(__name__)
 FREEZE_POLL = 0.1
 # What a boundary builds the next view from: the listings and (peer, reporter, round) reports of
 # the records members passed us (peer/passing.py), as we hold them at the boundary.
-Directory = tuple[list[Listing], list[tuple[str, str, int]]]
+Held = tuple[list[Listing], list[tuple[str, str, int]]]
 # At a boundary a peer asks a neighbour for the records it lacks, for at most this long, beside
 # the outer exchange: a member that was stopped or cut off while a round's records were passed
 # gets them so (the membership simulator: without it a thawed peer kept itself for a round).
@@ -196,15 +197,16 @@ class Rounds(Liveness):
                 raise TimeoutError(f"only {there} peers per stage after {timeout:.0f} s; need {list(counts)}")
             await asyncio.sleep(FREEZE_POLL)
 
-    async def read_directory(self) -> Directory:
+    async def gather_records(self) -> Held:
         """The records that decide the next view: those members passed us during the round, and
         what one neighbour holds that we lack (asked now). No DHT read: every record that can
         change a view is passed from member to member within seconds (peer/passing.py), so the
         whole directory, N records read by each of N peers every round, is read only by peers
-        that join, founders before round 0 and `noloco status` (issue 36, item 4). The loop starts this at the boundary, beside the outer
-        exchange, which hides the neighbour's round trip; the records are taken as held then, not
-        when the view is built (after the exchange, which may wait seconds for a partner), so
-        that what reaches us meanwhile counts at the next boundary at every member alike."""
+        that join, founders before round 0 and `noloco status` (issue 36, item 4). The loop
+        starts this at the boundary, beside the outer exchange, which hides the neighbour's round
+        trip; the records are taken as held then, not when the view is built (after the exchange,
+        which may wait seconds for a partner), so that what reaches us meanwhile counts at the
+        next boundary at every member alike."""
         if failpoints.fire("false_report", "rpc_records"):  # a test's lying member
             self._lie()
         near = [p for p in self._neighbours() if p not in self.dead]
@@ -226,13 +228,13 @@ class Rounds(Liveness):
         )
         self.passing.own(records.GoneReport(self.directory.run_id, victim, self.me, view.round))
 
-    async def next(self, current: MembershipView, joined_round: int, directory: Directory) -> MembershipView:
+    async def next(self, current: MembershipView, joined_round: int, held: Held) -> MembershipView:
         """The view of the round after `current`, by the rule every peer applies (not yet frozen),
-        from `directory` (read at the boundary: see read_directory).
+        from `held` (gathered at the boundary: see gather_records).
 
         Raises PeerExcluded if it leaves us out or a stage has nobody left (see below).
         """
-        listings, reports = newest(directory[0]), directory[1]
+        listings, reports = newest(held[0]), held[1]
         # What we saw ourselves counts too, in case a report of ours was not passed (weighed with
         # the rest). A member that died is found by the peers it fails: those that route rows to
         # it, and its exchange partner.

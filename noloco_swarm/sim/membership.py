@@ -24,7 +24,8 @@ protocol.plan.join_round. What the model supplies is what a peer reads and when:
 
 Where the DHT holds records (`Scenario.directory`): "whole" is today's peer (one key holds every
 announcement, one every gone report, and every member reads both whole at every boundary);
-"spread" is a layout for issue 36's item 4 that the peer does not run yet: each peer's
+"spread" is a layout for issue 36's item 4, of which the peer runs the no-read half (its
+heartbeats still go to one key): each peer's
 announcement under a key of its own, the reports of a peer under a key per accused, and no
 whole read:
 records reach members only as members pass them on (records="gossip"; at its boundary a member
