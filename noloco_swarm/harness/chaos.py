@@ -306,3 +306,14 @@ def views_since(
             if m.time > since:
                 views.setdefault(m.round, set()).add(tuple(tuple(s) for s in m.stages))
     return views
+
+
+def splits(views: dict[int, set[tuple[tuple[str, ...], ...]]]) -> str:
+    """The rounds of `views` (views_since) that peers saw differently, each view as its stages of
+    short peer ids, for a failed test to say where the swarm split ('' when it never did)."""
+    lines = []
+    for round_, seen in sorted(views.items()):
+        if len(seen) > 1:
+            shown = sorted(" | ".join(",".join(p[-6:] for p in stage) for stage in view) for view in seen)
+            lines.append(f"round {round_}: " + "  vs  ".join(shown))
+    return "\n".join(lines)

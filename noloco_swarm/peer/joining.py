@@ -40,7 +40,14 @@ from noloco_swarm.peer.views import Held
 from noloco_swarm.protocol import codec, records, rpc
 from noloco_swarm.protocol.clock import StepClock
 from noloco_swarm.protocol.codec import MessageError
-from noloco_swarm.protocol.membership import JOIN_RETRY_ROUNDS, MembershipView, donor_serves, newest
+from noloco_swarm.protocol.membership import (
+    JOIN_RETRY_ROUNDS,
+    MembershipView,
+    donor_serves,
+    entering,
+    newest,
+    pending_joiners,
+)
 from noloco_swarm.protocol.plan import join_round
 from noloco_swarm.protocol.rpc import StateManifest
 
@@ -111,16 +118,12 @@ class Joining:
         the boundary before (they download it now, and the round waits for them)."""
         ctx = self.ctx
         early = self.snapshots.get(view.round - 1)
+        listings = newest(held[0])
+        new = entering(previous, view, listings)
         joiners = [
-            p
-            for p in view.stages[ctx.stage]
-            if p not in previous.members() and not (early is not None and p in early.pending)
+            p for p in view.stages[ctx.stage] if p in new and not (early is not None and p in early.pending)
         ]
-        pending = frozenset(
-            x.peer
-            for x in newest(held[0])
-            if x.stage == ctx.stage and x.joined_round == view.round + 1 and x.peer not in view.members()
-        )
+        pending = frozenset(pending_joiners(view, ctx.stage, listings))
         if pending and failpoints.fire("miss_joiners", "rpc_fetch_state"):  # a test's announcement read late
             logger.warning("failpoint miss_joiners:rpc_fetch_state: no state kept for %s", sorted(pending))
             pending = frozenset()

@@ -29,6 +29,7 @@ from noloco_swarm.protocol.membership import (
     LEFT_BEHIND_ROUNDS,
     Listing,
     MembershipView,
+    entering,
     founders,
     newest,
     reports_to_weigh,
@@ -248,7 +249,7 @@ class Rounds(Liveness):
         view = self.evidence.judgement.view_after(
             current, Listing(self.me, self.stage, joined_round), listings, kept
         )
-        for peer in view.members() - current.members():
+        for peer in entering(current, view, listings):
             self.dead.pop(peer, None)  # a peer that rejoined is a member again
         if self.me not in view.members():
             raise PeerExcluded(f"the view of round {view.round} leaves this peer out (reported gone?)")

@@ -162,7 +162,12 @@ def next_view(
       it, so this heals the split instead of keeping it for as long as the joiner lives. A
       joiner that nobody admitted never entered its round (it announces a later one); a peer
       that left reported itself, and stays out for that.
-    - A member that announces a new membership for exactly the next round enters with it.
+    - A member that announces a new membership (a peer restarted with `--resume` that the swarm
+      outran, a rejoiner) enters with it at its round, and its old membership lasts until then
+      unless reports end it first, judged as if the new one were not listed (`standing`). The
+      announcement reaches members at different moments; before 2026-12-07 the old membership
+      ended at the first boundary that held it, and members that held it on either side of a
+      boundary built different views (test_faults' killed-while-checkpointing test, in CI).
     Pure: peers that saw the same listings and reports build the same view.
     """
     nxt = current.round + 1
@@ -177,9 +182,12 @@ def next_view(
     for stage, peers in enumerate(current.stages):
         for peer in peers:
             item = listed.get(peer)
-            if item is not None and (item.stage != stage or item.joined_round > current.round):
-                continue  # it announced a new membership: it re-enters only through that
-            if not reported(peer, item.joined_round if item is not None else 0):
+            start = standing(item.joined_round if item is not None else 0, current.round)
+            if item is not None and item.joined_round == nxt:
+                continue  # its new membership begins now: it enters through that (below)
+            if item is not None and item.joined_round <= current.round and item.stage != stage:
+                continue  # it lists another stage as begun: it would have to join again
+            if not reported(peer, start):
                 pairs.append((peer, stage))
     members = current.members()
     for item in listed.values():
@@ -188,6 +196,26 @@ def next_view(
         if enters and 0 <= item.stage < current.num_stages and not reported(item.peer, item.joined_round):
             pairs.append((item.peer, item.stage))
     return MembershipView.from_announcements(nxt, current.num_stages, pairs)
+
+
+def standing(joined_round: int, now: int) -> int:
+    """The round the membership a peer holds in round `now` began, from the round its newest
+    listing names: a listing of a later round announces a membership still to come, and the one it
+    holds now began before any listing we keep (0: every report of it counts)."""
+    return 0 if joined_round > now else joined_round
+
+
+def entering(current: MembershipView, view: MembershipView, listings: Iterable[Listing]) -> set[str]:
+    """The members of `view` (the round after `current`) whose membership begins with it: peers new
+    to the swarm, and members whose listed new membership begins now (a restarted peer)."""
+    begins = {x.peer for x in listings if x.joined_round == view.round}
+    return {p for p in view.members() if p not in current.members() or p in begins}
+
+
+def pending_joiners(view: MembershipView, stage: int, listings: Iterable[Listing]) -> list[str]:
+    """The peers listed for `stage` whose membership begins at the round after `view`'s, members of
+    `view` or not: a donor of that stage keeps its state of this boundary for them."""
+    return sorted({x.peer for x in listings if x.stage == stage and x.joined_round == view.round + 1})
 
 
 def newest(listings: Iterable[Listing]) -> list[Listing]:
@@ -384,7 +412,7 @@ class Judgement:
             for r in reports
             if r[0] != r[1]
             and r[0] in members
-            and joined.get(r[0], 0) <= r[2] < now
+            and standing(joined.get(r[0], 0), now) <= r[2] < now
             and r not in self.voided
             and not self._settled(r, joined, members)
         ]
@@ -396,12 +424,17 @@ class Judgement:
         self, current: MembershipView, joined: Mapping[str, int], reports: Iterable[Report]
     ) -> set[str]:
         """The accused to probe before this boundary's view: reported by fewer than CORROBORATION
-        distinct members that are heard."""
+        distinct members that are heard. Not one that lists a membership still to come: by its
+        own word the process of its old one is gone, and its new one would answer for it."""
         due = self._due(current, joined, reports)
         reporters: dict[str, set[str]] = {}
         for peer, reporter, _ in set(due) - self._unheard(due, current.round):
             reporters.setdefault(peer, set()).add(reporter)
-        return {peer for peer, who in reporters.items() if len(who) < CORROBORATION}
+        return {
+            peer
+            for peer, who in reporters.items()
+            if len(who) < CORROBORATION and joined.get(peer, 0) <= current.round
+        }
 
     def settle(
         self,

@@ -61,6 +61,7 @@ from noloco_swarm.protocol.membership import (
     MembershipView,
     Report,
     credible_gone,
+    entering,
     newest,
     reports_to_weigh,
 )
@@ -435,7 +436,7 @@ class Model:
             peer.dead.pop(name, None)
         me = Listing(peer.name, peer.stage, peer.joined_round)
         view = peer.judgement.view_after(current, me, listings, kept, self._credible)
-        for name in view.members() - current.members():
+        for name in entering(current, view, listings):
             peer.dead.pop(name, None)
         if peer.name not in view.members() or not view.is_complete():
             self.rejoin(peer, t)

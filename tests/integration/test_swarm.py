@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from noloco_swarm.harness.chaos import views_since
+from noloco_swarm.harness.chaos import splits, views_since
 from noloco_swarm.harness.local import local_swarm, wait
 from noloco_swarm.model import num_flat
 from noloco_swarm.peer.events import (
@@ -681,7 +681,7 @@ def test_a_killed_peer_takes_its_processes_and_a_replacement_takes_its_stage(
     assert victim_id in partner.gone and partner.outer_steps == steps // 3
     # The survivors agree on every round's view, and the last one is without the victim.
     views = views_since(survivor_events)
-    assert all(len(v) == 1 for v in views.values()), {r: v for r, v in views.items() if len(v) > 1}
+    assert not splits(views), splits(views)
     last = next(iter(views[max(views)]))
     assert all(victim_id not in s for s in last) and [len(s) for s in last] == [2] * stages
     # Until the views drop the victim (one boundary after the round its death was reported in),
@@ -765,7 +765,7 @@ def test_a_killed_stage_zero_replicas_shard_is_fed_by_the_other_until_the_views_
     kept = next(s for s in summaries.values() if s.stage == 0)
     assert victim_id in kept.gone and kept.outer_steps == steps // h
     views = views_since(survivor_events)
-    assert all(len(v) == 1 for v in views.values()), {r: v for r, v in views.items() if len(v) > 1}
+    assert not splits(views), splits(views)
     with_victim = [r for r, v in views.items() if victim_id in next(iter(v))[0]]
     dropped_from = max(with_victim) + 1  # the first round whose view is without the victim
     assert dropped_from <= killed_in + 2 and victim_id not in next(iter(views[max(views)]))[0]
@@ -809,7 +809,7 @@ def test_sigterm_makes_a_peer_leave_at_a_boundary_and_nothing_is_lost(cache: Pat
         summaries[next(e.peer_id for e in of_kind(events[id(p)], Membership))].steps == steps for p in others
     )
     views = views_since(events[id(p)] for p in swarm.peers)
-    assert all(len(v) == 1 for v in views.values()), {r: v for r, v in views.items() if len(v) > 1}
+    assert not splits(views), splits(views)
     for r, v in views.items():
         stages = next(iter(v))
         assert (gone in stages[1]) == (r < left[0].step // 3), (r, stages)
@@ -937,7 +937,7 @@ def test_a_peer_joins_a_running_swarm_at_a_round_boundary(cache: Path, overlap: 
     assert (me.state_hash in server_outer) == (overlap == 0)
     # Every peer holds the same view of every round; the joiner is in it from round J on.
     views = views_since(events[id(p)] for p in swarm.peers)
-    assert all(len(v) == 1 for v in views.values()), {r: v for r, v in views.items() if len(v) > 1}
+    assert not splits(views), splits(views)
     for r, v in views.items():
         stages = next(iter(v))
         assert (me.peer_id in stages[0]) == (r >= J), (r, stages)
@@ -1051,7 +1051,7 @@ def test_a_joiner_whose_donor_dies_mid_download_enters_with_the_other_donors_sta
     assert final.joined_round == J and final.steps == steps
     # Everyone left agrees on every round's view.
     views = views_since(events[id(p)] for p in survivors)
-    assert all(len(v) == 1 for v in views.values()), {r: v for r, v in views.items() if len(v) > 1}
+    assert not splits(views), splits(views)
 
 
 def test_noloco_status_shows_every_peer_of_a_running_swarm(cache: Path) -> None:

@@ -12,7 +12,15 @@ from hypothesis import strategies as st
 from noloco_swarm.peer.joining import RunEnding, pick_join_round
 from noloco_swarm.peer.views import PeerExcluded, raise_if_left_behind
 from noloco_swarm.protocol.clock import StepClock, lr_at
-from noloco_swarm.protocol.membership import Listing, MembershipView, credible_gone, next_view
+from noloco_swarm.protocol.membership import (
+    Judgement,
+    Listing,
+    MembershipView,
+    credible_gone,
+    entering,
+    next_view,
+    pending_joiners,
+)
 
 
 def test_rounds_and_outer_steps() -> None:
@@ -164,9 +172,13 @@ def test_next_view_is_order_independent_and_never_admits_the_reported(
     a = next_view(_round3(), listings, gone)
     assert a == next_view(_round3(), listings[::-1], gone)
     for peer in a.members():
-        item = first.get(peer, Listing(peer, _round3().rank_of(peer)[0] if peer in "abcd" else -1, 0))
-        assert item.stage == a.rank_of(peer)[0]
-        assert not any(item.joined_round <= r < 3 for r in gone.get(peer, ()))
+        item = first.get(peer)
+        if item is None or item.joined_round > a.round:  # unlisted, or its listed membership is to come
+            stage, start = _round3().rank_of(peer)[0], 0
+        else:
+            stage, start = item.stage, item.joined_round
+        assert stage == a.rank_of(peer)[0]
+        assert not any(start <= r < 3 for r in gone.get(peer, ()))
     assert a.digest() != _round3().digest()
 
 
@@ -243,9 +255,48 @@ def test_late_admission_needs_a_joiner_that_entered_and_a_re_announcing_member_s
     ]
     view = next_view(current, listings, gone={})
     assert view.stages == (("a", "c"), ("b", "d", "h"))
-    # c announced a round further ahead: it leaves now and enters at that round
+    # c announced a round further ahead: it stays until then, as if nobody held that listing
     later = next_view(current, [*listings[:2], Listing("c", 0, 5), *listings[3:]], gone={})
-    assert later.stages == (("a",), ("b", "d", "h"))
+    assert later == next_view(current, [*listings[:2], *listings[3:]], gone={})
+    assert later.stages == (("a", "c"), ("b", "d", "h"))
+
+
+def test_a_restarted_members_old_membership_ends_by_reports_or_at_its_new_round_not_by_timing() -> None:
+    """A member killed in round 3 and restarted (same peer id) announces a new membership for round
+    6, on stage 1. Whether a member holds that announcement at a boundary changes nothing before
+    round 6: its old membership ends by the reports of its death (round 3: at view 5), judged as
+    if the new listing were not there; at round 6 it enters with the new one, which those reports
+    do not touch. Without reports the old one lasts until round 6."""
+    current = _round3()  # (("a", "c"), ("b", "d"))
+    back = Listing("c", 1, 6, entered=False)
+    gone = {"c": [3]}
+    for now in (current, next_view(current, [], gone)):
+        assert next_view(now, [back], gone) == next_view(now, [], gone)
+    four = next_view(current, [back], gone)
+    five = next_view(four, [back], gone)
+    assert four.stages == (("a", "c"), ("b", "d")) and five.stages == (("a",), ("b", "d"))
+    assert next_view(five, [back], gone).stages == (("a",), ("b", "c", "d"))
+    # nobody reported it: the old membership lasts until round 6, then it moves to stage 1
+    quiet = next_view(next_view(current, [back], {}), [back], {})
+    assert quiet.stages == (("a", "c"), ("b", "d"))
+    six = next_view(quiet, [back], {})
+    assert six.stages == (("a",), ("b", "c", "d"))
+    assert entering(quiet, six, [back]) == {"c"} and entering(five, six, [back]) == {"c"}
+    assert pending_joiners(quiet, 1, [back]) == ["c"] and pending_joiners(quiet, 0, [back]) == []
+    assert pending_joiners(four, 1, [back]) == []  # kept only at the boundary before its round
+
+
+def test_the_old_membership_of_a_restarted_member_is_judged_without_a_probe() -> None:
+    """One report of a member that lists a later membership is not probed (its new process would
+    answer for the old one, voiding a true report and striking its reporter), and it counts,
+    though it is of a round before the listed membership began."""
+    current = _round3()
+    judgement = Judgement()
+    report = ("c", "a", 2)
+    assert judgement.doubtful(current, {"c": 0}, [report]) == {"c"}
+    assert judgement.doubtful(current, {"c": 5}, [report]) == set()
+    kept, voided = judgement.settle(current, {"c": 5}, [report], answered=set(), me="b")
+    assert kept == [report] and voided == []
 
 
 def _credible_gone_by_the_letter(reports: list[tuple[str, str, int]]) -> dict[str, set[int]]:

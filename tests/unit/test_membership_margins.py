@@ -129,7 +129,8 @@ def test_a_reported_peer_that_rejoins_by_the_rule_is_admitted_at_its_round(
     h: int, reported: int, since: int, later: int
 ) -> None:
     """It was reported in round r, so the swarm it asks is at round r or later: the round it picks
-    is past the report's, which then no longer bars it."""
+    is past the report's, which then no longer bars it. Its old membership ends by the report, as
+    any member's would (REPORT_LAG_ROUNDS later), whether or not a member holds its new listing."""
     clock = StepClock(inner_steps=h, batch_size=1)
     furthest = clock.round_start(reported) + since
     target = pick_join_round(furthest, clock, end_step=NEVER, later=later)
@@ -137,7 +138,9 @@ def test_a_reported_peer_that_rejoins_by_the_rule_is_admitted_at_its_round(
     listings = [Listing("a", 0, target), Listing("b", 0, 0)]
     views = views_from(MembershipView(reported, (("a", "b"),)), listings, {"a": {reported}}, target)
     assert "a" in views[target].members()
-    assert all("a" not in views[r].members() for r in range(reported + 1, target))
+    assert all("a" not in views[r].members() for r in range(reported + REPORT_LAG_ROUNDS, target))
+    unlisted = views_from(MembershipView(reported, (("a", "b"),)), listings[1:], {"a": {reported}}, target)
+    assert all(views[r] == unlisted[r] for r in range(reported + 1, target))
 
 
 def announcement(peer: str, stage: int, joined_round: int = 0, step: int = 0) -> PeerAnnouncement:
