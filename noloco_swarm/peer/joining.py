@@ -190,7 +190,7 @@ class Joining:
             stale = False
             target = pick_join_round(max(furthest, *(a.step for a in others)), ctx.clock, end_step, later)
             start = ctx.clock.round_start(target)
-            self.joined_round = target
+            self.joined_round = ctx.rounds.joining_at = target
             if not await self._announce():
                 problem = f"the DHT did not store our announcement for round {target} (reconnecting)"
                 continue

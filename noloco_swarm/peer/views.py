@@ -80,6 +80,9 @@ class Rounds(Liveness):
         self.views: dict[int, MembershipView] = {}  # round -> frozen view
         self._ready: dict[int, asyncio.Event] = {}
         self.gate: Gate | None = None  # a closed run's: members are peers with a valid ticket
+        # The round this peer joins at while it has no view (a restarted member that the views
+        # may still hold under its old membership gets its rows and exchanges: refused at once).
+        self.joining_at: int | None = None
         self.passing = Passing(
             directory.identity, transport, directory.run_id, self._neighbours, self._members
         )
@@ -143,6 +146,8 @@ class Rounds(Liveness):
         """The view of `round_`, waiting (up to `timeout`) if we have not reached that round yet."""
         if round_ not in self.views and self.views and round_ < max(self.views):
             raise MessageError(f"round {round_} is over for this peer")
+        if not self.views and self.joining_at is not None and round_ < self.joining_at:
+            raise MessageError(f"this peer joins at round {self.joining_at}; it serves no round before")
         if round_ not in self.views:
             try:
                 await asyncio.wait_for(self._event(round_).wait(), timeout)

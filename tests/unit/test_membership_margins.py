@@ -15,6 +15,7 @@ from noloco_swarm.peer.events import Events
 from noloco_swarm.peer.joining import pick_join_round
 from noloco_swarm.peer.views import PeerExcluded, Rounds, raise_if_left_behind
 from noloco_swarm.protocol.clock import StepClock
+from noloco_swarm.protocol.codec import MessageError
 from noloco_swarm.protocol.membership import (
     DONOR_WINDOW_ROUNDS,
     JOIN_MARGIN_ROUNDS,
@@ -223,3 +224,23 @@ def test_a_peer_that_left_stays_out_while_its_announcement_lives() -> None:
     # a joiner that missed its round is admitted late, a leaver is not
     joiner = asyncio.run(me.next(view, 0, ([*listings, Listing("y", 1, 4)], [("x", "x", 2)], [], [])))
     assert joiner.stages == (("a", "me"), ("b", "y"))
+
+
+def test_a_joiner_refuses_a_round_before_its_own_at_once_and_waits_for_its_own() -> None:
+    """A restarted member that joins at round 5 may still be in the views of rounds 3 and 4 under
+    its old membership: rows sent to it there are refused at once, not after the step deadline."""
+    joiner = rounds_of("c", 1, 2, [])
+    joiner.joining_at = 5
+
+    async def asks(round_: int) -> str:
+        try:
+            await joiner.wait(round_, timeout=0.05)
+        except MessageError as e:
+            return str(e)
+        return "served"
+
+    assert asyncio.run(asks(4)) == "this peer joins at round 5; it serves no round before"
+    assert asyncio.run(asks(5)) == "this peer has no view of round 5 yet"  # its own: it waits
+    joiner.adopt(MembershipView(5, (("a",), ("b", "c"))))
+    assert asyncio.run(asks(5)) == "served"
+    assert asyncio.run(asks(4)) == "round 4 is over for this peer"
