@@ -3,7 +3,8 @@ with its own p2pd) on the namespace testbed, every peer behind its own one-way d
 drawn from the seed), playing the chaos schedule of noloco_swarm/harness/chaos.py: a kill, a
 joiner, a peer and its daemon frozen past the deadline, a link cut, a delay spike (the victim's
 DHT traffic is delayed with the rest of its link) and a graceful leave. Then the membership
-simulator runs the same N, stages, round length and faults, for the comparison the issue asks.
+simulator runs the same N, stages, round length and faults, for the comparison the issue asks
+(in the peer's layout: records passed between members, no boundary read, no audits).
 
 Recorded: rounds and the views each held (how many rounds every running peer agreed), the pace
 (inner steps per second after each fault / healthy), samples lost (sender side), memory (the sum of
@@ -200,6 +201,11 @@ def main() -> None:
             churn=Churn(stall_seconds=20.0),
             faults=tuple(sorted(scripted)),
             seed=args.seed,
+            # the peer's layout since 2026-12-07: records passed between members, no boundary read,
+            # no audits (its heartbeats still go to one key: the same operations, on fewer nodes)
+            records="gossip",
+            directory="spread",
+            audits=0,
         )
     )
     print(json.dumps({k: v for k, v in real.items() if k != "schedule"}, indent=1))
