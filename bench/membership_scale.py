@@ -49,7 +49,7 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord
 from hivemind.utils.serializer import MSGPackSerializer
 
-from noloco_swarm.peer.directory import gone_key, peers_key, subkey_of
+from noloco_swarm.peer.directory import bucket_key, gone_key, subkey_of
 from noloco_swarm.peer.net import identity
 from noloco_swarm.protocol import codec, records
 from noloco_swarm.sim.membership import Churn, Dht, Partition, Scenario, simulate
@@ -84,7 +84,7 @@ def record_bytes() -> tuple[int, int]:
     )
     announcement = records.PeerAnnouncement(RUN, me.peer_id, 2, 17, addresses, "cuda", 123456)
     report = records.GoneReport(RUN, other.peer_id, me.peer_id, 17)
-    return size(peers_key(RUN), announcement), size(gone_key(RUN), report)
+    return size(bucket_key(RUN, 3), announcement), size(gone_key(RUN, other.peer_id), report)
 
 
 def main() -> None:

@@ -1,8 +1,9 @@
 """The runs a DHT knows (`noloco runs`, `noloco join --auto`): what each trains and where it needs peers.
 
 Every peer that publishes a run's manifest also stores a RunListing (run id, config digest) under
-one key for all runs, RUNS_KEY (peer/directory.py). A reader takes every listing, reads each listed
-run's manifest and announcements in one DHT traversal, and lists a run only when the listing's
+one key for all runs, RUNS_KEY (peer/directory.py). A reader takes every listing, reads every listed
+run's manifest in one DHT traversal, then each run's announcements (its roster and buckets, in a
+few traversals: directory.read_announcements), and lists a run only when the listing's
 writer also signed a manifest of that run with the listed digest: a stranger can add a listing, but
 not one that names another's run or config. A listing that fails this, or does not decode, or sits
 under a subkey that is not its own run's, is skipped and counted.
@@ -17,6 +18,7 @@ import ast
 import dataclasses
 import functools
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -27,9 +29,8 @@ from noloco_swarm.peer.directory import (
     get_latest,
     manifest_key,
     most_stored,
-    peers_key,
+    read_announcements,
     signed_manifests,
-    signed_records,
 )
 from noloco_swarm.peer.net.identity import owner_of
 from noloco_swarm.protocol import codec, records
@@ -39,6 +40,7 @@ MAX_STAGES = 1024
 
 if TYPE_CHECKING:
     from hivemind import DHT
+    from hivemind.utils import ValueWithExpiration
 
 
 @dataclass(frozen=True)
@@ -133,9 +135,11 @@ def backing(
     return most_stored(backed), len(listed) - len(backed)
 
 
-def summarize(manifest: records.RunManifest, peers_value: object) -> RunSummary | None:
-    """The summary of a run listed with `manifest`, from the DHT's value of its peers key; None
-    when the manifest's config makes no run (no stages, or more than MAX_STAGES). Pure."""
+def summarize(
+    manifest: records.RunManifest, announced: Sequence[records.PeerAnnouncement]
+) -> RunSummary | None:
+    """The summary of a run listed with `manifest`, from its peers' announcements; None when the
+    manifest's config makes no run (no stages, or more than MAX_STAGES). Pure."""
     run_id = manifest.run_id
     config = {k: _value(v) for k, v in manifest.config}
     stages = _int(config.get("num_stages"), 0)
@@ -146,7 +150,6 @@ def summarize(manifest: records.RunManifest, peers_value: object) -> RunSummary 
         wanted = tuple(_int(n, 1) for n in per_stage)
     else:
         wanted = (_int(config.get("num_replicas"), 1),) * stages
-    announced, _ = signed_records(peers_value, records.PeerAnnouncement, run_id)
     peers = [0] * stages
     for a in announced:
         if a.stage < stages:
@@ -172,22 +175,28 @@ def summarize(manifest: records.RunManifest, peers_value: object) -> RunSummary 
 
 
 def read_catalog(dht: DHT) -> Catalog:
-    """Every listed run on the DHT `dht` reaches, sorted by run id (two DHT traversals: the list,
-    then every listed run's manifest and announcements together)."""
+    """Every listed run on the DHT `dht` reaches, sorted by run id (DHT traversals: the list, every
+    listed run's manifest together, then each run's announcements)."""
     found = dht.get(RUNS_KEY, latest=True, return_future=True).result(timeout=DHT_CALL_TIMEOUT)
     listed, skipped = listings(None if found is None else found.value)
     if not listed:
         return Catalog((), skipped)
-    keys = tuple(key for run_id in sorted(listed) for key in (manifest_key(run_id), peers_key(run_id)))
-    found = dht.run_coroutine(functools.partial(get_latest, keys), return_future=True).result(
-        timeout=DHT_CALL_TIMEOUT
-    )
-    values = {key: None if value is None else value.value for key, value in found.items()}
+
+    def get_many(keys: Sequence[str]) -> dict[str, ValueWithExpiration | None]:
+        read = functools.partial(get_latest, tuple(keys))
+        return dht.run_coroutine(read, return_future=True).result(timeout=DHT_CALL_TIMEOUT)
+
+    values = {
+        key: None if value is None else value.value
+        for key, value in get_many([manifest_key(run_id) for run_id in sorted(listed)]).items()
+    }
     runs = []
     for run_id in sorted(listed):
         manifest, forged = backing(run_id, listed[run_id], values.get(manifest_key(run_id)))
         skipped += forged
-        summary = None if manifest is None else summarize(manifest, values.get(peers_key(run_id)))
+        summary = None
+        if manifest is not None:
+            summary = summarize(manifest, read_announcements(run_id, get_many).announcements)
         if summary is not None:
             runs.append(summary)
         elif manifest is not None:  # a signed config that makes no run: every listing of it

@@ -3,8 +3,15 @@
 Keys (all under the run id, so runs never see each other's records, but the list of runs):
   noloco/runs            [run id + owner mark]           a RunListing, by each peer that publishes a manifest
   noloco/<run>/manifest  [owner mark]                    the RunManifest, by the peer that starts the run
-  noloco/<run>/peers     [peer id + owner mark]          a PeerAnnouncement per peer, re-stored every heartbeat
-  noloco/<run>/gone      [peer/reporter/round + mark]    a GoneReport: a member failed another in a round
+  noloco/<run>/peers     [peer id + owner mark]          the roster: announcements of peers without a view
+                                                         (joiners, founders before round 0)
+  noloco/<run>/peers/<b> [peer id + owner mark]          bucket b: the announcements of the members at
+                                                         places 16b to 16b + 15 of their latest view
+  noloco/<run>/gone/<p>  [peer/reporter/round + mark]    GoneReports of peer p: a member failed p in a round
+A peer re-stores its announcement every heartbeat, under the key its latest view gives it
+(membership.directory_bucket): each key is written by a bounded number of peers, so the load on
+the DHT nodes that hold it stays flat as the swarm grows (issue 36, item 4). A reader of the whole
+directory reads the roster and the buckets in waves until the last ones are empty.
 Every subkey ends with its writer's owner mark (peer/net/identity.py): DHT nodes store, and readers
 accept, a record only with that writer's signature, and a reader trusts a record only if it speaks
 for its writer (an announcement of the writer itself, a report by the writer). Nobody can forge,
@@ -26,7 +33,7 @@ import concurrent.futures
 import dataclasses
 import functools
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
@@ -38,7 +45,7 @@ from hivemind.utils import MPFuture, ValueWithExpiration, get_dht_time
 
 from noloco_swarm.peer.net.identity import Identity, owner_of
 from noloco_swarm.protocol import codec, records
-from noloco_swarm.protocol.membership import credible_gone
+from noloco_swarm.protocol.membership import FIRST_WAVE, credible_gone
 
 if TYPE_CHECKING:
     from noloco_swarm.peer.net.node import LoopDHT
@@ -68,11 +75,16 @@ def manifest_key(run_id: str) -> str:
 
 
 def peers_key(run_id: str) -> str:
+    """The roster: where peers without a view announce themselves."""
     return f"noloco/{run_id}/peers"
 
 
-def gone_key(run_id: str) -> str:
-    return f"noloco/{run_id}/gone"
+def bucket_key(run_id: str, bucket: int) -> str:
+    return f"noloco/{run_id}/peers/{bucket}"
+
+
+def gone_key(run_id: str, peer_id: str) -> str:
+    return f"noloco/{run_id}/gone/{peer_id}"
 
 
 @dataclass
@@ -195,17 +207,24 @@ class RunDirectory:
 
     # ---------------------------------------------------------------- peers
 
-    def announce(self, announcement: records.PeerAnnouncement) -> bool:
-        """Store (or refresh) our announcement; call it every ttl/3 seconds as the heartbeat."""
+    def announce(self, announcement: records.PeerAnnouncement, bucket: int | None = None) -> bool:
+        """Store (or refresh) our announcement; call it every ttl/3 seconds as the heartbeat.
+        `bucket` is ours in our latest view (membership.directory_bucket); None (no view) stores
+        it in the roster."""
         if announcement.run_id != self.run_id:
             raise ValueError("announcement names another run")
         if announcement.peer_id != self._writer().peer_id:
             raise ValueError("a peer announces only itself")
-        return self._store(peers_key(self.run_id), announcement, self.ttl)
+        if bucket is not None and bucket < 0:
+            raise ValueError(f"bucket must be >= 0, got {bucket}")
+        key = peers_key(self.run_id) if bucket is None else bucket_key(self.run_id, bucket)
+        return self._store(key, announcement, self.ttl)
 
     def read_peers(self) -> DirectoryReadout:
-        """Every live, well-formed announcement of this run (subkey must equal the peer id)."""
-        return _readout(*self._records(self._get(peers_key(self.run_id)), records.PeerAnnouncement))
+        """Every live, well-formed announcement of this run (subkey must equal the peer id), from
+        the roster and the buckets; of a peer found under several keys (its place moved within a
+        heartbeat ttl), the one stored last."""
+        return read_announcements(self.run_id, self._get_many)
 
     def rebootstrap(self, peer_ids: Sequence[str]) -> int:
         """Ping `peer_ids` (the run's entry points) from our DHT node and look up our neighbours
@@ -225,6 +244,14 @@ class RunDirectory:
     def _get(self, key: str) -> ValueWithExpiration | None:
         found = self._wait(self.dht.get(key, latest=True, return_future=True))
         self.calls.read(found)
+        return found
+
+    def _get_many(self, keys: Sequence[str]) -> dict[str, ValueWithExpiration | None]:
+        """The latest value of every key of `keys`, in one traversal."""
+        read = functools.partial(get_latest, tuple(keys))
+        found = self._wait(self.dht.run_coroutine(read, return_future=True))
+        for key in keys:
+            self.calls.read(found.get(key))
         return found
 
     def _wait(self, future: MPFuture[T] | concurrent.futures.Future[T]) -> T:
@@ -249,30 +276,55 @@ class RunDirectory:
             raise ValueError("report names another run")
         if report.reporter != self._writer().peer_id:
             raise ValueError("a peer files reports only as itself")
-        return self._store(gone_key(self.run_id), report, GONE_TTL)
+        return self._store(gone_key(self.run_id, report.peer_id), report, GONE_TTL)
 
-    def read_gone(
-        self, members: set[str] | None = None, seen: Iterable[tuple[str, str, int]] = ()
-    ) -> dict[str, set[int]]:
-        """peer id -> every round it was credibly reported gone in (`membership.credible_gone`),
-        from the reports on record and those in `seen` (peer, reporter, round), e.g. our own;
-        reports by non-members are ignored when `members` is given (a stranger cannot evict anyone:
-        a report counts as its signer's, whatever it says)."""
-        return credible_gone(
-            item for item in [*self.read_reports(), *seen] if members is None or item[1] in members
-        )
+    def read_gone(self, members: set[str], seen: Iterable[tuple[str, str, int]] = ()) -> dict[str, set[int]]:
+        """peer id -> every round it was credibly reported gone in (`membership.credible_gone`), for
+        the peers of `members`, from the reports on record and those in `seen` (peer, reporter,
+        round), e.g. our own; only members' reports count (a stranger cannot evict anyone: a report
+        counts as its signer's, whatever it says)."""
+        return credible_gone(item for item in [*self.read_reports(members), *seen] if item[1] in members)
 
-    def read_reports(self) -> list[tuple[str, str, int]]:
-        """(peer, reporter, round) of every signed gone report on record (each by its reporter)."""
-        return self._reports(self._get(gone_key(self.run_id)))
+    def read_reports(self, peers: Iterable[str]) -> list[tuple[str, str, int]]:
+        """(peer, reporter, round) of every signed gone report on record of `peers` (each by its
+        reporter, under the key of the peer it names)."""
+        keys = {gone_key(self.run_id, p): p for p in peers}
+        if not keys:
+            return []
+        out = []
+        for key, found in self._get_many(list(keys)).items():
+            reports, _ = self._records(found, records.GoneReport)
+            out += [(r.peer_id, r.reporter, r.round) for r in reports if r.peer_id == keys.get(key)]
+        return out
 
-    def _reports(self, found: ValueWithExpiration | None) -> list[tuple[str, str, int]]:
-        reports, _ = self._records(found, records.GoneReport)
-        return [(r.peer_id, r.reporter, r.round) for r in reports]
 
-
-def _readout(announcements: list[records.PeerAnnouncement], malformed: int) -> DirectoryReadout:
-    return DirectoryReadout(sorted(announcements, key=lambda a: a.peer_id), malformed)
+def read_announcements(
+    run_id: str, get_many: Callable[[Sequence[str]], Mapping[str, ValueWithExpiration | None]]
+) -> DirectoryReadout:
+    """The readout of `run_id`'s roster and buckets, read with `get_many` (the latest value of each
+    of some keys) in waves: the roster and FIRST_WAVE buckets, then twice as many buckets as the
+    wave before, until the last two buckets of a wave hold nothing. Of a peer found under several
+    keys, the record that expires last (the one stored last: every heartbeat has the same ttl)."""
+    latest: dict[str, tuple[float, records.PeerAnnouncement]] = {}
+    malformed = 0
+    keys, first = [peers_key(run_id)], 0
+    size = FIRST_WAVE
+    while True:
+        wave = [bucket_key(run_id, b) for b in range(first, first + size)]
+        found = get_many([*keys, *wave])
+        held = []
+        for key in [*keys, *wave]:
+            value = found.get(key)
+            good, bad = signed_items(None if value is None else value.value, records.PeerAnnouncement, run_id)
+            malformed += bad
+            held.append(bool(good))
+            for announcement, expires in good:
+                if announcement.peer_id not in latest or expires > latest[announcement.peer_id][0]:
+                    latest[announcement.peer_id] = (expires, announcement)
+        if not any(held[-2:]):
+            break
+        keys, first, size = [], first + size, 2 * size
+    return DirectoryReadout(sorted((a for _, a in latest.values()), key=lambda a: a.peer_id), malformed)
 
 
 async def get_latest(keys: tuple[str, ...], _: DHT, node: DHTNode) -> dict[str, ValueWithExpiration | None]:
@@ -317,6 +369,12 @@ def signed_records(value: object, cls: type[R], run_id: str) -> tuple[list[R], i
     `run_id`, sit under their own subkey and speak for the peer who signed them, and how many
     others there were (garbage, another run, unsigned, a subkey that lies about its record, a
     writer speaking for someone else)."""
+    good, bad = signed_items(value, cls, run_id)
+    return [record for record, _ in good], bad
+
+
+def signed_items(value: object, cls: type[R], run_id: str) -> tuple[list[tuple[R, float]], int]:
+    """As signed_records, each record with the time its DHT entry expires."""
     if not isinstance(value, dict):
         return [], 0
     good, bad = [], 0
@@ -330,7 +388,7 @@ def signed_records(value: object, cls: type[R], run_id: str) -> tuple[list[R], i
         if owned is None or record.run_id != run_id or owned != (subkey_of(record), author(record)):
             bad += 1
             continue
-        good.append(record)
+        good.append((record, float(item.expiration_time)))
     return good, bad
 
 

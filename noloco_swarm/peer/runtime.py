@@ -46,6 +46,7 @@ from noloco_swarm.peer.tickets import Gate
 from noloco_swarm.peer.views import Held, PeerExcluded, Rounds, raise_if_left_behind
 from noloco_swarm.protocol import codec, records, rpc
 from noloco_swarm.protocol.codec import MessageError
+from noloco_swarm.protocol.membership import directory_bucket
 from noloco_swarm.train.config import RunConfig
 from noloco_swarm.train.replica import StageReplica
 
@@ -315,7 +316,8 @@ class Peer:
         """Store our announcement now; False if the DHT did not store it (the heartbeat retries)."""
         self.announced = True
         try:
-            return await asyncio.to_thread(self.directory.announce, self.announcement())
+            bucket = directory_bucket(self.ctx.rounds.latest(), self.ctx.me)
+            return await asyncio.to_thread(self.directory.announce, self.announcement(), bucket)
         except DHT_ERRORS as e:  # the DHT is best effort
             logger.warning("could not store our announcement: %s", e)
             return False

@@ -38,8 +38,10 @@ import torch
 # 11: a donor serves a joiner the state of the boundary before its round (a manifest's `round` is
 # that of its view, and a joiner asks for its entry view apart: `StateRequest.admitted`);
 # 12: a boundary builds its view from the records members passed alone (a version-11 peer also
-# reads the directory, and could build another), and a non-member's others' records are refused
-PROTOCOL_VERSION = 12
+# reads the directory, and could build another), and a non-member's others' records are refused;
+# 13: heartbeats go to a key per bucket of members, gone reports to a key per accused peer
+# (peer/directory.py): a version-12 peer would find none of them
+PROTOCOL_VERSION = 13
 MAX_MESSAGE_BYTES = 1 << 20  # headers only; tensor payloads are streamed separately
 MAX_SEQUENCE = 1 << 16
 MAX_STRING = 4096

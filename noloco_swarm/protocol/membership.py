@@ -48,6 +48,15 @@ LIAR_ROUNDS = 20
 
 Report = tuple[str, str, int]  # (peer, reporter, round)
 
+# ---------------------------------------------------------------- where heartbeats are stored
+# A member's heartbeat goes to the DHT key of its bucket: the members of a view, stage after stage
+# in rank order, cut into buckets of this many (peer/directory.py). Each key is written by at
+# most this many peers, whatever the swarm's size (issue 36, item 4).
+BUCKET_PEERS = 16
+# A whole read of the directory takes the roster and buckets 0 and 1 first, then twice as many
+# buckets as the wave before, until the last two of a wave are empty (one may be a lost store).
+FIRST_WAVE = 2
+
 
 @dataclass(frozen=True)
 class MembershipView:
@@ -216,6 +225,16 @@ def pending_joiners(view: MembershipView, stage: int, listings: Iterable[Listing
     """The peers listed for `stage` whose membership begins at the round after `view`'s, members of
     `view` or not: a donor of that stage keeps its state of this boundary for them."""
     return sorted({x.peer for x in listings if x.stage == stage and x.joined_round == view.round + 1})
+
+
+def directory_bucket(view: MembershipView | None, peer: str) -> int | None:
+    """The bucket `peer`'s heartbeat is stored under while `view` is its latest: its place among
+    the view's members (stage after stage, each in rank order) over BUCKET_PEERS; None when it
+    is no member (a joiner, or a founder before round 0), whose heartbeat goes to the run's roster."""
+    if view is None or peer not in view.members():
+        return None
+    stage, rank = view.rank_of(peer)
+    return (sum(len(peers) for peers in view.stages[:stage]) + rank) // BUCKET_PEERS
 
 
 def newest(listings: Iterable[Listing]) -> list[Listing]:

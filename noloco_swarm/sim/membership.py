@@ -22,24 +22,23 @@ protocol.plan.join_round. What the model supplies is what a peer reads and when:
   finds it. Members missing from a read are probed (`suspects`), reported if they do not answer.
   Probes answer if the peer runs and no partition lies between.
 
-Where the DHT holds records (`Scenario.directory`): "whole" is today's peer (one key holds every
-announcement, one every gone report, and every member reads both whole at every boundary);
-"spread" is a layout for issue 36's item 4, of which the peer runs the no-read half (its
-heartbeats still go to one key): each peer's
-announcement under a key of its own, the reports of a peer under a key per accused, and no
-whole read:
-records reach members only as members pass them on (records="gossip"; at its boundary a member
-also takes what it lacked from one adjacent-stage member), and each member checks
-`audits` members' keys per round for an expired announcement (probed then, as a member missing
-from today's read is). Each key is held by the `replicas` live nodes first in a fixed random
-order of its own (as the nodes nearest its hash).
+Where the DHT holds records (`Scenario.directory`): "whole" is the peer before 6b5aa59 (one
+key holds every announcement, one every gone report, and every member reads both whole at every
+boundary); "spread" is the peer's layout (issue 36, item 4; peer/directory.py): a member's
+heartbeats go to the key of its bucket (its place in its latest view over BUCKET_PEERS), a peer
+without a view's to the run's roster, the reports of a peer to a key of that peer's; no member
+reads a whole key: records reach members only as members pass them on (records="gossip"; at its
+boundary a member also takes what it lacked from one adjacent-stage member), and a joiner reads
+the roster and the buckets once per attempt. With `audits` (0 in the peer), each member also
+checks that many members' own keys per round for an expired announcement (probed then, as a
+member missing from a whole read is). Each key is held by the `replicas` live nodes first in a
+fixed random order of its own (as the nodes nearest its hash).
 
 Measured: for each round, whether every live member holds the same view; the longest split (the
 most rounds in a row that one peer's view disagreed with the most common one about one member); stalls (member-rounds whose view differs from that of a member of
 an adjacent stage: their requests are refused, they wait for deadlines); samples lost to those
-refusals; DHT operations and bytes per peer and round and on the busiest DHT node (today's
-layout: one key holds every announcement, one every gone report, each kept by the `replicas`
-nodes nearest it); and the time a newcomer takes to enter a view.
+refusals; DHT operations and bytes per peer and round and on the busiest DHT node; and the time
+a newcomer takes to enter a view.
 """
 
 from __future__ import annotations
@@ -54,6 +53,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from noloco_swarm.protocol.membership import (
+    BUCKET_PEERS,
+    FIRST_WAVE,
     LEFT_BEHIND_ROUNDS,
     REPORT_LAG_ROUNDS,
     Judgement,
@@ -61,6 +62,7 @@ from noloco_swarm.protocol.membership import (
     MembershipView,
     Report,
     credible_gone,
+    directory_bucket,
     entering,
     newest,
     reports_to_weigh,
@@ -239,7 +241,7 @@ class Model:
             orders = np.random.default_rng([sc.seed, 0x5EED])
             self.key_order = {
                 kind: orders.random((self.capacity, self.capacity)).argsort(axis=1)
-                for kind in ("peer", "gone")
+                for kind in ("peer", "gone", "bucket", "roster")
             }
 
     # ------------------------------------------------------------------ the DHT
@@ -300,8 +302,38 @@ class Model:
         return out
 
     def announce(self, peer: Peer, t: float, entered: bool = False) -> None:
-        record = self.store(peer, t, self.sc.announcement_bytes, repeat=True, key=("peer", peer.index))
+        record = self.store(peer, t, self.sc.announcement_bytes, repeat=True, key=self._place(peer))
         peer.announced.append((record, peer.stage, peer.joined_round, entered))
+
+    def _place(self, peer: Peer) -> tuple[str, int]:
+        """The key `peer`'s heartbeat goes to ("spread", as the peer: peer/directory.py): its
+        bucket in its latest view, or the roster while it has none."""
+        bucket = directory_bucket(peer.views.get(peer.round()), peer.name)
+        return ("roster", 0) if bucket is None else ("bucket", bucket)
+
+    def _whole_read(self, reader: Peer, t: float) -> None:
+        """A joiner reads the whole directory ("spread", as the peer's directory.read_peers): the
+        roster and the buckets in waves, two more after the last that holds a record. Counts its
+        operations and bytes, and the load on each key's holders."""
+        sc = self.sc
+        live = [p for p in self.peers if p.runs(t)]
+        joining = sum(p.joining_at is not None for p in live)
+        buckets = math.ceil((len(live) - joining) / BUCKET_PEERS)
+        read, size = 0, FIRST_WAVE
+        while True:  # a wave whose last two buckets are empty ends the read
+            read += size
+            if read >= buckets + 2:
+                break
+            size *= 2
+        keys = 1 + read  # and the roster
+        self.ops[reader.name] += keys
+        self.bytes[reader.name] += keys * KEY_OVERHEAD + len(live) * sc.announcement_bytes * sc.dht.replicas
+        for holder in self._key_holders(("roster", 0), t):
+            self.node_bytes[holder] += joining * sc.announcement_bytes
+        for b in range(buckets):
+            held = min(BUCKET_PEERS, len(live) - joining - b * BUCKET_PEERS)
+            for holder in self._key_holders(("bucket", b), t):
+                self.node_bytes[holder] += held * sc.announcement_bytes
 
     def report(self, reporter: Peer, peer: str, round_: int, t: float) -> None:
         if (peer, reporter.name, round_) in self.report_keys:
@@ -490,6 +522,8 @@ class Model:
         if peer.joining_at is None:  # a first attempt (a retry keeps counting from the first)
             peer.started = t
         peer.joining_at = target * sc.round_seconds
+        if sc.directory == "spread":
+            self._whole_read(peer, t)  # where the swarm is: whom to ask, and the donors of its stage
         self.announce(peer, t)
         if sc.records == "gossip":  # it hands its announcement to the live peers it asks where they are
             record = peer.announced[-1][0]
@@ -730,8 +764,12 @@ class Model:
                 heartbeats * (self.sc.announcement_bytes + KEY_OVERHEAD) * sc.dht.replicas
             )
         if sc.directory == "spread":
-            for peer in holding:
-                for holder in self._key_holders(("peer", peer.index), t):
+            joining = [p for p in self.peers if p.runs(t) and p.joining_at is not None]
+            for peer in joining:  # a joiner heartbeats to the roster until it enters
+                self.ops[peer.name] += heartbeats
+                self.bytes[peer.name] += heartbeats * (sc.announcement_bytes + KEY_OVERHEAD) * sc.dht.replicas
+            for peer in [*holding, *joining]:
+                for holder in self._key_holders(self._place(peer), t):
                     self.node_bytes[holder] += heartbeats * sc.announcement_bytes
             return
         for holder in self.holders:

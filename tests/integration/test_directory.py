@@ -15,7 +15,14 @@ from hivemind import DHT
 from hivemind.utils import get_dht_time
 
 from noloco_swarm.peer import directory
-from noloco_swarm.peer.directory import ManifestMismatchError, RunDirectory, gone_key, manifest_key, peers_key
+from noloco_swarm.peer.directory import (
+    ManifestMismatchError,
+    RunDirectory,
+    bucket_key,
+    gone_key,
+    manifest_key,
+    peers_key,
+)
 from noloco_swarm.peer.net.node import NetworkConfig, reachability, start_dht
 from noloco_swarm.protocol import codec, records
 from noloco_swarm.protocol.membership import Listing, MembershipView, next_view
@@ -137,18 +144,60 @@ def test_gone_reports_are_shared_and_only_members_count(two_peers: tuple[DHT, DH
     assert ds.report_gone(records.GoneReport("run-g", me(b), me(stranger), 4))
     lie = records.GoneReport("run-g", me(b), me(a), 4)
     base = f"{me(b)}/{me(a)}/4"
-    assert stranger.store(gone_key("run-g"), codec.encode(lie), get_dht_time() + 30, subkey=base)
+    key = gone_key("run-g", me(b))  # a peer's reports are stored under a key of its own
+    assert stranger.store(key, codec.encode(lie), get_dht_time() + 30, subkey=base)
     owned = stranger.identity.owned(base)
-    assert stranger.store(gone_key("run-g"), codec.encode(lie), get_dht_time() + 30, subkey=owned)
-    stranger.store(gone_key("run-g"), codec.encode(lie), get_dht_time() + 30, subkey=a.identity.owned(base))
-    a.store(gone_key("run-g"), b"\x01junk", get_dht_time() + 30, subkey=a.identity.owned("junk"))
+    assert stranger.store(key, codec.encode(lie), get_dht_time() + 30, subkey=owned)
+    stranger.store(key, codec.encode(lie), get_dht_time() + 30, subkey=a.identity.owned(base))
+    a.store(gone_key("run-g", "crashed"), b"\x01junk", get_dht_time() + 30, subkey=a.identity.owned("junk"))
+    # Under the key of another peer than the one it names, a report of b counts for nobody.
+    misfiled = records.GoneReport("run-g", me(b), me(a), 6)
+    assert a.store(
+        gone_key("run-g", "crashed"),
+        codec.encode(misfiled),
+        get_dht_time() + 30,
+        subkey=a.identity.owned(f"{me(b)}/{me(a)}/6"),
+    )
     members = {me(a), me(b), "crashed"}
-    assert db.read_gone() == {"crashed": {4, 5}, me(b): {4}}  # the stranger's report, in its name
-    assert db.read_gone(members=members) == da.read_gone(members=members) == {"crashed": {4, 5}}
-    assert sorted(db.read_reports()) == sorted(
+    everyone = members | {me(stranger)}  # the stranger's report counts once it is a member, in its name
+    assert db.read_gone(everyone) == {"crashed": {4, 5}, me(b): {4}}
+    assert db.read_gone(members) == da.read_gone(members) == {"crashed": {4, 5}}
+    assert sorted(db.read_reports(["crashed", me(b)])) == sorted(
         [("crashed", me(a), 4), ("crashed", me(b), 5), (me(b), me(stranger), 4)]
     )
+    assert sorted(db.read_reports(["crashed"])) == [
+        ("crashed", me(a), 4),
+        ("crashed", me(b), 5),
+    ]  # not misfiled
     assert db.read_peers().announcements == []  # reports are not announcements
+
+
+def test_a_whole_read_finds_every_bucket_and_the_latest_record_of_each_peer(
+    two_peers: tuple[DHT, DHT], stranger: DHT
+) -> None:
+    """Heartbeats go to the roster (no view) or to the key of the writer's bucket; a reader reads
+    the roster and the buckets in waves (0-1, 2-5, 6-13, ...) while a wave's last two hold a record."""
+    a, b = two_peers
+    da, db, ds = RunDirectory(a, "run-b"), RunDirectory(b, "run-b"), RunDirectory(stranger, "run-b")
+    assert da.announce(records.PeerAnnouncement("run-b", me(a), 0, 2, step=0))  # a joiner: the roster
+    assert db.announce(records.PeerAnnouncement("run-b", me(b), 1, 0, step=7), bucket=5)
+    assert ds.announce(records.PeerAnnouncement("run-b", me(stranger), 0, 0, step=7), bucket=13)
+    time.sleep(0.05)  # a's next heartbeat expires later than its first
+    # a entered: its next heartbeat goes to its bucket, while the roster still holds the first
+    assert da.announce(records.PeerAnnouncement("run-b", me(a), 0, 2, step=100), bucket=0)
+    with pytest.raises(ValueError, match="bucket"):
+        da.announce(records.PeerAnnouncement("run-b", me(a), 0, 2), bucket=-1)
+    a.store(bucket_key("run-b", 1), b"\x00garbage", get_dht_time() + 30, subkey=a.identity.owned("x"))
+    for reader in (da, db):
+        readout = reader.read_peers()
+        assert [(x.peer_id, x.step) for x in readout.announcements] == sorted(
+            [(me(a), 100), (me(b), 7), (me(stranger), 7)]
+        )
+        assert readout.malformed == 1
+    # roster + 2 buckets, then 4 (bucket 5 holds b), then 8 (bucket 13, stranger), then 16 (empty)
+    before = db.calls.reads
+    db.read_peers()
+    assert db.calls.reads - before == 1 + 2 + 4 + 8 + 16
 
 
 def test_announcements_expire(two_peers: tuple[DHT, DHT]) -> None:

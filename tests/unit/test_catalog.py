@@ -7,6 +7,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from hivemind.utils import get_dht_time
 from rich.console import Console
 
 from noloco_swarm.cli.auto import choose
@@ -14,7 +15,7 @@ from noloco_swarm.cli.doctor_local import Check
 from noloco_swarm.cli.runs import catalog_json, render_runs
 from noloco_swarm.model.presets import count_parameters, get_preset
 from noloco_swarm.peer.catalog import Catalog, RunSummary, backing, listings, summarize
-from noloco_swarm.peer.directory import subkey_of
+from noloco_swarm.peer.directory import signed_records, subkey_of
 from noloco_swarm.peer.net import identity
 from noloco_swarm.protocol import codec, records
 from noloco_swarm.train.config import RunConfig
@@ -32,8 +33,9 @@ def people(tmp_path_factory: pytest.TempPathFactory) -> list[identity.Identity]:
 
 
 def item(message: codec.Message | bytes) -> SimpleNamespace:
-    """A DHT subkey's stored value, as hivemind hands it back (ValueWithExpiration's .value)."""
-    return SimpleNamespace(value=message if isinstance(message, bytes) else codec.encode(message))
+    """A DHT subkey's stored value, as hivemind hands it back (a ValueWithExpiration)."""
+    value = message if isinstance(message, bytes) else codec.encode(message)
+    return SimpleNamespace(value=value, expiration_time=get_dht_time() + 30)
 
 
 def manifest(run_id: str, **overrides: object) -> records.RunManifest:
@@ -45,7 +47,8 @@ def listed_run(
 ) -> RunSummary | None:
     """What read_catalog makes of one listed run: its summary, or None when it is not listed."""
     manifest, _ = backing(run_id, listed, manifests_value)
-    return None if manifest is None else summarize(manifest, peers_value)
+    announced, _ = signed_records(peers_value, records.PeerAnnouncement, run_id)
+    return None if manifest is None else summarize(manifest, announced)
 
 
 def announce(who: identity.Identity, run_id: str, stage: int, step: int) -> tuple[str, SimpleNamespace]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections import Counter
 
 import pytest
 from hypothesis import given
@@ -13,10 +14,12 @@ from noloco_swarm.peer.joining import RunEnding, pick_join_round
 from noloco_swarm.peer.views import PeerExcluded, raise_if_left_behind
 from noloco_swarm.protocol.clock import StepClock, lr_at
 from noloco_swarm.protocol.membership import (
+    BUCKET_PEERS,
     Judgement,
     Listing,
     MembershipView,
     credible_gone,
+    directory_bucket,
     entering,
     next_view,
     pending_joiners,
@@ -346,3 +349,20 @@ def test_credible_gone_judges_the_cut_off_quarter_of_a_thousand() -> None:
     reports += [(r, c, 7) for i, c in enumerate(cut) for r in rest[(i * 3) % 740 :][:3]]
     gone = credible_gone(reports)
     assert set(gone) == set(cut), sorted(set(gone) ^ set(cut))[:5]
+
+
+def test_a_members_heartbeat_bucket_is_its_place_in_the_view_over_the_bucket_size() -> None:
+    """Members stage after stage, each in rank order, BUCKET_PEERS to a bucket: every bucket but
+    the last holds exactly that many, whatever the stages' sizes; a non-member has none."""
+    stages = [
+        [f"s{s}-{i:02d}" for i in range(n)] for s, n in enumerate((BUCKET_PEERS + 3, 5, 2 * BUCKET_PEERS))
+    ]
+    view = MembershipView.from_announcements(4, 3, [(p, s) for s, peers in enumerate(stages) for p in peers])
+    assert directory_bucket(view, "s0-00") == 0
+    assert directory_bucket(view, f"s0-{BUCKET_PEERS:02d}") == 1
+    assert directory_bucket(view, "s1-00") == 1  # place BUCKET_PEERS + 3
+    buckets = Counter(directory_bucket(view, p) for p in view.members())
+    total = len(view.members())
+    assert sorted(buckets) == list(range(-(-total // BUCKET_PEERS)))
+    assert all(buckets[b] == BUCKET_PEERS for b in sorted(buckets)[:-1])
+    assert directory_bucket(view, "a-joiner") is None and directory_bucket(None, "s0-00") is None
