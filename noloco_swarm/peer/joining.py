@@ -102,8 +102,17 @@ def check_request(header: codec.Message, run_id: str, stage: int, kind: type[R] 
 class Joining:
     """This peer's joins (at start-up or after an exclusion) and the state it serves to joiners."""
 
-    def __init__(self, ctx: PeerContext, ledger: ByteLedger, announce: Callable[[], Awaitable[bool]]) -> None:
+    def __init__(
+        self,
+        ctx: PeerContext,
+        ledger: ByteLedger,
+        announce: Callable[[], Awaitable[bool]],
+        retire_before: Callable[[int], None] = lambda _: None,
+    ) -> None:
+        """`retire_before(J)`: we join at round J, and will hold no outer exchange of a round before
+        it (the exchange board refuses those at once: see join_late)."""
         self.ctx, self.ledger, self._announce = ctx, ledger, announce
+        self._retire_before = retire_before
         self.joined_round = 0
         self.snapshots: dict[int, Snapshot] = {}  # round -> state served to that round's joiners
         self.entering: asyncio.Future[bool] | None = None  # our announcement once we entered
@@ -191,6 +200,9 @@ class Joining:
             target = pick_join_round(max(furthest, *(a.step for a in others)), ctx.clock, end_step, later)
             start = ctx.clock.round_start(target)
             self.joined_round = ctx.rounds.joining_at = target
+            # A restarted member's old membership stays in the views up to round `target`: its
+            # exchange partners that call our id get a refusal at once, not a wait to the deadline.
+            self._retire_before(target)
             if not await self._announce():
                 problem = f"the DHT did not store our announcement for round {target} (reconnecting)"
                 continue

@@ -85,7 +85,7 @@ class Peer:
         self.inner = InnerSteps(ctx)
         self.board = ExchangeBoard(transport, replica.phi.numel())
         self.outer = OuterSteps(ctx, self.board, self.ledger)
-        self.joining = Joining(ctx, self.ledger, self._announce)
+        self.joining = Joining(ctx, self.ledger, self._announce, lambda r: self.board.forget((r, -1)))
         self.evaluation = Evaluation(ctx, self.inner)
         self.resume = Resume(ctx, config_hash, self._announce)
         self.announced = False
@@ -353,6 +353,7 @@ class Peer:
             resuming=self.resume.resuming,
             resumed_from=self.resume.resumed_from,
             collected=self.inner.consumed if self.inner.consumed[0] >= 0 else (),
+            joining_at=ctx.rounds.joining_at if view is None else None,
         )
         return status, []
 

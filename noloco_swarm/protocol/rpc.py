@@ -310,10 +310,15 @@ class PeerStatus(Message):
     # (step, microbatch) of the last rows it took out of collection: it takes no new rows of that
     # microbatch or an earlier one (empty: none yet, or not a stage that receives rows).
     collected: tuple[int, ...] = ()
+    # The round this process joins at while it holds no view (a new peer, or one restarted under
+    # the same id): an older membership of its id exchanges nothing before it, and will not call.
+    joining_at: int | None = None
 
     def __post_init__(self) -> None:
         check_run_id(self.run_id)
         check_counters(self.stage, self.step, self.round, self.outer_steps, self.tokens, *self.collected)
+        if self.joining_at is not None:
+            check_counters(self.joining_at)
         if len(self.collected) not in (0, 2):
             raise ValueError(f"collected is a (step, microbatch) pair, got {self.collected}")
 

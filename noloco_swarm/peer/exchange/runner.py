@@ -62,6 +62,11 @@ class Passed(Exception):
     """We do not call this member: it trains on past this exchange (it gave up on us)."""
 
 
+class Rejoining(Exception):
+    """The partner we wait for was restarted under its id and joins a later round: the process
+    that held this exchange's membership is gone, and the one that answers will not call."""
+
+
 class OuterExchange:
     """One outer step's exchange with this round's group; run once, then finished."""
 
@@ -252,7 +257,7 @@ class OuterExchange:
         if not self.plan.calls(m):
             try:
                 return await self._await_caller(key, peer)
-            except (PeerUnavailable, RemoteRefused, MessageError) as e:
+            except (PeerUnavailable, RemoteRefused, MessageError, Rejoining) as e:
                 return e
         # A partner seen past the step where it waits for this exchange gave up on it and would
         # refuse our weights as stale (we fell behind: a stall, a cut link): send nothing.
@@ -294,6 +299,9 @@ class OuterExchange:
                 passed = isinstance(status, PeerStatus) and status.step > latest
                 if passed and not self.board.serving(key, peer):  # not its call still landing
                     raise PeerUnavailable(f"{peer} trains on past step {latest} without our exchange")
+                joins = status.joining_at if isinstance(status, PeerStatus) else None
+                if joins is not None and joins > key[0]:
+                    raise Rejoining(f"{peer} was restarted and joins at round {joins}, after exchange {key}")
         finally:
             if not waiting.done():
                 waiting.cancel()
@@ -326,7 +334,9 @@ class OuterExchange:
         elif isinstance(error, RemoteRefused) and error.code == "avoided":
             logger.warning("%s avoids us at the outer step of step %d: stepping without it", peer, t)
             self.ctx.events.emit(events.Declined(step=t, peer=peer))
-        elif isinstance(error, RelayOnly):  # alive, but only through a relay: not suspect
+        # Alive, but only through a relay; or restarted, its old membership ending by reports or at
+        # its new round: not suspect.
+        elif isinstance(error, RelayOnly | Rejoining):
             logger.warning("stepping without %s at the outer step of step %d: %s", peer, t, error)
         elif isinstance(error, PeerUnavailable):
             await self.ctx.rounds.suspect(peer, f"outer exchange at step {t} failed: {error}")
