@@ -15,15 +15,23 @@ Churn, per peer and hour: 0.1 crashes, 0.1 graceful leaves, 0.1 stalls of 90 s, 
 
     python bench/membership_scale.py --out docs/results/membership_scale.json
 
-Where the DHT holds records (--directory): "whole" (today's peer) or "spread" (a key per peer
-and per accused, no whole read, records passed between members; issue 36, item 4: a design the
-peer does not run yet). The flat-load comparison:
+Where the DHT holds records (--directory): "whole" (the peer before 6b5aa59) or "spread" (the
+peer's layout since 4d48904: heartbeats under a key per bucket of 16 members, reports under a
+key per accused, no whole read but a joiner's, records passed between members; issue 36, item 4).
+The flat-load comparison (run before 4d48904, when "spread" meant a key per peer):
 
     python bench/membership_scale.py --peers 8,32,128,256,1000 \
         --rounds 8:60,32:60,128:30,256:16,1000:8 --records gossip --directory spread \
         --out docs/results/membership_flat.json
 
 The peer since 2026-12-07 reads no directory at a boundary, and audits nobody: the same with
+--audits 0. Its directory as it stores since 4d48904 (joiners' whole reads counted):
+
+    python bench/membership_scale.py --peers 8,32,128,256,1000 \
+        --rounds 8:60,32:60,128:30,256:16,1000:8 --dhts fast,slow --records gossip \
+        --directory spread --audits 0 --out docs/results/membership_buckets.json
+
+and before it, with heartbeats modelled under a key per peer:
 
     python bench/membership_scale.py --peers 8,32,128 --rounds 8:60,32:60,128:30 --records gossip \
         --directory spread --audits 0 --out docs/results/membership_no_audits.json
@@ -101,9 +109,9 @@ def main() -> None:
     ap.add_argument(
         "--directory",
         default="whole",
-        help="where the DHT holds records, comma-separated: whole (today's peer: one key each for all "
-        "announcements and all reports, read whole every round), spread (a key per peer and per accused, "
-        "no whole read; needs --records gossip)",
+        help="where the DHT holds records, comma-separated: whole (one key each for all announcements "
+        "and all reports, read whole every round), spread (the peer's: a key per bucket of members and "
+        "per accused, no whole read but a joiner's; needs --records gossip)",
     )
     ap.add_argument(
         "--audits",
