@@ -54,7 +54,7 @@ ALONE=tests/integration/test_chaos.py
 SECOND_LANE=(
     tests/integration/test_testbed.py
     tests/integration/test_faults.py
-    tests/integration/test_terminal.py
+    tests/integration/test_plot.py
     tests/integration/test_trust.py
     tests/integration/test_runs.py
     tests/integration/test_local_cli.py
@@ -65,13 +65,21 @@ SECOND_LANE=(
 NOT_HERE=(
     tests/integration/test_outage.py
 )
+# The same for one case of a test: a peer frozen with its daemon past the step deadline is also
+# the chaos test's third fault, which runs here every time (the peer-only case stays). With it the
+# suite took 1233 s here and 1282 s on CI (2026-12-07).
+NOT_HERE_CASES=(
+    "tests/integration/test_faults.py::test_a_peer_frozen_past_the_deadline_is_dropped_and_rejoins_by_itself[0-peer-and-daemon]"
+)
 second_lane() {
     local status=0
     .venv/bin/python -m pytest -p no:cacheprovider "$compose" || status=$?
-    .venv/bin/python -m pytest -m integration -p no:cacheprovider "${SECOND_LANE[@]}" || status=$?
+    .venv/bin/python -m pytest -m integration -p no:cacheprovider "${SECOND_LANE[@]}" "${deselected[@]}" || status=$?
     echo "test.sh: the second lane took $((SECONDS - started)) s"
     return "$status"
 }
+deselected=()
+for case in "${NOT_HERE_CASES[@]}"; do deselected+=(--deselect "$case"); done
 started=$SECONDS  # each lane's time, to balance them by
 second_lane >"$report" 2>&1 &
 lane=$!

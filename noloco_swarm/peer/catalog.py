@@ -15,6 +15,7 @@ how many peers each stage asks for; the stages with fewer announced peers are sh
 from __future__ import annotations
 
 import ast
+import concurrent.futures
 import dataclasses
 import functools
 from collections import defaultdict
@@ -24,9 +25,9 @@ from typing import TYPE_CHECKING
 
 from noloco_swarm.model.presets import ModelConfig, count_parameters
 from noloco_swarm.peer.directory import (
-    DHT_CALL_TIMEOUT,
     RUNS_KEY,
-    get_latest,
+    answer,
+    latest_values,
     manifest_key,
     most_stored,
     read_announcements,
@@ -37,10 +38,11 @@ from noloco_swarm.protocol import codec, records
 
 # A manifest that asks for more stages than this is not listed (its config is not a real run's).
 MAX_STAGES = 1024
+# Runs whose directories `read_catalog` reads at once (each read is a few DHT traversals).
+READERS = 8
 
 if TYPE_CHECKING:
     from hivemind import DHT
-    from hivemind.utils import ValueWithExpiration
 
 
 @dataclass(frozen=True)
@@ -176,31 +178,34 @@ def summarize(
 
 def read_catalog(dht: DHT) -> Catalog:
     """Every listed run on the DHT `dht` reaches, sorted by run id (DHT traversals: the list, every
-    listed run's manifest together, then each run's announcements)."""
-    found = dht.get(RUNS_KEY, latest=True, return_future=True).result(timeout=DHT_CALL_TIMEOUT)
+    listed run's manifest together, then the runs' announcements, all runs' reads side by side)."""
+    found = answer(dht.get(RUNS_KEY, latest=True, return_future=True))
     listed, skipped = listings(None if found is None else found.value)
     if not listed:
         return Catalog((), skipped)
-
-    def get_many(keys: Sequence[str]) -> dict[str, ValueWithExpiration | None]:
-        read = functools.partial(get_latest, tuple(keys))
-        return dht.run_coroutine(read, return_future=True).result(timeout=DHT_CALL_TIMEOUT)
-
+    get_many = functools.partial(latest_values, dht)
     values = {
         key: None if value is None else value.value
         for key, value in get_many([manifest_key(run_id) for run_id in sorted(listed)]).items()
     }
-    runs = []
+    manifests = {}
     for run_id in sorted(listed):
         manifest, forged = backing(run_id, listed[run_id], values.get(manifest_key(run_id)))
         skipped += forged
-        summary = None
         if manifest is not None:
-            summary = summarize(manifest, read_announcements(run_id, get_many).announcements)
+            manifests[run_id] = (manifest, len(listed[run_id]) - forged)
+    if not manifests:
+        return Catalog((), skipped)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(READERS, len(manifests))) as pool:
+        readouts = pool.map(lambda run_id: read_announcements(run_id, get_many), manifests)
+        announced = dict(zip(manifests, readouts, strict=True))
+    runs = []
+    for run_id, (manifest, listings_of_it) in manifests.items():
+        summary = summarize(manifest, announced[run_id].announcements)
         if summary is not None:
             runs.append(summary)
-        elif manifest is not None:  # a signed config that makes no run: every listing of it
-            skipped += len(listed[run_id]) - forged
+        else:  # a signed config that makes no run: every listing of it
+            skipped += listings_of_it
     return Catalog(tuple(runs), skipped)
 
 

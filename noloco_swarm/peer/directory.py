@@ -248,22 +248,13 @@ class RunDirectory:
 
     def _get_many(self, keys: Sequence[str]) -> dict[str, ValueWithExpiration | None]:
         """The latest value of every key of `keys`, in one traversal."""
-        read = functools.partial(get_latest, tuple(keys))
-        found = self._wait(self.dht.run_coroutine(read, return_future=True))
+        found = latest_values(self.dht, keys)
         for key in keys:
             self.calls.read(found.get(key))
         return found
 
     def _wait(self, future: MPFuture[T] | concurrent.futures.Future[T]) -> T:
-        """The DHT's answer within DHT_CALL_TIMEOUT; TimeoutError (and the call cancelled) after, and
-        RuntimeError if the node shuts down first."""
-        try:
-            return future.result(timeout=DHT_CALL_TIMEOUT)
-        except TimeoutError:
-            future.cancel()
-            raise TimeoutError(f"the DHT did not answer within {DHT_CALL_TIMEOUT:.0f} s") from None
-        except concurrent.futures.CancelledError:  # the node shut down (LoopDHT.shutdown)
-            raise RuntimeError("the DHT node shut down before it answered") from None
+        return answer(future)
 
     def _records(self, found: ValueWithExpiration | None, cls: type[R]) -> tuple[list[R], int]:
         return signed_records(None if found is None else found.value, cls, self.run_id)
@@ -325,6 +316,23 @@ def read_announcements(
             break
         keys, first, size = [], first + size, 2 * size
     return DirectoryReadout(sorted((a for _, a in latest.values()), key=lambda a: a.peer_id), malformed)
+
+
+def answer(future: MPFuture[T] | concurrent.futures.Future[T]) -> T:
+    """A DHT call's answer within DHT_CALL_TIMEOUT; TimeoutError (and the call cancelled) after, and
+    RuntimeError if the node shuts down first."""
+    try:
+        return future.result(timeout=DHT_CALL_TIMEOUT)
+    except TimeoutError:
+        future.cancel()
+        raise TimeoutError(f"the DHT did not answer within {DHT_CALL_TIMEOUT:.0f} s") from None
+    except concurrent.futures.CancelledError:  # the node shut down (LoopDHT.shutdown)
+        raise RuntimeError("the DHT node shut down before it answered") from None
+
+
+def latest_values(dht: DHT, keys: Sequence[str]) -> dict[str, ValueWithExpiration | None]:
+    """The latest value of every key of `keys` on `dht`, in one traversal (`answer`'s limits)."""
+    return answer(dht.run_coroutine(functools.partial(get_latest, tuple(keys)), return_future=True))
 
 
 async def get_latest(keys: tuple[str, ...], _: DHT, node: DHTNode) -> dict[str, ValueWithExpiration | None]:
