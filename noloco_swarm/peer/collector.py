@@ -124,6 +124,14 @@ class StepCollector:
             self.expected = [x for x in self.expected if x.sender != sender]
             self._check_complete()
 
+    def routed_away(self, sender: int) -> None:
+        """Stop expecting rows from a sender that routes them around us (it believes us gone: our
+        stand-in takes them), without counting them as lost; the step runs with the rest."""
+        if sender not in self.arrivals:
+            self.gone.add(sender)
+            self.expected = [x for x in self.expected if x.sender != sender]
+            self._check_complete()
+
     def never_came(self) -> dict[int, int]:
         """Of the senders given up on, each one's count of expected rows that no arrival brought.
         A stand-in of a sender given up on may still bring its rows (it learned of the death

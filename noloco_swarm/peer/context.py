@@ -35,6 +35,7 @@ class PeerContext:
         self.run_plan = self.cfg.run_plan()  # the same rules the simulator reads (protocol.plan.RunPlan)
         self.clock = self.run_plan.clock
         self.deadlines = Deadlines(self.cfg.peer)
+        self.events.sinks.append(self.deadlines)  # it leaves out steps in which a peer failed us
         self.boundary = boundary_of(self.cfg)  # the wire format of rows (U and F under subspace)
 
     @property

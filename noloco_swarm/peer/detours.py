@@ -18,6 +18,7 @@ import asyncio
 import math
 import time
 from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
 
 from noloco_swarm.protocol.membership import MembershipView
 
@@ -133,6 +134,24 @@ class Detours:
     def forget_all(self) -> None:
         """We rejoined with a donor's view: what we heard before is of no round we will run."""
         self.heard.clear()
+
+
+def said_routing(
+    detours: Detours, stage: int, view: MembershipView | None, sent: tuple[tuple[int, int], tuple[int, ...]]
+) -> dict[str, Any]:
+    """What our status answer says of our routing (rpc.PeerStatus): the places of `view` we route
+    around, as a forward header of ours would (around_round, routes_around, stands_in), and the
+    (step, microbatch) whose rows we sent on last with the ranks we sent them to (sent, sent_to)."""
+    said: dict[str, Any] = {}
+    if view is not None:
+        places = detours.around(view)
+        said["around_round"] = view.round
+        said["routes_around"] = tuple(sorted(r for s, r in places if s == stage + 1))
+        said["stands_in"] = tuple(sorted(r for s, r in places if s == stage == 0))
+    (step, microbatch), receivers = sent
+    if step >= 0:
+        said["sent"], said["sent_to"] = (step, microbatch), receivers
+    return said
 
 
 def _place(view: MembershipView, peer: str) -> Place | None:

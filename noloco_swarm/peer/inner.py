@@ -51,6 +51,7 @@ from noloco_swarm.peer.sending import RowSender
 from noloco_swarm.peer.views import PeerExcluded, raise_if_left_behind
 from noloco_swarm.protocol import codec, plausible, routing
 from noloco_swarm.protocol.codec import MessageError
+from noloco_swarm.protocol.membership import MembershipView
 from noloco_swarm.protocol.plan import Incoming, Row
 from noloco_swarm.protocol.plausible import Implausible
 from noloco_swarm.protocol.rpc import ForwardHeader, PeerStatus
@@ -266,6 +267,9 @@ class InnerSteps:
         ctx = self.ctx
         view, timeout = ctx.view_at(t), ctx.deadlines.step
         deadline = time.monotonic() + timeout
+        for sender in collector.missing_senders():  # those that said they route around us
+            if avoids_us(ctx, view, ctx.rounds.seen.get(view.peer_at(ctx.stage - 1, sender))):
+                collector.routed_away(sender)
         while not collector.complete.is_set():
             left = deadline - time.monotonic()
             try:
@@ -294,6 +298,8 @@ class InnerSteps:
                 if status is None:
                     ctx.rounds.mark_dead(peer, f"stopped answering while we waited for step {t}")
                     lost.append(sender)
+                elif sends_us_nothing(ctx, view, status, t, collector.microbatch, sender):
+                    collector.routed_away(sender)  # by its routing, rows we expected go elsewhere
                 elif isinstance(status, PeerStatus) and status.step > t:
                     lost.append(sender)
             if lost:
@@ -397,6 +403,47 @@ async def _through_the_pipeline(
                     lost_windows.append(wm[j - n])
     carry.keep(t, lost_samples, lost_windows)
     return losses
+
+
+def avoids_us(ctx: PeerContext, view: MembershipView, status: PeerStatus | object) -> bool:
+    """Does a sender's answer to our probe say that it routes rows around us in `view`'s round?
+    It failed to reach us (we were frozen, or cut off), and sends our rows to our stand-in until
+    the boundary that weighs its report of us: within the round it sends us nothing, and waiting
+    for it would hold the pipeline to the step deadline, step after step. (Its record of who
+    failed it only grows within a round, so an earlier answer of the same round still holds.)"""
+    return (
+        isinstance(status, PeerStatus)
+        and status.around_round == view.round
+        and view.rank_of(ctx.me)[1] in status.routes_around
+    )
+
+
+def sends_us_nothing(
+    ctx: PeerContext, view: MembershipView, status: PeerStatus | object, t: int, m: int, sender: int
+) -> bool:
+    """By its answer to our probe, does the stage-before `sender` send us no rows of microbatch m
+    of step t? It sent them on, to other replicas only; it routes around us; or, when it is on
+    stage 0 (its rows are its own and those of the stage-0 replicas it stands in for), the plan
+    under its routing gives us none. We may expect some from hearsay: a header said a replica is
+    routed around, and we stand in for it, but this sender does not route around it and sends it
+    its rows itself. (Before a later stage's sender sends, it cannot say: it holds the rows its
+    own senders routed to it.)"""
+    if not isinstance(status, PeerStatus):
+        return False
+    if status.sent == (t, m) and view.rank_of(ctx.me)[1] not in status.sent_to:
+        return True  # it sent this microbatch on, to others only
+    if status.around_round != view.round:
+        return False
+    if avoids_us(ctx, view, status):
+        return True
+    if ctx.stage != 1:
+        return False
+    places = {(0, r) for r in status.stands_in} | {(1, r) for r in status.routes_around}
+    try:
+        plan = ctx.plan_at(t).routing_around(places)
+        return not plan.expects_from(t, 1, view.rank_of(ctx.me)[1], sender, m)
+    except ValueError:  # ranks this round does not have: not an answer we can use
+        return False
 
 
 def _say_never_came(ctx: PeerContext, collector: StepCollector) -> None:

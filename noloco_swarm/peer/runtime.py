@@ -31,6 +31,7 @@ from noloco_swarm.data.stream import train_batches
 from noloco_swarm.peer import events, failpoints
 from noloco_swarm.peer.checkpoint import Checkpoint
 from noloco_swarm.peer.context import PeerContext
+from noloco_swarm.peer.detours import said_routing
 from noloco_swarm.peer.directory import RunDirectory
 from noloco_swarm.peer.evaluation import Evaluation
 from noloco_swarm.peer.exchange.board import ExchangeBoard
@@ -354,6 +355,7 @@ class Peer:
             resumed_from=self.resume.resumed_from,
             collected=self.inner.consumed if self.inner.consumed[0] >= 0 else (),
             joining_at=ctx.rounds.joining_at if view is None else None,
+            **said_routing(ctx.rounds.detours, ctx.stage, view, self.inner.sender.sent),
         )
         return status, []
 

@@ -83,6 +83,9 @@ class RowSender:
         self.ctx = ctx
         self.dropped_samples = 0  # over the run
         self.began = math.inf  # when this replica's current step began (monotonic; InnerSteps.run)
+        # The (step, microbatch) whose rows we sent on last, and the next-stage ranks we sent them
+        # to (our status answer says so: a receiver not among them stops waiting for us).
+        self.sent: tuple[tuple[int, int], tuple[int, ...]] = ((-1, -1), ())
 
     async def send_on(
         self,
@@ -107,6 +110,7 @@ class RowSender:
             rows = [x.row for x in plan.rows(t, ctx.stage, rank, m)]
         planned = plan.route(t, ctx.stage, rows)
         routes = carry.along(planned, len(carried))
+        self.sent = ((t, m), tuple(routes))
         around = Around(
             stands_in_for=plan.stands_in_for(t, ctx.stage, rank, rows),
             routes_around=tuple(sorted(r for s, r in plan.around if s == ctx.stage + 1)),

@@ -41,7 +41,9 @@ import torch
 # reads the directory, and could build another), and a non-member's others' records are refused;
 # 13: heartbeats go to a key per bucket of members, gone reports to a key per accused peer
 # (peer/directory.py): a version-12 peer would find none of them
-PROTOCOL_VERSION = 13
+# 14: a probed peer says whom it routes rows around (`PeerStatus.routes_around`, `stands_in`),
+# fields a version-13 peer would refuse
+PROTOCOL_VERSION = 14
 MAX_MESSAGE_BYTES = 1 << 20  # headers only; tensor payloads are streamed separately
 MAX_SEQUENCE = 1 << 16
 MAX_STRING = 4096

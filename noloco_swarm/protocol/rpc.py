@@ -313,10 +313,26 @@ class PeerStatus(Message):
     # The round this process joins at while it holds no view (a new peer, or one restarted under
     # the same id): an older membership of its id exchanges nothing before it, and will not call.
     joining_at: int | None = None
+    # Whom it routes rows around in round `around_round` of its views (-1: none said), as its
+    # forward headers say: the ranks of the next stage that failed it (it sends their rows to
+    # stand-ins until the boundary that weighs its reports), and on stage 0 the ranks of its own
+    # stage it stands in for. A receiver waiting for its rows learns from this what it will send.
+    around_round: int = -1
+    routes_around: tuple[int, ...] = ()
+    stands_in: tuple[int, ...] = ()
+    # The (step, microbatch) whose rows it sent on last (empty: none yet), and the ranks of the
+    # next stage it sent them to: a receiver not among them gets nothing of that microbatch.
+    sent: tuple[int, ...] = ()
+    sent_to: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         check_run_id(self.run_id)
         check_counters(self.stage, self.step, self.round, self.outer_steps, self.tokens, *self.collected)
+        check_counters(*self.routes_around, *self.stands_in, *self.sent, *self.sent_to)
+        if len(self.sent) not in (0, 2):
+            raise ValueError(f"sent is a (step, microbatch) pair, got {self.sent}")
+        if self.around_round < -1:
+            raise ValueError(f"around_round must be >= -1, got {self.around_round}")
         if self.joining_at is not None:
             check_counters(self.joining_at)
         if len(self.collected) not in (0, 2):
