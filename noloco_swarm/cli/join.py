@@ -7,6 +7,7 @@ import dataclasses
 import faulthandler
 import json
 import logging
+import os
 import signal
 import time
 
@@ -26,6 +27,10 @@ from noloco_swarm.train.config import RunConfig
 # goes to stderr and the process exits with status 1: a peer that finished but hangs would stall
 # whoever waits for it.
 EXIT_GRACE = 60.0
+
+
+def _stop_at_once(signum: int, frame: object) -> None:
+    os._exit(130)
 
 
 class _Say:
@@ -104,11 +109,13 @@ def run_join(
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, on_signal)
+        ran.set()
         try:
             return await run_peer(cfg, steps, new_run=new_run, resume=resume, leave=leave, watch=watch)
         finally:
             faulthandler.dump_traceback_later(EXIT_GRACE, exit=True)
 
+    ran = asyncio.Event()  # set once main() took the signals over (only then are they left to us)
     try:
         summary = run_on_loop(main(), cfg.peer.event_loop)
     except asyncio.CancelledError:
@@ -119,6 +126,12 @@ def run_join(
         return 0
     finally:
         faulthandler.cancel_dump_traceback_later()  # the loop and its worker threads have ended
+        # The loop's signal handlers closed with it, and a signal now would kill the process in
+        # its last teardown (-15), as the second SIGTERM of a stop did to a peer that had just
+        # left at a boundary (seen under the suite's load, 2026-12-07). Its work is done and its
+        # daemon stopped: a signal now means stop at once, as the second one does while it runs.
+        for sig in (signal.SIGTERM, signal.SIGINT) if ran.is_set() else ():
+            signal.signal(sig, _stop_at_once)
     console.print(
         f"done: stage {summary.stage} replica {summary.rank}, {summary.steps} steps, "
         f"{summary.outer_steps} outer steps, state {summary.state_hash[:16]}"

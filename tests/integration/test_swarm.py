@@ -1088,10 +1088,11 @@ def test_noloco_status_shows_every_peer_of_a_running_swarm(cache: Path) -> None:
     # The swarm's end (SIGTERM twice to each peer's process group, its daemon's too) stopped every
     # peer as the second signal says, at once: none was SIGKILLed after the harness's grace. (Each
     # was until 2026-12-06: its DHT node waited forever on its dead daemon, and its gone reports
-    # for DHT_CALL_TIMEOUT.)
-    assert [p.proc.returncode for p in swarm.peers] == [130] * len(swarm.peers), [
-        p.log_tail() for p in swarm.peers
-    ]
+    # for DHT_CALL_TIMEOUT.) Nor killed by a signal in its last teardown (-15: seen once under
+    # the suite's load, 2026-12-07); one that left at a boundary between the signals and was gone
+    # before the second exits 0.
+    codes = [p.proc.returncode for p in swarm.peers]
+    assert all(code in (0, 130) for code in codes), codes
     # A status request announcing 512 MiB of tensors is refused before they are read: the peer's
     # memory does not grow by them. Streams beyond one caller's cap are refused 'busy' at once,
     # the peers train on meanwhile, and the caller is served again once its streams are closed.
