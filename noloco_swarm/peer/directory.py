@@ -165,9 +165,7 @@ class RunDirectory:
             (manifest_key(self.run_id), manifest, self._writer().mark, "manifest"),
             (RUNS_KEY, listing, self._writer().owned(self.run_id), "run's listing"),
         ):
-            ok = self._wait(
-                self.dht.store(key, codec.encode(record), expires, subkey=subkey, return_future=True)
-            )
+            ok = answer(self.dht.store(key, codec.encode(record), expires, subkey=subkey, return_future=True))
             if not ok:
                 raise RuntimeError(f"the DHT did not accept the {what}; is any DHT peer reachable?")
 
@@ -231,7 +229,7 @@ class RunDirectory:
         again, as hivemind does at start: a node that was cut off from everyone has emptied its
         routing table, and would otherwise find no record again. How many answered."""
         ping = functools.partial(_ping_entry_points, tuple(peer_ids))  # runs where the DHT node runs
-        return self._wait(self.dht.run_coroutine(ping, return_future=True))
+        return answer(self.dht.run_coroutine(ping, return_future=True))
 
     def _store(self, key: str, record: records.PeerAnnouncement | records.GoneReport, ttl: float) -> bool:
         """Store `record` under its subkey with our owner mark: the DHT signs it with our key."""
@@ -239,10 +237,10 @@ class RunDirectory:
         value = codec.encode(record)
         self.calls.stores += 1
         self.calls.bytes_stored += len(value)
-        return bool(self._wait(self.dht.store(key, value, expiration, subkey=subkey, return_future=True)))
+        return bool(answer(self.dht.store(key, value, expiration, subkey=subkey, return_future=True)))
 
     def _get(self, key: str) -> ValueWithExpiration | None:
-        found = self._wait(self.dht.get(key, latest=True, return_future=True))
+        found = answer(self.dht.get(key, latest=True, return_future=True))
         self.calls.read(found)
         return found
 
@@ -252,9 +250,6 @@ class RunDirectory:
         for key in keys:
             self.calls.read(found.get(key))
         return found
-
-    def _wait(self, future: MPFuture[T] | concurrent.futures.Future[T]) -> T:
-        return answer(future)
 
     def _records(self, found: ValueWithExpiration | None, cls: type[R]) -> tuple[list[R], int]:
         return signed_records(None if found is None else found.value, cls, self.run_id)

@@ -45,6 +45,7 @@ from noloco_swarm.peer.rows import (
     decode_rows,
     gone_senders,
     rows_of,
+    sender_routing,
     senders_plan,
 )
 from noloco_swarm.peer.sending import RowSender
@@ -438,9 +439,8 @@ def sends_us_nothing(
         return True
     if ctx.stage != 1:
         return False
-    places = {(0, r) for r in status.stands_in} | {(1, r) for r in status.routes_around}
     try:
-        plan = ctx.plan_at(t).routing_around(places)
+        plan = sender_routing(ctx, t, 0, status.stands_in, status.routes_around)
         return not plan.expects_from(t, 1, view.rank_of(ctx.me)[1], sender, m)
     except ValueError:  # ranks this round does not have: not an answer we can use
         return False

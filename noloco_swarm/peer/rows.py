@@ -3,6 +3,8 @@ backward reply that answers them (the microbatch flight itself is inner.py's).""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 from noloco_swarm.peer.context import PeerContext
@@ -39,11 +41,20 @@ def gone_senders(ctx: PeerContext, view: MembershipView) -> tuple[int, ...]:
 def senders_plan(ctx: PeerContext, view: MembershipView, header: ForwardHeader) -> StepPlan:
     """The plan the sender of `header` follows: the round's, routing around the replicas of our
     stage it says it routes around, and with it standing in for those of its own stage it names."""
-    places = {(header.hop, r) for r in header.stands_in_for} | {(ctx.stage, r) for r in header.routes_around}
     try:
-        return ctx.plan_at(header.step).routing_around(places)
+        return sender_routing(ctx, header.step, header.hop, header.stands_in_for, header.routes_around)
     except ValueError as e:
         raise MessageError(f"the sender routes around replicas this round does not have: {e}") from e
+
+
+def sender_routing(
+    ctx: PeerContext, step: int, hop: int, stands_in: Iterable[int], routes_around: Iterable[int]
+) -> StepPlan:
+    """Step `step`'s plan as a replica of stage `hop` (the one before ours) follows it: standing in
+    for the ranks `stands_in` of its stage, routing around the ranks `routes_around` of ours, as
+    its forward header or its status answer says. ValueError for ranks the round does not have."""
+    places = {(hop, r) for r in stands_in} | {(ctx.stage, r) for r in routes_around}
+    return ctx.plan_at(step).routing_around(places)
 
 
 def backward_reply(
