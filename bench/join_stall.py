@@ -1,35 +1,40 @@
-"""What a join costs the swarm it joins: the joiner's round and the round before it (when the
-donors serve it), against the same rounds of the same swarm left alone, side by side in one run.
+"""What a join costs the swarm it joins: the joiner's round and the rounds before it while the
+donors serve it, against the same rounds of the same swarm left alone, side by side in one run.
 
 A 2 x 2 swarm (tiny's vocabulary, widened so that a stage's state, phi + delta + AdamW's two
 moments, is about 300 MB) trains; a fifth peer starts on stage 1 after the swarm's first steps
-and joins at round J (two rounds ahead, peer/joining.py). Three runs per repetition:
+and joins at round J (two rounds ahead, peer/joining.py). Four runs per repetition:
 
   early   the donors keep their state for the joiner at the boundary before J, where they read
           its announcement, and the joiner downloads it while the swarm trains round J-1 (the
           rule since 2026-12-07)
-  late    the same, with failpoint miss_joiners:rpc_fetch_state on both donors: they keep nothing there,
-          so they keep their state at J's boundary and round J waits for the download (every
+  kept    early, with failpoint keep_round:rpc_fetch_state on the joiner: a download that would
+          outlast round J-1 keeps round J anyway, and the swarm waits for it at J (the early path
+          until peer/postpone.py); early moves its round further off instead
+  late    early, with failpoint miss_joiners:rpc_fetch_state on both donors: they keep nothing
+          there, so they keep their state at J's boundary and round J waits for the download (every
           join before 2026-12-07; now the fallback for a donor that reads the joiner late)
   calm    no joiner
 
-Per run:
+Per run, with A the round the joiner announced first and J the round it entered (A, unless its
+download would outlast round A-1 and it moved: peer/postpone.py):
 
+  announced_round   A; `postponed` lists every move (from, to, the projections behind it)
   round_seconds     wall time of every round r but the first on the four first peers (median of
                     each): from their step r*H (a boundary, its outer step included) to the end of
                     step r*H + H
   serving_seconds   from the donors' snapshot (`joiners` event) to the last chunk they served
   ready_seconds     from the snapshot to the joiner's `joined` event (downloaded, checked, loaded,
                     and, on the early path, its view of J received at J's boundary)
-  from_step         the step of the state the joiner loaded: (J-1)*H early, J*H late
-  slowest_step      the longest step of rounds J-1 and J on the first peers, and which step it was
+  from_step         the step of the state the joiner loaded: (A-1)*H early, J*H late
+  slowest_step      the longest step of rounds A-1 to J on the first peers, and which step it was
 
-  cpu_seconds       CPU time over rounds J-1 and J (calm: the early run's J) of each group of
+  cpu_seconds       CPU time over rounds A-1 to J (calm: the early run's) of each group of
                     processes: the two donors (stage 1), the two stage-0 peers and the joiner,
                     each split into the peers' event loops, their compute threads and their p2pd
                     daemons (read from /proc every 0.25 s, as bench/cpu_accounting.py reads it)
 
-The cost of a join is its run's time for the two rounds
+The cost of a join is its run's time for rounds A-1 to J
 minus calm's (`extra_seconds`), with each round's part beside it, and its CPU time over calm's
 (`early_extra_cpu_seconds`, by group and part): what the donors' own processes spend serving, against
 what their daemons and the joiner spend, which a volunteer's machines would not take from the
@@ -43,6 +48,10 @@ and the swarm's waiting can slow the swarm. `--serve-rate` caps each donor's ser
     python bench/join_stall.py --reps 2 --out docs/results/join_stall.json
     python bench/join_stall.py --reps 2 --joiner-cpu 1 --out docs/results/join_stall_pinned.json
     python bench/join_stall.py --reps 2 --serve-rate 30 --out docs/results/join_stall_paced.json
+    python bench/join_stall.py --reps 2 --steps 100 --inner-steps 10 --serve-rate 2 \
+        --out docs/results/join_stall_slow_link.json
+
+(The first three were run before the kept mode existed, 2026-12-07, at 02fdbf0 and before.)
 """
 
 from __future__ import annotations
@@ -58,9 +67,10 @@ from pathlib import Path
 from cpu_accounting import by_part
 
 from noloco_swarm.harness.local import local_swarm, until
-from noloco_swarm.peer.events import Joined, Joiners, ServedState, Step, of_kind
+from noloco_swarm.peer.events import Joined, Joiners, Joining, JoinPostponed, ServedState, Step, of_kind
 from noloco_swarm.train.layering import build_config
 
+MODES = ("early", "kept", "late")
 WIDE = {
     "model.hidden_size": "512",
     "model.intermediate_size": "2048",
@@ -112,7 +122,7 @@ class CpuLog(threading.Thread):
         }
 
 
-def run(args: argparse.Namespace, mode: str, cpu_round: int | None = None) -> dict:
+def run(args: argparse.Namespace, mode: str, cpu_rounds: tuple[int, int] | None = None) -> dict:
     """One swarm; early or late, a stage-1 joiner; calm, none. Measures every round but the first."""
     cfg = config(args)
 
@@ -121,6 +131,8 @@ def run(args: argparse.Namespace, mode: str, cpu_round: int | None = None) -> di
         late = (
             {"NOLOCO_FAILPOINTS": "miss_joiners:rpc_fetch_state=1"} if mode == "late" and stage == 1 else {}
         )
+        if mode == "kept" and joiner:
+            late = {"NOLOCO_FAILPOINTS": "keep_round:rpc_fetch_state=1000"}
         pinned = {"NOLOCO_SET": f"peer.cpus={args.joiner_cpu if joiner else args.swarm_cpus}"}
         return late | (pinned if args.joiner_cpu is not None else {})
 
@@ -145,7 +157,18 @@ def run(args: argparse.Namespace, mode: str, cpu_round: int | None = None) -> di
         donors = [p for p in first if of_kind(events[id(p)], Joiners)]
         snapshot = min(of_kind(events[id(p)], Joiners)[0].time for p in donors)
         served = [e.time for p in donors for e in of_kind(events[id(p)], ServedState)]
+        postponed = of_kind(events[id(joiner)], JoinPostponed)
         row |= {
+            "announced_round": of_kind(events[id(joiner)], Joining)[0].round,
+            "postponed": [
+                {
+                    "round": e.round,
+                    "to": e.to,
+                    "download_seconds": e.download_seconds,
+                    "swarm_seconds": e.swarm_seconds,
+                }
+                for e in postponed
+            ],
             "chunks_served": len(served),
             "serving_seconds": max(served) - snapshot,
             "ready_seconds": joined.time - snapshot,
@@ -158,12 +181,14 @@ def run(args: argparse.Namespace, mode: str, cpu_round: int | None = None) -> di
         str(r): statistics.median(at[r * h + h] - at[r * h] for at in steps_at) for r in rounds
     }
     if round_ is not None:
-        start, end = (round_ - 1) * h, round_ * h + h
+        start, end = (row["announced_round"] - 1) * h, round_ * h + h
         slowest = max((at[s] - at[s - 1], s) for at in steps_at for s in range(start + 1, end + 1))
         row |= {"round": round_, "slowest_step": {"seconds": slowest[0], "step": slowest[1]}}
-    J = round_ if round_ is not None else cpu_round
-    if J is not None:  # from the first peers' step (J-1)*H to J*H + H (medians)
-        start = statistics.median(at[(J - 1) * h] for at in steps_at)
+    # CPU from the first peers' step (A-1)*H to J*H + H (medians), A the round the joiner first
+    # announced and J the one it entered (calm: the early run's)
+    first, J = (row["announced_round"], round_) if round_ is not None else (cpu_rounds or (None, None))
+    if J is not None:
+        start = statistics.median(at[(first - 1) * h] for at in steps_at)
         row["cpu_seconds"] = cpu.between(start, statistics.median(at[J * h + h] for at in steps_at))
     return row
 
@@ -180,14 +205,16 @@ def main() -> None:
     args = ap.parse_args()
     reps = []
     for _ in range(args.reps):
-        rep: dict = {mode: run(args, mode) for mode in ("early", "late")}
-        rep["calm"] = run(args, "calm", cpu_round=rep["early"]["round"])
+        rep: dict = {mode: run(args, mode) for mode in MODES}
+        rep["calm"] = run(args, "calm", cpu_rounds=(rep["early"]["announced_round"], rep["early"]["round"]))
         calm = rep["calm"]["round_seconds"]
-        for mode in ("early", "late"):
-            J = rep[mode]["round"]
-            extra = {str(r): rep[mode]["round_seconds"][str(r)] - calm[str(r)] for r in (J - 1, J)}
+        for mode in MODES:
+            first, J = rep[mode]["announced_round"], rep[mode]["round"]
+            extra = {
+                str(r): rep[mode]["round_seconds"][str(r)] - calm[str(r)] for r in range(first - 1, J + 1)
+            }
             rep |= {f"{mode}_extra_seconds": sum(extra.values()), f"{mode}_extra_by_round": extra}
-        rep["early_extra_cpu_seconds"] = {  # the early run's CPU over rounds J-1 and J, over calm's
+        rep["early_extra_cpu_seconds"] = {  # the early run's CPU over its rounds A-1 to J, over calm's
             group: {
                 part: round(cpu - rep["calm"]["cpu_seconds"].get(group, {}).get(part, 0.0), 2)
                 for part, cpu in parts.items()
@@ -212,7 +239,7 @@ def main() -> None:
         "cpus": None if args.joiner_cpu is None else {"swarm": args.swarm_cpus, "joiner": args.joiner_cpu},
         "reps": reps,
     }
-    for mode in ("early", "late"):
+    for mode in MODES:
         result[f"{mode}_extra_seconds_median"] = statistics.median(r[f"{mode}_extra_seconds"] for r in reps)
     print(json.dumps(result, indent=1))
     if args.out is not None:

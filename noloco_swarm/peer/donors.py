@@ -195,7 +195,7 @@ async def _manifests(
         if task.cancelled() or task.exception() is not None:
             return False
         answer = task.result()
-        return answer.round == round_ - 1 and admits(answer)
+        return answer.round < round_ and admits(answer)
 
     pending, until = set(asks), None
     try:
@@ -338,7 +338,15 @@ class _Room:
             return
         donors = [d for d in plan.order if d in plan.live]
         snapshot = plan.manifest.snapshot
-        self.emit(events.StateFetch(round=self.round, target=plan.target, donors=donors, snapshot=snapshot))
+        self.emit(
+            events.StateFetch(
+                round=self.round,
+                target=plan.target,
+                donors=donors,
+                snapshot=snapshot,
+                snapshot_round=plan.manifest.round,
+            )
+        )
 
     def _fail(self, donor: str, index: int, reason: str, *, fatal: bool) -> None:
         target = self.plan.target
@@ -370,4 +378,8 @@ class _Room:
             return  # held already, or the target changed while it travelled
         self.parts[span.part][span.start : span.stop].copy_(tensor)
         self.sent_by[index] = donor
-        self.emit(events.ChunkFetched(round=self.round, donor=donor, index=index, part=span.part))
+        self.emit(
+            events.ChunkFetched(
+                round=self.round, donor=donor, index=index, part=span.part, of=len(mine.chunks)
+            )
+        )

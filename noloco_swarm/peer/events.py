@@ -109,6 +109,19 @@ class Joining(Event):
 
 
 @dataclass(frozen=True)
+class JoinPostponed(Event):
+    """Our download would outlast the round we announced (`round`): we announced `to` instead
+    (peer/postpone.py), projecting the download to end `download_seconds` from now and the swarm
+    to reach `round` in `swarm_seconds`."""
+
+    KIND: ClassVar[str] = "join_postponed"
+    round: int
+    to: int
+    download_seconds: float
+    swarm_seconds: float
+
+
+@dataclass(frozen=True)
 class Joined(Event):
     """This peer loaded its stage's state for `round`, which starts at inner step `step`:
     `server`'s snapshot of step `from_step` (the boundary before `round`, or `round`'s own when
@@ -156,17 +169,19 @@ class StateFetch(Event):
     target: str
     donors: list[str]
     snapshot: str
+    snapshot_round: int = -1  # the round of the boundary the snapshot was taken at
 
 
 @dataclass(frozen=True)
 class ChunkFetched(Event):
-    """A joiner received and checked chunk `index` (of state part `part`) from `donor`."""
+    """A joiner received and checked chunk `index` (of state part `part`; `of` in all) from `donor`."""
 
     KIND: ClassVar[str] = "chunk_fetched"
     round: int
     donor: str
     index: int
     part: str
+    of: int = 0
 
 
 @dataclass(frozen=True)

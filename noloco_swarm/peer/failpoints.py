@@ -21,6 +21,9 @@ Records that reach one peer late:
   miss_joiners:rpc_fetch_state  at the boundary before a joiner's round this peer keeps no
                         state for it (reached only where it would), as if it read the
                         announcement late: it keeps its state at the joiner's own boundary
+  keep_round:rpc_fetch_state  a joiner whose download would outlast its round keeps that round
+                        anyway (peer/postpone.py), as every joiner did before 2026-12-07: the
+                        swarm waits for its download there
 
 A hostile member, for the tests that prove a partner rejects what it sends (VERB: rpc_exchange;
 each point is reached once per exchange, at its start, whether this peer calls, is called or is
@@ -63,7 +66,15 @@ import torch
 ENV = "NOLOCO_FAILPOINTS"
 STRAGGLE_ENV = "NOLOCO_STRAGGLE"
 POISONS = ("poison_scale", "poison_nan", "poison_shape")
-KINDS = ("lose_reply", "close_unanswered", "close_unconfirmed", "miss_joiners", "false_report", *POISONS)
+KINDS = (
+    "lose_reply",
+    "close_unanswered",
+    "close_unconfirmed",
+    "miss_joiners",
+    "keep_round",
+    "false_report",
+    *POISONS,
+)
 _ENTRY = re.compile(r"^(?P<kind>[a-z_]+):(?P<verb>rpc_[a-z_]+)(@(?P<skip>\d+))?=(?P<count>\d+)$")
 
 

@@ -1,18 +1,15 @@
-"""Joining a running swarm and serving state to joiners: the round to enter at, and the state.
+"""Joining a running swarm: the round to enter at, and the state to enter with.
 
 A newcomer asks the live peers where they are (rpc_status), announces the round two after the
 furthest step it hears of (so every member reads the announcement before that boundary), and
 downloads its stage's state from the live replicas of the stage while the swarm trains the round
-before its own. Each replica that reads the announcement at the boundary before the joiner's
-round keeps a snapshot taken right after the outer step there (theta == phi then; with an
-overlapped outer step, which is still in flight at the boundary, its fast weights there serve as
-the joiner's phi and theta: see `_snapshot`), with a manifest of chunk hashes (rpc_fetch_state),
-and serves it one chunk per request (rpc_fetch_chunk). A replica that reads it only at the
-joiner's own boundary keeps its state there instead, and the swarm's first round with the joiner
-waits for its download. The newcomer adopts one replica's snapshot, takes its chunks from every
-replica holding the same bytes in parallel (peer/donors.py, protocol/chunks.py), checks the whole
-against the announced weights hash, and adopts that replica's view of its round, which admits it.
-So a joiner starts one round behind its donor: NoLoCo's replicas differ anyway, and its first
+before its own: each replica that read the announcement at the boundary before the joiner's
+round keeps a snapshot there (peer/snapshots.py). A download that would outlast that round moves
+the joiner's round further off, and the same snapshot is kept for it (peer/postpone.py). The
+newcomer adopts one replica's snapshot, takes its chunks from every replica holding the same
+bytes in parallel (peer/donors.py, protocol/chunks.py), checks the whole against the announced
+weights hash, and adopts that replica's view of its round, which admits it. So a joiner starts
+one round (or, moved, a few) behind its donor: NoLoCo's replicas differ anyway, and its first
 outer step averages it with a partner like any other replica.
 """
 
@@ -23,36 +20,34 @@ import hashlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
 
-import torch
 from hivemind.utils.multiaddr import Multiaddr
 
 from noloco_swarm.peer import events, failpoints
 from noloco_swarm.peer.context import PeerContext
-from noloco_swarm.peer.donors import DONOR_ERRORS, MIB, Snapshot, ask_manifest, download_state
+from noloco_swarm.peer.donors import DONOR_ERRORS, ask_manifest, download_state
 from noloco_swarm.peer.exchange.ledger import ByteLedger
 from noloco_swarm.peer.liveness import DHT_ERRORS, PROBE_TIMEOUT, ask_status
-from noloco_swarm.peer.net.limits import Accepts
-from noloco_swarm.peer.net.streams import Pacer
 from noloco_swarm.peer.net.transport import Transport
-from noloco_swarm.peer.views import Held
-from noloco_swarm.protocol import codec, records, rpc
+from noloco_swarm.peer.postpone import (
+    CHECK_SECONDS,
+    DownloadWatch,
+    Pace,
+    Postponement,
+    later_round,
+)
+from noloco_swarm.peer.snapshots import StateServer
+from noloco_swarm.protocol import records, rpc
 from noloco_swarm.protocol.clock import StepClock
 from noloco_swarm.protocol.codec import MessageError
 from noloco_swarm.protocol.membership import (
     JOIN_RETRY_ROUNDS,
     MembershipView,
-    donor_serves,
-    entering,
-    newest,
-    pending_joiners,
 )
 from noloco_swarm.protocol.plan import join_round
 from noloco_swarm.protocol.rpc import StateManifest
 
 logger = logging.getLogger(__name__)
-R = TypeVar("R", rpc.StateRequest, rpc.ChunkRequest)
 
 
 class RunEnding(RuntimeError):
@@ -89,18 +84,8 @@ def servers_for(others: list[records.PeerAnnouncement], stage: int, round_: int)
     return [a.peer_id for a in others if a.stage == stage and a.joined_round < round_]
 
 
-def check_request(header: codec.Message, run_id: str, stage: int, kind: type[R] = rpc.StateRequest) -> R:
-    if not isinstance(header, kind):
-        raise MessageError(f"expected a {kind.TAG} request")
-    if header.run_id != run_id or header.stage != stage:
-        raise MessageError(
-            f"this is stage {stage} of {run_id!r}, not stage {header.stage} of {header.run_id!r}"
-        )
-    return header
-
-
 class Joining:
-    """This peer's joins (at start-up or after an exclusion) and the state it serves to joiners."""
+    """This peer's joins (at start-up or after an exclusion); `server` serves state to joiners."""
 
     def __init__(
         self,
@@ -114,51 +99,8 @@ class Joining:
         self.ctx, self.ledger, self._announce = ctx, ledger, announce
         self._retire_before = retire_before
         self.joined_round = 0
-        self.snapshots: dict[int, Snapshot] = {}  # round -> state served to that round's joiners
         self.entering: asyncio.Future[bool] | None = None  # our announcement once we entered
-        self.pacer = Pacer(ctx.cfg.peer.state_serve_rate * MIB)
-        ctx.transport.register("rpc_fetch_state", self.rpc_fetch_state)
-        ctx.transport.register("rpc_fetch_chunk", self.rpc_fetch_chunk, Accepts(direct_only=True))
-
-    async def keep_for_joiners(self, previous: MembershipView, view: MembershipView, held: Held) -> None:
-        """At a boundary: snapshot our state (just after the outer step) for the joiners of our
-        stage that the records `held` announce for the next round (they download it during this
-        one, and nobody waits for them), and for those `view` admits that we kept nothing for at
-        the boundary before (they download it now, and the round waits for them)."""
-        ctx = self.ctx
-        early = self.snapshots.get(view.round - 1)
-        listings = newest(held[0])
-        new = entering(previous, view, listings)
-        joiners = [
-            p for p in view.stages[ctx.stage] if p in new and not (early is not None and p in early.pending)
-        ]
-        pending = frozenset(pending_joiners(view, ctx.stage, listings))
-        if pending and failpoints.fire("miss_joiners", "rpc_fetch_state"):  # a test's announcement read late
-            logger.warning("failpoint miss_joiners:rpc_fetch_state: no state kept for %s", sorted(pending))
-            pending = frozenset()
-        if joiners or pending:
-            snapshot = await asyncio.to_thread(self._snapshot, view, pending)
-            self.snapshots[view.round] = snapshot
-            if joiners:
-                ctx.events.emit(events.Joiners(round=view.round, peers=joiners, snapshot=snapshot.digest))
-            if pending:
-                ctx.events.emit(
-                    events.Joiners(round=view.round + 1, peers=sorted(pending), snapshot=snapshot.digest)
-                )
-        # A joiner downloads during the round before its own (or, late, during its own).
-        for old in [r for r in self.snapshots if r < view.round - 1]:
-            del self.snapshots[old]
-
-    def _snapshot(self, view: MembershipView, pending: frozenset[str]) -> Snapshot:
-        replica = self.ctx.replica
-        parts, adam_step = replica.state_parts()
-        if self.ctx.cfg.outer.overlap_steps > 0:
-            # This boundary's outer step is still in flight here (overlap), and the joiner was no
-            # member of the round it closes, so it takes no part in it: it starts from our fast
-            # weights at the boundary as its slow and fast weights, with our outer momentum. Every
-            # part is of this one boundary, and they hash to what we announce.
-            parts["phi"] = replica.theta()
-        return Snapshot.take(parts, adam_step, replica.state_hash(), view, self.ctx.step, pending=pending)
+        self.server = StateServer(ctx, ledger)  # the state we keep for joiners of our stage
 
     async def join_late(self, end_step: int, *, stale: bool = False) -> None:
         """Enter a running swarm two rounds ahead with a live replica's state.
@@ -193,11 +135,15 @@ class Joining:
                 for a in others:
                     group.create_task(dial(a.peer_id, a.addresses, timeout=PROBE_TIMEOUT))
             furthest = await furthest_step(ctx.transport, ctx.run_id, others, PROBE_TIMEOUT)
+            asked_at = time.monotonic()
             if furthest is None:  # cut off, or our connections went stale in a cut: dial afresh
                 problem, stale = "no peer of the run answered where it is (was this peer cut off?)", True
                 continue
             stale = False
             target = pick_join_round(max(furthest, *(a.step for a in others)), ctx.clock, end_step, later)
+            # A round we moved to (peer/postpone.py) stays ours: the members keep the newest round
+            # a joiner announced, and would not admit it at an earlier one.
+            target = max(target, self.joined_round)
             start = ctx.clock.round_start(target)
             self.joined_round = ctx.rounds.joining_at = target
             # A restarted member's old membership stays in the views up to round `target`: its
@@ -228,7 +174,14 @@ class Joining:
             # Spread joiners over the servers: each adopts the snapshot of the first in its own order.
             servers.sort(key=lambda p: hashlib.sha256(f"{ctx.me}/{p}".encode()).digest())
             try:
-                view, step = await self._fetch_state(servers, target, max(1.0, deadline - time.monotonic()))
+                view, step = await self._fetch_state(
+                    servers,
+                    target,
+                    max(1.0, deadline - time.monotonic()),
+                    others,
+                    end_step,
+                    (asked_at, furthest),
+                )
             except (*DONOR_ERRORS, TimeoutError) as e:
                 problem, reconnect = f"state fetch for round {target} failed: {e}", False
             else:
@@ -241,30 +194,51 @@ class Joining:
                 return
 
     async def _fetch_state(
-        self, servers: list[str], round_: int, timeout: float
+        self,
+        servers: list[str],
+        round_: int,
+        timeout: float,
+        others: list[records.PeerAnnouncement],
+        end_step: int,
+        seen: tuple[float, int],
     ) -> tuple[MembershipView, int]:
         """Download and load our stage's state at the start of `round_` from `servers` (in order of
         preference); the first's view of the round (it admits us) and the step the round starts at.
-        Raises what `download_state` raises, or MessageError; the replica is untouched then."""
+        A download that would outlast the swarm's way to `round_` moves our round further off
+        (`_postpone_while`; `seen`: when we last asked where the swarm is, and its furthest step
+        then); we enter that one. Raises what `download_state` raises, or
+        MessageError; the replica is untouched then."""
         ctx, replica = self.ctx, self.ctx.replica
+        watch, asked, until = DownloadWatch(), round_, time.monotonic() + timeout
 
-        def admits(manifest: StateManifest) -> bool:  # the state of the round before admits nobody yet
+        def admits(manifest: StateManifest) -> bool:  # the state of a round before ours admits nobody yet
             stages = manifest.view
             return len(stages) == ctx.cfg.num_stages and (
-                manifest.round < round_ or ctx.me in stages[ctx.stage]
+                manifest.round < self.joined_round or ctx.me in stages[ctx.stage]
             )
 
-        got = await download_state(
-            ctx.transport,
-            servers,
-            run_id=ctx.run_id,
-            stage=ctx.stage,
-            round_=round_,
-            numel=replica.phi.numel(),
-            timeout=timeout,
-            admits=admits,
-            emit=ctx.events.emit,
-        )
+        def emit(event: events.Event) -> None:
+            watch.seen(event)
+            ctx.events.emit(event)
+
+        donors = [a for a in others if a.peer_id in servers]
+        watching = asyncio.ensure_future(self._postpone_while(watch, donors, others, end_step, seen))
+        try:
+            got = await download_state(
+                ctx.transport,
+                servers,
+                run_id=ctx.run_id,
+                stage=ctx.stage,
+                round_=round_,
+                numel=replica.phi.numel(),
+                timeout=timeout,
+                admits=admits,
+                emit=emit,
+            )
+        finally:
+            watching.cancel()
+            await asyncio.gather(watching, return_exceptions=True)
+        round_ = self.joined_round  # later than asked, if the download moved it
         manifest = got.manifest
         backup = replica.state_parts(with_theta=True)
         await asyncio.to_thread(replica.load_state_parts, got.parts, manifest.adam_step)
@@ -272,8 +246,12 @@ class Joining:
             if replica.state_hash() != manifest.state_hash:
                 raise MessageError(f"the state of {got.target} does not hash to what it announced")
             stages = manifest.view
-            if manifest.round < round_:  # the state of the boundary before ours: now our view
-                stages = await self._entry_view(got.target, manifest, round_, timeout, admits)
+            if manifest.round < round_:  # the state of a boundary before ours: now our view
+                if round_ > asked:  # moved: a donor answers for a round only once it is near
+                    await self._until_swarm_in(round_ - 1, donors, until - time.monotonic())
+                stages = await self._entry_view(
+                    got.target, manifest, round_, until - time.monotonic(), admits
+                )
             try:
                 view = MembershipView(round=round_, stages=stages)  # validates the ids' order
             except ValueError as e:
@@ -302,6 +280,76 @@ class Joining:
             f"; lost {sorted(got.lost)}" if got.lost else "",
         )
         return view, ctx.clock.round_start(round_)
+
+    async def _postpone_while(
+        self,
+        watch: DownloadWatch,
+        donors: list[records.PeerAnnouncement],
+        others: list[records.PeerAnnouncement],
+        end_step: int,
+        first: tuple[float, int],
+    ) -> None:
+        """While the download runs: ask the donors where they are every CHECK_SECONDS, and
+        announce a later round whenever the download would end after the swarm reaches ours (its
+        pace measured since `first`: (when, furthest step))."""
+        ctx = self.ctx
+        while True:
+            await asyncio.sleep(CHECK_SECONDS)
+            step = await furthest_step(ctx.transport, ctx.run_id, donors, PROBE_TIMEOUT)
+            chunks = watch.pace()
+            if step is None or chunks is None:
+                continue
+            now = (time.monotonic(), step)
+            later = later_round(
+                target=self.joined_round,
+                snapshot_round=watch.snapshot_round,
+                inner_steps=ctx.clock.inner_steps,
+                chunks=chunks,
+                total_chunks=watch.total,
+                steps=Pace(first, now),
+            )
+            if later is None or ctx.clock.round_start(later.to) >= end_step:
+                continue  # in time, or the run ends first: the swarm waits for us at our round
+            if not failpoints.fire("keep_round", "rpc_fetch_state"):
+                await self._postpone(later, others)
+
+    async def _until_swarm_in(
+        self, round_: int, donors: list[records.PeerAnnouncement], timeout: float
+    ) -> None:
+        """Until a donor says it has reached `round_`; TimeoutError after `timeout` seconds."""
+        async with asyncio.timeout(max(0.0, timeout)):
+            while True:
+                step = await furthest_step(self.ctx.transport, self.ctx.run_id, donors, PROBE_TIMEOUT)
+                if step is not None and self.ctx.clock.round_of(step) >= round_:
+                    return
+                await asyncio.sleep(CHECK_SECONDS)
+
+    async def _postpone(self, later: Postponement, others: list[records.PeerAnnouncement]) -> None:
+        """Announce round `later.to` instead of ours, and hand it to the peers we asked, as at first."""
+        ctx, was = self.ctx, self.joined_round
+        self.joined_round = ctx.rounds.joining_at = later.to
+        self._retire_before(later.to)
+        ctx.events.emit(
+            events.JoinPostponed(
+                round=was,
+                to=later.to,
+                download_seconds=round(later.download_seconds, 2),
+                swarm_seconds=round(later.swarm_seconds, 2),
+            )
+        )
+        logger.warning(
+            "our download ends in about %.0f s, the swarm reaches round %d in about %.0f s: "
+            "joining at round %d instead",
+            later.download_seconds,
+            was,
+            later.swarm_seconds,
+            later.to,
+        )
+        if not await self._announce():
+            logger.warning(
+                "the DHT did not store our announcement of round %d (the heartbeat retries)", later.to
+            )
+        await ctx.rounds.passing.hand_over(a.peer_id for a in others)
 
     async def _entry_view(
         self,
@@ -336,61 +384,3 @@ class Joining:
             logger.warning("could not reach the run's entry points again: %s", e)
             return
         logger.warning("%d of %d entry points answered", answered, len(ids))
-
-    async def rpc_fetch_state(
-        self, peer_id: str, header: codec.Message, tensors: list[torch.Tensor]
-    ) -> tuple[codec.Message, list[torch.Tensor]]:
-        """A peer joining our stage at a round asks for the manifest of the state we keep for it:
-        of the boundary before its round if we read its announcement there (it downloads while
-        the swarm trains), else of its round's (see StateRequest)."""
-        ctx = self.ctx
-        request = check_request(header, ctx.run_id, ctx.stage)
-        round_ = request.round
-        if not donor_serves(ctx.clock.round_of(ctx.step), round_):  # see pick_join_round
-            raise MessageError(f"round {round_} is too far ahead (this peer is at step {ctx.step})")
-        if round_ < 1:
-            raise MessageError("nobody joins at round 0: it is the founders'")
-        until = time.monotonic() + min(ctx.cfg.peer.join_timeout, ctx.transport.config.serve_timeout - 5.0)
-        if not request.admitted:
-            await ctx.rounds.wait(round_ - 1, timeout=until - time.monotonic())
-            early = self.snapshots.get(round_ - 1)
-            if early is not None and peer_id in early.pending:
-                return early.manifest(ctx.run_id, ctx.stage), []
-        view = await ctx.rounds.wait(round_, timeout=until - time.monotonic())
-        if peer_id not in view.stages[ctx.stage]:
-            raise MessageError(f"peer {peer_id} is not admitted at round {round_} by this peer's view")
-        if request.admitted:  # it holds the state we kept for it at the boundary before
-            early = self.snapshots.get(round_ - 1)
-            if early is None or peer_id not in early.pending:
-                raise MessageError(
-                    f"this peer kept no state for {peer_id} at the boundary before round {round_}"
-                )
-            return early.manifest(ctx.run_id, ctx.stage, view), []
-        snapshot = self.snapshots.get(round_)
-        if snapshot is None or snapshot.view != view:
-            raise MessageError(f"this peer kept no state for {peer_id} at round {round_}")
-        return snapshot.manifest(ctx.run_id, ctx.stage), []
-
-    async def rpc_fetch_chunk(
-        self, peer_id: str, header: codec.Message, tensors: list[torch.Tensor]
-    ) -> tuple[codec.Message, list[torch.Tensor]]:
-        """A joiner that holds our manifest downloads one chunk of that snapshot."""
-        ctx = self.ctx
-        request = check_request(header, ctx.run_id, ctx.stage, rpc.ChunkRequest)
-        reply, tensor = self._kept_for(peer_id, request).chunk(ctx.run_id, ctx.stage, request)
-        nbytes = tensor.numel() * tensor.element_size()
-        await self.pacer.wait(nbytes)
-        ctx.events.emit(events.ServedState(round=request.round, peer=peer_id, chunk=request.index))
-        # Keep the state we serve out of the next outer step's byte count with this peer.
-        self.ledger.exclude(peer_id, nbytes)
-        return reply, [tensor]
-
-    def _kept_for(self, peer_id: str, request: rpc.ChunkRequest) -> Snapshot:
-        """The snapshot `request` names, if we keep it for `peer_id` (see Snapshot.serves)."""
-        for snapshot in self.snapshots.values():
-            if snapshot.digest == request.snapshot and snapshot.serves(peer_id, self.ctx.stage):
-                return snapshot
-        raise MessageError(
-            f"this peer keeps no snapshot {request.snapshot[:12]} for {peer_id} (round {request.round}): "
-            "ask for its manifest again"
-        )

@@ -291,7 +291,7 @@ class Peer:
         ctx = self.ctx
         current = ctx.view_at(ctx.step - 1)
         view = await ctx.rounds.next(current, self.joining.joined_round, held)
-        await self.joining.keep_for_joiners(current, view, held)
+        await self.joining.server.keep_for_joiners(current, view, held)
         ctx.rounds.set(view)
 
     # ------------------------------------------------------------------ presence

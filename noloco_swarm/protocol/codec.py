@@ -43,7 +43,9 @@ import torch
 # (peer/directory.py): a version-12 peer would find none of them
 # 14: a probed peer says whom it routes rows around (`PeerStatus.routes_around`, `stands_in`),
 # fields a version-13 peer would refuse
-PROTOCOL_VERSION = 14
+# 15: a joiner may announce a later round while it downloads, and its donors keep the snapshot it
+# downloads until then (peer/postpone.py): a version-14 donor would refuse it its view there
+PROTOCOL_VERSION = 15
 MAX_MESSAGE_BYTES = 1 << 20  # headers only; tensor payloads are streamed separately
 MAX_SEQUENCE = 1 << 16
 MAX_STRING = 4096

@@ -254,7 +254,9 @@ def rig() -> tuple[Transport, PeerContext]:
     joining = Joining(ctx, ByteLedger(transport), announce=lambda: asyncio.sleep(0, True))
     parts = {p: torch.arange(10, dtype=torch.float32) for p in rpc.STATE_PARTS}
     # Kept at round 0's boundary for JOINER, announced for round 1.
-    joining.snapshots[0] = Snapshot.take(parts, 3, HASH, VIEW, 4, chunk_bytes=16, pending=frozenset({JOINER}))
+    joining.server.snapshots[0] = Snapshot.take(
+        parts, 3, HASH, VIEW, 4, chunk_bytes=16, pending=frozenset({JOINER})
+    )
     status = SimpleNamespace(
         ctx=ctx,
         last_loss=None,
@@ -276,8 +278,8 @@ def _requests() -> list[codec.Message]:
     cfg, digest = ctx.cfg, VIEW.digest()
     acts = codec.TensorMeta((2, 4, cfg.model.hidden_size), "float32")
     tokens = codec.TensorMeta((2, 4), "int64")
-    joining = transport._server.handlers["rpc_fetch_chunk"].__self__  # type: ignore[attr-defined]
-    served, other = joining.snapshots[0].digest, "cd" * 32
+    server = transport._server.handlers["rpc_fetch_chunk"].__self__  # type: ignore[attr-defined]
+    served, other = server.snapshots[0].digest, "cd" * 32
     return [
         rpc.ForwardHeader(cfg.peer.run_id, 0, 4, 0, 0, (8, 9), acts, tokens, digest),
         rpc.ForwardHeader(cfg.peer.run_id, 0, 5, 0, 0, (10, 11), acts, tokens, digest),

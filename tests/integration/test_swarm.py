@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -19,7 +20,7 @@ import pytest
 import torch
 
 from noloco_swarm.harness.chaos import splits, views_since
-from noloco_swarm.harness.local import local_swarm, wait
+from noloco_swarm.harness.local import LocalSwarm, local_swarm, wait
 from noloco_swarm.model import num_flat
 from noloco_swarm.peer.events import (
     Carried,
@@ -29,6 +30,8 @@ from noloco_swarm.peer.events import (
     Dropped,
     Joined,
     Joiners,
+    Joining,
+    JoinPostponed,
     Left,
     Membership,
     Outer,
@@ -881,6 +884,14 @@ def test_a_swarm_with_overlap_resumes_from_its_checkpoints_bit_for_bit(
     assert all(s.steps == steps and s.outer_steps == steps // 3 for s in summaries)
 
 
+def until_every_peer_holds_a_view(swarm: LocalSwarm) -> None:
+    """Until every peer of `swarm` froze round 0 (or joined): a joiner started then joins a round."""
+    deadline = time.monotonic() + 120
+    while not all(any(isinstance(e, Membership) for e in p.events()) for p in swarm.peers):
+        assert time.monotonic() < deadline, "\n".join(p.log_tail() for p in swarm.peers)
+        time.sleep(0.2)
+
+
 @pytest.mark.parametrize("overlap", [0, 2])
 def test_a_peer_joins_a_running_swarm_at_a_round_boundary(cache: Path, overlap: int) -> None:
     """A fifth peer started while a 2x2 swarm trains announces a round J two ahead, downloads its
@@ -904,10 +915,7 @@ def test_a_peer_joins_a_running_swarm_at_a_round_boundary(cache: Path, overlap: 
         return {"NOLOCO_FAILPOINTS": "miss_joiners:rpc_fetch_state=1"} if late and stage == 0 else {}
 
     with local_swarm(cfg, steps, step_timeout=60, peer_env=donors_read_late) as swarm:
-        deadline = time.monotonic() + 120
-        while not all(any(isinstance(e, Membership) for e in p.events()) for p in swarm.peers):
-            assert time.monotonic() < deadline, "\n".join(p.log_tail() for p in swarm.peers)
-            time.sleep(0.2)
+        until_every_peer_holds_a_view(swarm)
         joiner = swarm.start_peer(0)
         wait(swarm, timeout=400)
         events = {id(p): p.events() for p in swarm.peers}
@@ -967,10 +975,7 @@ def test_a_member_that_misses_a_joiners_handover_still_admits_it_at_its_round(ca
         return {"NOLOCO_FAILPOINTS": points} if (stage, replica) == (1, 0) else {}
 
     with local_swarm(cfg, steps, step_timeout=60, peer_env=late) as swarm:
-        deadline = time.monotonic() + 120
-        while not all(any(isinstance(e, Membership) for e in p.events()) for p in swarm.peers):
-            assert time.monotonic() < deadline, "\n".join(p.log_tail() for p in swarm.peers)
-            time.sleep(0.2)
+        until_every_peer_holds_a_view(swarm)
         reader = next(p for p in swarm.peers if (p.stage, p.replica) == (1, 0))
         joiner = swarm.start_peer(0)
         wait(swarm, timeout=400)
@@ -1004,10 +1009,7 @@ def test_a_joiner_whose_donor_dies_mid_download_enters_with_the_other_donors_sta
     cfg = small("noloco", **{**SLOWER, "outer.inner_steps": str(H), "inner.total_steps": str(steps)})
     cfg = cfg.replace(peer=dataclasses.replace(cfg.peer, state_serve_rate=1.0))
     with local_swarm(cfg, steps, step_timeout=30) as swarm:
-        deadline = time.monotonic() + 120
-        while not all(any(isinstance(e, Membership) for e in p.events()) for p in swarm.peers):
-            assert time.monotonic() < deadline, "\n".join(p.log_tail() for p in swarm.peers)
-            time.sleep(0.2)
+        until_every_peer_holds_a_view(swarm)
         ids = {next(e.peer_id for e in of_kind(p.events(), Membership)): p for p in swarm.peers}
         joiner = swarm.start_peer(0)
         deadline = time.monotonic() + 300
@@ -1032,26 +1034,70 @@ def test_a_joiner_whose_donor_dies_mid_download_enters_with_the_other_donors_sta
     mine = events[id(joiner)]
     me = next(iter(of_kind(mine, Joined)))
     J = me.round
+    # The round it announced; the download may outlast it, and the joiner then enters a later one
+    # (J) with the state kept for the one it announced (peer/postpone.py).
+    announced = of_kind(mine, Joining)[-1].round
     survivor = next(p for p in ids.values() if p.stage == 0 and p is not victim)
     survivor_id = next(i for i, p in ids.items() if p is survivor)
     fetches = of_kind(mine, StateFetch)
     assert [f.target for f in fetches] == [fetch.target, survivor_id], fetches
     assert [e.donor for e in of_kind(mine, DonorLost)] == [fetch.target]
     # The joiner entered with exactly the survivor's snapshot of round J, not the victim's.
-    kept = {  # the snapshot each stage-0 replica kept for round J's joiner
-        name: next(e.snapshot for e in of_kind(events[id(p)], Joiners) if e.round == J)
+    kept = {  # the snapshot each stage-0 replica kept for the joiner it read
+        name: next(e.snapshot for e in of_kind(events[id(p)], Joiners) if e.round == announced)
         for name, p in (("victim", victim), ("survivor", survivor))
     }
     assert me.server == survivor_id and me.snapshot == kept["survivor"] == fetches[1].snapshot
     assert kept["victim"] != kept["survivor"], "replicas' AdamW moments differ: the snapshots should too"
     survivor_outer = [e.state_hash for e in of_kind(events[id(survivor)], Outer) if e.step == me.from_step]
-    assert me.state_hash in survivor_outer and me.step == J * H and me.from_step == (J - 1) * H
+    assert me.state_hash in survivor_outer and me.step == J * H and me.from_step == (announced - 1) * H
     assert set(me.sent) <= {survivor_id, fetch.target} and sum(me.sent.values()) == 64
     final = next(s for s in summaries if s.peer_id == me.peer_id)
     assert final.joined_round == J and final.steps == steps
     # Everyone left agrees on every round's view.
     views = views_since(events[id(p)] for p in survivors)
     assert not splits(views), splits(views)
+
+
+def test_a_joiner_whose_download_outlasts_a_round_enters_a_later_one_and_nobody_waits(cache: Path) -> None:
+    """A fifth peer joins stage 0 of a 2x2 swarm whose donors serve at 0.5 MiB/s each
+    (peer.state_serve_rate, as a slow link would): its 16 MiB state takes about 16 s, several
+    rounds. While it downloads it projects that, announces a later round at once, and enters that
+    one with the state its donors kept at the boundary before the round it first announced (they
+    keep it, and take no other). No member ever holds it in a view before the round it enters, so
+    nobody routes rows to it or waits for it: nothing is dropped, refused or reported, and every
+    round has one view. (Until 2026-12-07 it entered the round it announced, and the swarm waited
+    there for the rest of its download.) Rounds of 16 steps: the joiner projects its download
+    within a second or two of its start, and the swarm must not have reached its round by then."""
+    steps, H = 128, 16
+    cfg = small("noloco", **{**SLOWER, "outer.inner_steps": str(H), "inner.total_steps": str(steps)})
+    cfg = cfg.replace(peer=dataclasses.replace(cfg.peer, state_serve_rate=0.5))
+    with local_swarm(cfg, steps, step_timeout=60) as swarm:
+        until_every_peer_holds_a_view(swarm)
+        joiner = swarm.start_peer(0)
+        wait(swarm, timeout=600)
+        events = {id(p): p.events() for p in swarm.peers}
+        summaries, trouble = swarm.summaries(), troubles(swarm)
+    mine = events[id(joiner)]
+    me = next(iter(of_kind(mine, Joined)))
+    announced = of_kind(mine, Joining)[-1].round
+    moves = of_kind(mine, JoinPostponed)
+    assert moves, f"the download did not outlast round {announced}: {trouble}"
+    assert moves[0].round == announced and all(a.to == b.round for a, b in itertools.pairwise(moves))
+    assert me.round == moves[-1].to > announced and me.step == me.round * H
+    assert me.from_step == (announced - 1) * H  # the state kept at the boundary before the first round
+    kept = [e for p in swarm.peers if p is not joiner for e in of_kind(events[id(p)], Joiners)]
+    assert sorted((e.round, e.peers) for e in kept) == [(announced, [me.peer_id])] * 2, kept
+    assert me.snapshot in {e.snapshot for e in kept}
+    views = views_since(events[id(p)] for p in swarm.peers)
+    for r, v in sorted(views.items()):
+        assert len(v) == 1 and (me.peer_id in next(iter(v))[0]) == (r >= me.round), (r, v)
+    final = next(s for s in summaries if s.peer_id == me.peer_id)
+    assert final.joined_round == me.round and final.steps == steps and len(summaries) == 5, trouble
+    bad = [
+        e for ev in events.values() for e in ev if isinstance(e, Dropped | Refused | ViewMismatch | PeerGone)
+    ]
+    assert bad == [], trouble
 
 
 def test_noloco_status_shows_every_peer_of_a_running_swarm(cache: Path) -> None:

@@ -24,6 +24,7 @@ from noloco_swarm.peer.events import (
     Joined,
     Joiners,
     Joining,
+    JoinPostponed,
     JsonLines,
     Left,
     Membership,
@@ -87,6 +88,7 @@ def one_of_each() -> list[Event]:
         ),
         Membership(round=1, stages=VIEW, rank=0, peer_id="12D3KooWa0", time=4.0),
         Joining(round=3, step=9, time=5.0),
+        JoinPostponed(round=3, to=5, download_seconds=80.5, swarm_seconds=40.0, time=5.5),
         Joined(
             round=3,
             step=9,
