@@ -1,5 +1,5 @@
-"""How today's membership rules scale: the membership simulator (noloco_swarm/sim/membership.py)
-at N = 8 to 1,000 peers, under three DHTs, with churn.
+"""How the membership scales: the membership simulator (noloco_swarm/sim/membership.py) at N = 8
+to 1,000 peers, under three DHTs, with churn.
 
 Every view is built by protocol.membership's own rules; the simulator models what peers read and
 when. Record sizes are measured here from real signed records (an announcement with two
@@ -13,31 +13,47 @@ addresses, a gone report), not assumed. DHTs:
 Churn, per peer and hour: 0.1 crashes, 0.1 graceful leaves, 0.1 stalls of 90 s, 0.3 newcomers;
 10% of peers reach each boundary up to 10 s late. Rounds of 60 s (H = 50, B = 8), 4 stages.
 
+The defaults are the peer as it runs (since 2026-12-07): records passed between members
+(--records gossip), heartbeats under a key per bucket of 16 members and reports under a key per
+accused (--directory spread), no audits (--audits 0), a joiner that reads every bucket (--join
+whole). The partition runs only up to N = 256 (--partition-max): its gone reports grow as N^2
+(each side reports the peers of the other it routes rows to), and at N = 1,000 the run did not
+finish in 40 minutes of one core. Rows with "real": true already in --out (bench/big_swarm.py's)
+are kept.
+
     python bench/membership_scale.py --out docs/results/membership_scale.json
 
-Where the DHT holds records (--directory): "whole" (the peer before 6b5aa59) or "spread" (the
-peer's layout since 4d48904: heartbeats under a key per bucket of 16 members, reports under a
-key per accused, no whole read but a joiner's, records passed between members; issue 36, item 4).
-The flat-load comparison (run before 4d48904, when "spread" meant a key per peer):
+A joiner that asks a member instead of reading every bucket (--join member: a design the peer
+does not run yet; issue 36, item 4), against the peer's, fast DHT:
+
+    python bench/membership_scale.py --peers 8,32,128,256,1000 --rounds 8:60,32:60,128:30,256:16,1000:8 \
+        --dhts fast --join whole,member --out docs/results/membership_join.json
+
+The designs before, each run by the same simulator. The rules since 2026-12-06 with the DHT alone
+(every member reads the whole directory at every boundary):
+
+    python bench/membership_scale.py --records dht --directory whole --audits 2 \
+        --partition-max 1000 --out docs/results/membership_dht_only.json
+
+The flat-load comparison (at b09a0dc, when "spread" meant a key per peer):
 
     python bench/membership_scale.py --peers 8,32,128,256,1000 \
-        --rounds 8:60,32:60,128:30,256:16,1000:8 --records gossip --directory spread \
-        --out docs/results/membership_flat.json
+        --rounds 8:60,32:60,128:30,256:16,1000:8 --records gossip --directory spread --audits 2 \
+        --partition-max 1000 --out docs/results/membership_flat.json
 
-The peer since 2026-12-07 reads no directory at a boundary, and audits nobody: the same with
---audits 0. Its directory as it stores since 4d48904 (joiners' whole reads counted):
+The peer's directory as it stores since 4d48904 (joiners' whole reads counted):
 
     python bench/membership_scale.py --peers 8,32,128,256,1000 \
-        --rounds 8:60,32:60,128:30,256:16,1000:8 --dhts fast,slow --records gossip \
-        --directory spread --audits 0 --out docs/results/membership_buckets.json
+        --rounds 8:60,32:60,128:30,256:16,1000:8 --dhts fast,slow \
+        --out docs/results/membership_buckets.json
 
-and before it, with heartbeats modelled under a key per peer:
+and before it (at 8fef12b, when heartbeats were modelled under a key per peer):
 
-    python bench/membership_scale.py --peers 8,32,128 --rounds 8:60,32:60,128:30 --records gossip \
-        --directory spread --audits 0 --out docs/results/membership_no_audits.json
+    python bench/membership_scale.py --peers 8,32,128 --rounds 8:60,32:60,128:30 \
+        --out docs/results/membership_no_audits.json
 
 The rules before 2026-12-06 (a joiner enters at its round or never; nothing settles a gone
-report but a probe), run by the same simulator: in a scratch copy of the repository,
+report but a probe): in a scratch copy of the repository at f6afc92,
 
     git apply docs/results/membership_scale_before.patch
     python bench/membership_scale.py --out docs/results/membership_scale_before.json
@@ -102,13 +118,13 @@ def main() -> None:
     ap.add_argument("--rounds", default="8:60,32:60,128:30,1000:8", help="N:rounds, per swarm size")
     ap.add_argument(
         "--records",
-        default="dht",
+        default="gossip",
         help="how records spread besides the DHT, comma-separated: dht (the peer before 2026-12-06), "
         "swap (a design the peer does not run), gossip (the peer since: sim/membership.py, Scenario.records)",
     )
     ap.add_argument(
         "--directory",
-        default="whole",
+        default="spread",
         help="where the DHT holds records, comma-separated: whole (one key each for all announcements "
         "and all reports, read whole every round), spread (the peer's: a key per bucket of members and "
         "per accused, no whole read but a joiner's; needs --records gossip)",
@@ -116,9 +132,16 @@ def main() -> None:
     ap.add_argument(
         "--audits",
         type=int,
-        default=2,
+        default=0,
         help="spread directory: members' own keys each member reads per round (the peer reads none)",
     )
+    ap.add_argument(
+        "--join",
+        default="whole",
+        help="how a joiner finds the swarm, comma-separated: whole (the peer: it reads every bucket), "
+        "member (it asks a member; a design the peer does not run yet: sim/membership.py, Scenario.join)",
+    )
+    ap.add_argument("--partition-max", type=int, default=256, help="the partition DHT only up to this N")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -127,9 +150,14 @@ def main() -> None:
     runs = []
     for n in (int(x) for x in args.peers.split(",")):
         for name in args.dhts.split(","):
+            if name == "partition" and n > args.partition_max:
+                continue
             dht, partitions = DHTS[name]
-            for spread, directory in (
-                (s, d) for s in args.records.split(",") for d in args.directory.split(",")
+            for spread, directory, join in (
+                (s, d, j)
+                for s in args.records.split(",")
+                for d in args.directory.split(",")
+                for j in args.join.split(",")
             ):
                 scenario = Scenario(
                     peers=n,
@@ -143,11 +171,14 @@ def main() -> None:
                     records=spread,
                     directory=directory,
                     audits=args.audits,
+                    join=join,
                 )
                 began = time.monotonic()
                 row = simulate(scenario) | {"dht": name, "seconds": round(time.monotonic() - began, 1)}
                 runs.append(row | ({"records": spread} if spread != "dht" else {}))
                 print(json.dumps(runs[-1]), flush=True)
+    if args.out is not None and args.out.exists():  # bench/big_swarm.py's real runs stay
+        runs += [row for row in json.loads(args.out.read_text())["runs"] if row.get("real")]
     result = {
         "command": "python bench/membership_scale.py " + " ".join(sys.argv[1:]),
         "record_bytes": {"announcement": announcement, "gone_report": report},

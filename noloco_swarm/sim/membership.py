@@ -118,6 +118,9 @@ class Partition:
 
 SPREADS = ("dht", "swap", "gossip")  # Scenario.records
 DIRECTORIES = ("whole", "spread")  # Scenario.directory
+JOINS = ("whole", "member")  # Scenario.join
+HANDOVER_PEERS = 8  # join="member": members a joiner hands its announcement to
+STATUS_BYTES = 256  # join="member": a member's answer with its view's replica counts
 JUDGED_SETS = 16  # distinct report sets whose judgement the simulator remembers
 
 
@@ -158,12 +161,23 @@ class Scenario:
     # Where the DHT holds records: "whole" (today) or "spread" (with records="gossip"; see above).
     directory: str = "whole"
     audits: int = 2  # "spread": members whose own key each member reads per round
+    # How a joiner finds the swarm ("spread"): "whole" (the peer: it reads the roster and every
+    # bucket, and hands its announcement to every peer it read) or "member", a design the peer
+    # does not run yet (issue 36, item 4): it asks one member it knows (its DHT node's routing table
+    # holds random members) for the view's replica counts, reads one bucket of its stage's places,
+    # asks one member found there for the announcements of its stage and the stages next to it
+    # (peer to peer), and hands its announcement to HANDOVER_PEERS of them.
+    join: str = "whole"
 
     def __post_init__(self) -> None:
         if self.records not in SPREADS:
             raise ValueError(f"records={self.records!r}: one of {', '.join(SPREADS)}")
         if self.directory not in DIRECTORIES:
             raise ValueError(f"directory={self.directory!r}: one of {', '.join(DIRECTORIES)}")
+        if self.join not in JOINS:
+            raise ValueError(f"join={self.join!r}: one of {', '.join(JOINS)}")
+        if self.join == "member" and self.directory != "spread":
+            raise ValueError("join='member' reads buckets: directory must be 'spread'")
         if self.directory == "spread" and self.records != "gossip":
             raise ValueError("a spread directory has no whole read: records must pass by gossip")
 
@@ -237,6 +251,8 @@ class Model:
         self.passing_pairs = 0  # member pairs that passed records in a round (Scenario.records)
         self.passed_bytes = 0  # and the bytes they sent each other: peer to peer, not DHT traffic
         self.by_index: dict[int, Peer] = {}
+        # join="member": its own draws, so that the churn and delays match join="whole"'s draw for draw
+        self.join_rng = np.random.default_rng([sc.seed, 0x701E])
         if sc.directory == "spread":  # each key's nodes, first live ones first (its hash's nearest)
             orders = np.random.default_rng([sc.seed, 0x5EED])
             self.key_order = {
@@ -334,6 +350,37 @@ class Model:
             held = min(BUCKET_PEERS, len(live) - joining - b * BUCKET_PEERS)
             for holder in self._key_holders(("bucket", b), t):
                 self.node_bytes[holder] += held * sc.announcement_bytes
+
+    def _member_read(self, reader: Peer, t: float, reachable: list[Peer]) -> list[Peer]:
+        """join="member": `reader` asks a random member it reaches for the view's replica counts,
+        reads one random bucket of its stage's places in that view, and asks a member of its stage
+        found there for the announcements of its neighbourhood (its stage and the next ones). The
+        members it then hands its announcement to (HANDOVER_PEERS of them). Counts the DHT read,
+        its key's load, and the bytes passed peer to peer."""
+        sc = self.sc
+        members = [q for q in reachable if q.joining_at is None and q.views]
+        if not members:
+            return []
+        first = members[int(self.join_rng.integers(len(members)))]
+        view = first.views[first.round()]
+        self.passed_bytes += STATUS_BYTES
+        counts = [len(s) for s in view.stages]
+        before = sum(counts[: reader.stage])
+        lo, hi = before // BUCKET_PEERS, max(before, before + counts[reader.stage] - 1) // BUCKET_PEERS
+        bucket = int(self.join_rng.integers(lo, hi + 1))
+        held = max(0, min(BUCKET_PEERS, sum(counts) - bucket * BUCKET_PEERS))
+        self.ops[reader.name] += 1
+        self.bytes[reader.name] += KEY_OVERHEAD + held * sc.announcement_bytes * sc.dht.replicas
+        for holder in self._key_holders(("bucket", bucket), t):
+            self.node_bytes[holder] += held * sc.announcement_bytes
+        near = set()
+        for s in (reader.stage - 1, reader.stage, reader.stage + 1):
+            if 0 <= s < view.num_stages:
+                near |= set(view.stages[s])
+        self.passed_bytes += len(near) * sc.announcement_bytes
+        around = [q for q in members if q.name in near]
+        picked = self.join_rng.choice(len(around), size=min(HANDOVER_PEERS, len(around)), replace=False)
+        return [around[int(i)] for i in picked]
 
     def report(self, reporter: Peer, peer: str, round_: int, t: float) -> None:
         if (peer, reporter.name, round_) in self.report_keys:
@@ -522,16 +569,26 @@ class Model:
         if peer.joining_at is None:  # a first attempt (a retry keeps counting from the first)
             peer.started = t
         peer.joining_at = target * sc.round_seconds
-        if sc.directory == "spread":
+        reached = [q for q in self.peers if q is not peer and self.reaches(peer, q, t)]
+        asked = reached
+        if sc.join == "member":  # its neighbourhood, from one member of its stage
+            asked = self._member_read(peer, t, reached)
+        elif sc.directory == "spread":
             self._whole_read(peer, t)  # where the swarm is: whom to ask, and the donors of its stage
         self.announce(peer, t)
         if sc.records == "gossip":  # it hands its announcement to the live peers it asks where they are
             record = peer.announced[-1][0]
-            asked = np.array(
-                [q.index for q in self.peers if q is not peer and self.reaches(peer, q, t)], dtype=int
-            )
-            record.readable[asked] = np.minimum(record.readable[asked], t + sc.handover_seconds)
-            self.passed_bytes += sc.announcement_bytes * len(asked)
+            handed = np.array([q.index for q in asked], dtype=int)
+            record.readable[handed] = np.minimum(record.readable[handed], t + sc.handover_seconds)
+            self.passed_bytes += sc.announcement_bytes * len(handed)
+            if sc.join == "member" and len(handed):
+                # Each member that gets a record it lacked passes it to the members of the stages
+                # next to its own at once (peer/passing.py): every member it reaches has it within
+                # one hop per stage. (Model._spread, once a round, is too coarse for a record
+                # handed to a few members late in a round.)
+                rest = np.array([q.index for q in reached if q.joining_at is None], dtype=int)
+                hops = t + sc.handover_seconds * sc.stages
+                record.readable[rest] = np.minimum(record.readable[rest], hops)
 
     def enter(self, peer: Peer, t: float) -> None:
         """At its round's boundary, a joiner adopts a donor's view of that round, if one admits it."""
@@ -815,6 +872,7 @@ class Model:
                 else {}
             )
             | ({"directory": sc.directory} if sc.directory != "whole" else {})
+            | ({"join": sc.join} if sc.join != "whole" else {})
         )
 
 

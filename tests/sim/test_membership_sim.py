@@ -206,3 +206,29 @@ def test_a_spread_directory_needs_gossip_and_a_known_layout() -> None:
         Scenario(peers=8, directory="spread")
     with pytest.raises(ValueError, match="directory='flat'"):
         Scenario(peers=8, records="gossip", directory="flat")
+
+
+def test_a_joiner_that_asks_a_member_reads_one_bucket_and_still_enters_in_agreement() -> None:
+    """join="member" (a design the peer does not run yet; issue 36, item 4): a joiner asks a
+    member for the view's replica counts, reads one bucket of its stage's places, gets its
+    neighbourhood from a member peer to peer and hands its announcement to a few members; gossip
+    takes it to the rest. Every joiner enters, every round agrees, and a join costs the DHT one
+    key's read, where a whole read costs every bucket's."""
+    joins = tuple((150.0 + 30.0 * i, "join", 0) for i in range(6))
+    base = Scenario(peers=64, rounds=10, records="gossip", directory="spread", audits=0, faults=joins)
+    models = {join: Model(dataclasses.replace(base, join=join)) for join in ("whole", "member")}
+    rows = {join: model.run() for join, model in models.items()}
+    for join, row in rows.items():
+        assert row["rounds_all_agree"] == 10 and row["stalls"] == 0, (join, row)
+        assert row["joins"] == 6, (join, row)
+    # The joiners' own DHT traffic: their heartbeats, and each join's reads.
+    joiners = {j: [p.name for p in m.peers if p.index >= base.peers] for j, m in models.items()}
+    ops = {j: sum(models[j].ops[name] for name in joiners[j]) for j in models}
+    read = {j: sum(models[j].bytes[name] for name in joiners[j]) for j in models}
+    assert ops["member"] < ops["whole"] and read["member"] < read["whole"], (ops, read)
+    busiest = {j: row["busiest_dht_node_bytes_per_round"] for j, row in rows.items()}
+    assert busiest["member"] <= busiest["whole"], busiest
+    with pytest.raises(ValueError, match="directory must be 'spread'"):
+        Scenario(peers=8, records="gossip", join="member")
+    with pytest.raises(ValueError, match="join='rumour'"):
+        Scenario(peers=8, join="rumour")
