@@ -217,8 +217,8 @@ def standing(joined_round: int, now: int) -> int:
 def entering(current: MembershipView, view: MembershipView, listings: Iterable[Listing]) -> set[str]:
     """The members of `view` (the round after `current`) whose membership begins with it: peers new
     to the swarm, and members whose listed new membership begins now (a restarted peer)."""
-    begins = {x.peer for x in listings if x.joined_round == view.round}
-    return {p for p in view.members() if p not in current.members() or p in begins}
+    begins, before = {x.peer for x in listings if x.joined_round == view.round}, current.members()
+    return {p for p in view.members() if p not in before or p in begins}
 
 
 def pending_joiners(view: MembershipView, stage: int, listings: Iterable[Listing]) -> list[str]:
