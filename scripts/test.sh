@@ -68,9 +68,13 @@ NOT_HERE=(
 # the chaos test's third fault, which runs here every time (the peer-only case stays). With it the
 # suite took 1233 s here and 1282 s on CI (2026-12-07), the second lane 965 s against 787: the
 # compose images are built on a fresh machine (the test took 315 s, 81 s with them cached), so the
-# terminal test went to the first lane too.
+# terminal test went to the first lane too. And a peer SIGKILLed mid-round, whose replacement
+# takes its stage, is also the chaos test's first fault (the kill at an outer step stays): the
+# first lane took 886 s with the join-postponement test (2026-12-07), as long as the second lane
+# takes on a fresh machine.
 NOT_HERE_CASES=(
     "tests/integration/test_faults.py::test_a_peer_frozen_past_the_deadline_is_dropped_and_rejoins_by_itself[0-peer-and-daemon]"
+    "tests/integration/test_swarm.py::test_a_killed_peer_takes_its_processes_and_a_replacement_takes_its_stage[mid-round-3-2]"
 )
 second_lane() {
     local status=0
@@ -91,7 +95,7 @@ trap 'pkill -P "$lane" 2>/dev/null || true; kill "$lane" $unit 2>/dev/null || tr
 integration=0
 ignored=()
 for file in "$compose" "$ALONE" "${SECOND_LANE[@]}" "${NOT_HERE[@]}"; do ignored+=(--ignore "$file"); done
-.venv/bin/python -m pytest -m integration "${ignored[@]}" || integration=$?
+.venv/bin/python -m pytest -m integration "${ignored[@]}" "${deselected[@]}" || integration=$?
 first=$((SECONDS - started))
 second=0
 wait "$lane" || second=$?

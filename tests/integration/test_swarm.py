@@ -1060,29 +1060,31 @@ def test_a_joiner_whose_donor_dies_mid_download_enters_with_the_other_donors_sta
 
 
 def test_a_joiner_whose_download_outlasts_a_round_enters_a_later_one_and_nobody_waits(cache: Path) -> None:
-    """A fifth peer joins stage 0 of a 2x2 swarm whose donors serve at 0.5 MiB/s each
-    (peer.state_serve_rate, as a slow link would): its 16 MiB state takes about 16 s, several
+    """A fifth peer joins stage 0 of a 2x2 swarm whose donors serve at 0.4 MiB/s each
+    (peer.state_serve_rate, as a slow link would): its 16 MiB state takes about 20 s, several
     rounds. While it downloads it projects that, announces a later round at once, and enters that
     one with the state its donors kept at the boundary before the round it first announced (they
     keep it, and take no other). No member ever holds it in a view before the round it enters, so
     nobody routes rows to it or waits for it: nothing is dropped, refused or reported, and every
     round has one view. (Until 2026-12-07 it entered the round it announced, and the swarm waited
-    there for the rest of its download.) Rounds of 16 steps: the joiner projects its download
-    within a second or two of its start, and the swarm must not have reached its round by then."""
-    steps, H = 128, 16
+    there for the rest of its download.) Rounds of 32 steps (6-10 s here): the joiner projects
+    its download a second or two after it starts, and must tell the members 1.5 s before they
+    reach its round; with rounds of 16 steps (about 3 s under load) it was too late to."""
+    steps, H = 256, 32
     cfg = small("noloco", **{**SLOWER, "outer.inner_steps": str(H), "inner.total_steps": str(steps)})
-    cfg = cfg.replace(peer=dataclasses.replace(cfg.peer, state_serve_rate=0.5))
+    cfg = cfg.replace(peer=dataclasses.replace(cfg.peer, state_serve_rate=0.4))
     with local_swarm(cfg, steps, step_timeout=60) as swarm:
         until_every_peer_holds_a_view(swarm)
         joiner = swarm.start_peer(0)
         wait(swarm, timeout=600)
         events = {id(p): p.events() for p in swarm.peers}
         summaries, trouble = swarm.summaries(), troubles(swarm)
+        said = joiner.log_tail(60)
     mine = events[id(joiner)]
     me = next(iter(of_kind(mine, Joined)))
     announced = of_kind(mine, Joining)[-1].round
     moves = of_kind(mine, JoinPostponed)
-    assert moves, f"the download did not outlast round {announced}: {trouble}"
+    assert moves, f"the joiner kept round {announced}:\n{said}\n{trouble}"
     assert moves[0].round == announced and all(a.to == b.round for a, b in itertools.pairwise(moves))
     assert me.round == moves[-1].to > announced and me.step == me.round * H
     assert me.from_step == (announced - 1) * H  # the state kept at the boundary before the first round
