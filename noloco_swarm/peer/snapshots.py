@@ -50,7 +50,7 @@ class StateServer:
 
     def __init__(self, ctx: PeerContext, ledger: ByteLedger) -> None:
         self.ctx, self.ledger = ctx, ledger
-        self.snapshots: dict[int, Snapshot] = {}  # round -> state served to that round's joiners
+        self.snapshots: dict[int, Snapshot] = {}  # the round of the boundary it was taken at -> it
         self.pacer = Pacer(ctx.cfg.peer.state_serve_rate * MIB)
         ctx.transport.register("rpc_fetch_state", self.rpc_fetch_state)
         ctx.transport.register("rpc_fetch_chunk", self.rpc_fetch_chunk, Accepts(direct_only=True))
@@ -58,8 +58,9 @@ class StateServer:
     async def keep_for_joiners(self, previous: MembershipView, view: MembershipView, held: Held) -> None:
         """At a boundary: snapshot our state (just after the outer step) for the joiners of our
         stage that the records `held` announce for the next round (they download it during this
-        one, and nobody waits for them), and for those `view` admits that we kept nothing for at
-        the boundary before (they download it now, and the round waits for them)."""
+        one, and nobody waits for them; one that moves its round further off keeps that snapshot),
+        and for those `view` admits that we keep nothing for (they download it now, and the round
+        waits for them)."""
         ctx = self.ctx
         listings = newest(held[0])
         new = entering(previous, view, listings)
