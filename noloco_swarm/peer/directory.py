@@ -11,7 +11,8 @@ Keys (all under the run id, so runs never see each other's records, but the list
 A peer re-stores its announcement every heartbeat, under the key its latest view gives it
 (membership.directory_bucket): each key is written by a bounded number of peers, so the load on
 the DHT nodes that hold it stays flat as the swarm grows (issue 36, item 4). A reader of the whole
-directory reads the roster and the buckets in waves until the last ones are empty.
+directory reads the roster and the buckets in waves until the last ones are empty; a joiner asks
+a member instead (peer/neighbourhood.py), and reads one bucket at most.
 Every subkey ends with its writer's owner mark (peer/net/identity.py): DHT nodes store, and readers
 accept, a record only with that writer's signature, and a reader trusts a record only if it speaks
 for its writer (an announcement of the writer itself, a report by the writer). Nobody can forge,
@@ -223,6 +224,24 @@ class RunDirectory:
         the roster and the buckets; of a peer found under several keys (its place moved within a
         heartbeat ttl), the one stored last."""
         return read_announcements(self.run_id, self._get_many)
+
+    def read_bucket(self, bucket: int | None) -> list[records.PeerAnnouncement]:
+        """The live, well-formed announcements under one key: bucket `bucket` of the members'
+        places (membership.directory_bucket), or the roster with None. One DHT read, where
+        read_peers reads every key: for a joiner that asks a member (peer/neighbourhood.py)."""
+        key = peers_key(self.run_id) if bucket is None else bucket_key(self.run_id, bucket)
+        found = self._get_many([key]).get(key)
+        good, _ = signed_items(None if found is None else found.value, records.PeerAnnouncement, self.run_id)
+        return [a for a, _ in good]
+
+    def known_nodes(self) -> list[str]:
+        """Peer ids in our DHT node's routing table (random peers of the DHT: members, mostly),
+        where the node runs on this process's loop (LoopDHT); call it on that loop. Empty for a
+        DHT in its own process."""
+        node = getattr(self.dht, "node", None)
+        if node is None:
+            return []
+        return [str(p) for p in node.protocol.routing_table.peer_id_to_uid]
 
     def rebootstrap(self, peer_ids: Sequence[str]) -> int:
         """Ping `peer_ids` (the run's entry points) from our DHT node and look up our neighbours

@@ -101,11 +101,13 @@ class Membership(Event):
 
 @dataclass(frozen=True)
 class Joining(Event):
-    """This peer announced itself for `round`, which starts at `step`."""
+    """This peer announced itself for `round`, which starts at `step`. `through`: the member whose
+    answer named the peers it joins with (peer/neighbourhood.py), or "directory" (it read all)."""
 
     KIND: ClassVar[str] = "joining"
     round: int
     step: int
+    through: str = ""
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,10 @@
 """Joining a running swarm: the round to enter at, and the state to enter with.
 
-A newcomer asks the live peers where they are (rpc_status), announces the round two after the
-furthest step it hears of (so every member reads the announcement before that boundary), and
+A newcomer learns whom to join with from a member (peer/neighbourhood.py: the members of its stage
+and the stages next to it; the whole directory only when no member answers), asks some of them
+where they are (rpc_status), announces the round two after the furthest step it hears of (so
+every member reads the announcement before that boundary: it hands the announcement to those it
+asked, and they pass it on), and
 downloads its stage's state from the live replicas of the stage while the swarm trains the round
 before its own: each replica that read the announcement at the boundary before the joiner's
 round keeps a snapshot there (peer/snapshots.py). A download that would outlast that round moves
@@ -19,7 +22,7 @@ import asyncio
 import hashlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 from hivemind.utils.multiaddr import Multiaddr
 
@@ -28,6 +31,7 @@ from noloco_swarm.peer.context import PeerContext
 from noloco_swarm.peer.donors import DONOR_ERRORS, ask_manifest, download_state
 from noloco_swarm.peer.exchange.ledger import ByteLedger
 from noloco_swarm.peer.liveness import DHT_ERRORS, PROBE_TIMEOUT, ask_status
+from noloco_swarm.peer.neighbourhood import SAMPLED, Contact, Found, contacts, sampled
 from noloco_swarm.peer.net.transport import Transport
 from noloco_swarm.peer.postpone import (
     CHECK_SECONDS,
@@ -37,7 +41,7 @@ from noloco_swarm.peer.postpone import (
     later_round,
 )
 from noloco_swarm.peer.snapshots import StateServer
-from noloco_swarm.protocol import records, rpc
+from noloco_swarm.protocol import rpc
 from noloco_swarm.protocol.clock import StepClock
 from noloco_swarm.protocol.codec import MessageError
 from noloco_swarm.protocol.membership import (
@@ -55,7 +59,7 @@ class RunEnding(RuntimeError):
 
 
 async def furthest_step(
-    transport: Transport, run_id: str, others: list[records.PeerAnnouncement], timeout: float
+    transport: Transport, run_id: str, others: Sequence[Contact], timeout: float
 ) -> int | None:
     """The furthest inner step any of `others` reports, asked directly (their announcements' step
     is only as fresh as their last heartbeat); None if none of them answered."""
@@ -79,7 +83,7 @@ def pick_join_round(furthest: int, clock: StepClock, end_step: int, later: int =
     return target
 
 
-def servers_for(others: list[records.PeerAnnouncement], stage: int, round_: int) -> list[str]:
+def servers_for(others: Sequence[Contact], stage: int, round_: int) -> list[str]:
     """Peers of `stage` that were members before `round_` (they hold its state)."""
     return [a.peer_id for a in others if a.stage == stage and a.joined_round < round_]
 
@@ -100,6 +104,7 @@ class Joining:
         self._retire_before = retire_before
         self.joined_round = 0
         self.entering: asyncio.Future[bool] | None = None  # our announcement once we entered
+        self.found: Found | None = None  # a member's answer, for our first attempt (runtime.py)
         self.server = StateServer(ctx, ledger)  # the state we keep for joiners of our stage
 
     async def join_late(self, end_step: int, *, stale: bool = False) -> None:
@@ -125,8 +130,9 @@ class Joining:
                 if reconnect:
                     await self._reconnect()
                 await asyncio.sleep(1.0)
+            others, through = await contacts(ctx, ctx.stage, self.found, ask=not problem)
             problem, reconnect = "", True
-            others = [a for a in await asyncio.to_thread(ctx.rounds.read_peers) if a.peer_id != ctx.me]
+            self.found, asked = None, sampled(others, ctx.stage, ctx.me, SAMPLED)
             if not any(a.stage == ctx.stage for a in others):  # our DHT node lost its neighbours in a cut?
                 problem = f"no replica of stage {ctx.stage} is in the run's directory (reconnecting)"
                 continue
@@ -134,13 +140,13 @@ class Joining:
             async with asyncio.TaskGroup() as group:
                 for a in others:
                     group.create_task(dial(a.peer_id, a.addresses, timeout=PROBE_TIMEOUT))
-            furthest = await furthest_step(ctx.transport, ctx.run_id, others, PROBE_TIMEOUT)
+            furthest = await furthest_step(ctx.transport, ctx.run_id, asked, PROBE_TIMEOUT)
             asked_at = time.monotonic()
             if furthest is None:  # cut off, or our connections went stale in a cut: dial afresh
                 problem, stale = "no peer of the run answered where it is (was this peer cut off?)", True
                 continue
             stale = False
-            target = pick_join_round(max(furthest, *(a.step for a in others)), ctx.clock, end_step, later)
+            target = pick_join_round(max(furthest, *(a.step for a in asked)), ctx.clock, end_step, later)
             # A round we moved to (peer/postpone.py) stays ours: the members keep the newest round
             # a joiner announced, and would not admit it at an earlier one.
             target = max(target, self.joined_round)
@@ -154,8 +160,8 @@ class Joining:
                 continue
             # Hand our announcement to them too, in case the DHT is late, while we ask again
             # where they are (a dead one costs each the same timeout, once).
-            handing = asyncio.ensure_future(ctx.rounds.passing.hand_over(a.peer_id for a in others))
-            now = await furthest_step(ctx.transport, ctx.run_id, others, PROBE_TIMEOUT)
+            handing = asyncio.ensure_future(ctx.rounds.passing.hand_over(a.peer_id for a in asked))
+            now = await furthest_step(ctx.transport, ctx.run_id, asked, PROBE_TIMEOUT)
             await handing
             # Donors keep our state at the boundary before our round if they read us by then: a
             # swarm already there may have passed it without us, and would wait for our download.
@@ -168,7 +174,7 @@ class Joining:
                 )
                 later = JOIN_RETRY_ROUNDS  # the swarm outpaces our announcements: aim one round further
                 continue
-            ctx.events.emit(events.Joining(round=target, step=start))
+            ctx.events.emit(events.Joining(round=target, step=start, through=through))
             logger.warning("joining the running swarm at round %d (step %d)", target, start)
             servers = servers_for(others, ctx.stage, target)
             # Spread joiners over the servers: each adopts the snapshot of the first in its own order.
@@ -198,7 +204,7 @@ class Joining:
         servers: list[str],
         round_: int,
         timeout: float,
-        others: list[records.PeerAnnouncement],
+        others: list[Contact],
         end_step: int,
         seen: tuple[float, int],
     ) -> tuple[MembershipView, int]:
@@ -284,8 +290,8 @@ class Joining:
     async def _postpone_while(
         self,
         watch: DownloadWatch,
-        donors: list[records.PeerAnnouncement],
-        others: list[records.PeerAnnouncement],
+        donors: list[Contact],
+        others: list[Contact],
         end_step: int,
         first: tuple[float, int],
     ) -> None:
@@ -313,9 +319,7 @@ class Joining:
             if not failpoints.fire("keep_round", "rpc_fetch_state"):
                 await self._postpone(later, others)
 
-    async def _until_swarm_in(
-        self, round_: int, donors: list[records.PeerAnnouncement], timeout: float
-    ) -> None:
+    async def _until_swarm_in(self, round_: int, donors: list[Contact], timeout: float) -> None:
         """Until a donor says it has reached `round_`; TimeoutError after `timeout` seconds."""
         async with asyncio.timeout(max(0.0, timeout)):
             while True:
@@ -324,7 +328,7 @@ class Joining:
                     return
                 await asyncio.sleep(CHECK_SECONDS)
 
-    async def _postpone(self, later: Postponement, others: list[records.PeerAnnouncement]) -> None:
+    async def _postpone(self, later: Postponement, others: list[Contact]) -> None:
         """Announce round `later.to` instead of ours, and hand it to the peers we asked, as at first."""
         ctx, was = self.ctx, self.joined_round
         self.joined_round = ctx.rounds.joining_at = later.to
@@ -349,7 +353,7 @@ class Joining:
             logger.warning(
                 "the DHT did not store our announcement of round %d (the heartbeat retries)", later.to
             )
-        await ctx.rounds.passing.hand_over(a.peer_id for a in others)
+        await ctx.rounds.passing.hand_over(a.peer_id for a in sampled(others, ctx.stage, ctx.me, SAMPLED))
 
     async def _entry_view(
         self,

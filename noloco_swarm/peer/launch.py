@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 from noloco_swarm.peer import checkpoint, events, tickets
 from noloco_swarm.peer.directory import RunDirectory
 from noloco_swarm.peer.liveness import ask_status_at
+from noloco_swarm.peer.neighbourhood import find, stage_counts
 from noloco_swarm.peer.net import identity
 from noloco_swarm.peer.net.limits import caps_for
 from noloco_swarm.peer.net.node import LoopDHT, reachability
@@ -204,7 +205,12 @@ async def _join_manifest(
 async def _least_served_stage(transport: Transport, directory: RunDirectory, cfg: RunConfig) -> int:
     """The stage furthest below its share of replicas, counting the announced peers that answer
     and that no member reported gone since they joined: a dead peer's announcement outlives it
-    by up to a heartbeat ttl, and must not hold its stage's place."""
+    by up to a heartbeat ttl, and must not hold its stage's place. Or, when a member answers
+    (peer/neighbourhood.py), its view's members and the joiners it holds: no directory read."""
+    found = await find(transport, directory, cfg, 0)
+    if found is not None:
+        view = MembershipView.from_announcements(found.view.round, cfg.num_stages, stage_counts(found))
+        return view.least_served_stage(cfg.replica_counts)
     announcements = (await asyncio.to_thread(directory.read_peers)).announcements
     gone = await asyncio.to_thread(directory.read_gone, {a.peer_id for a in announcements})
     candidates = [

@@ -39,6 +39,7 @@ from noloco_swarm.peer.exchange.ledger import ByteLedger
 from noloco_swarm.peer.inner import InnerSteps
 from noloco_swarm.peer.joining import Joining
 from noloco_swarm.peer.liveness import DHT_ERRORS
+from noloco_swarm.peer.neighbourhood import Found, NeighbourhoodServer, find
 from noloco_swarm.peer.net.lifetime import trim_heap
 from noloco_swarm.peer.net.transport import Transport
 from noloco_swarm.peer.outer_steps import OuterSteps
@@ -96,6 +97,7 @@ class Peer:
         self.last_loss: float | None = None
         self.resumed_pending: int | None = None  # a boundary resumed from, its exchange still to run
         transport.register("rpc_status", self.rpc_status)
+        self.neighbourhood = NeighbourhoodServer(ctx, addresses)
 
     # ------------------------------------------------------------------ the whole run
 
@@ -103,8 +105,7 @@ class Peer:
         """Train to the end: from round 0, as a late joiner, or (given `checkpoint`) from it
         together with the other members of its round when the swarm had stopped."""
         ctx = self.ctx
-        announcements = await asyncio.to_thread(ctx.rounds.read_peers)
-        late = checkpoint is None and ctx.rounds.run_in_progress(announcements, ctx.cfg.replica_counts)
+        late, self.joining.found = await late_or_founder(ctx, checkpoint is not None)
         if ctx.is_first:  # tokenize the corpus (or open the dataset) before anyone routes work to us
             await asyncio.to_thread(lambda: next(train_batches(ctx.cfg.data, 0, 1, ctx.B, ctx.cfg.seed)))
         heartbeat = asyncio.create_task(self._heartbeat())  # owned here: cancelled and awaited below
@@ -358,6 +359,17 @@ class Peer:
             **said_routing(ctx.rounds.detours, ctx.stage, view, self.inner.sender.sent),
         )
         return status, []
+
+
+async def late_or_founder(ctx: PeerContext, resuming: bool) -> tuple[bool, Found | None]:
+    """Whether we join a run in progress (round 0 is complete without us), and the answer of the
+    member that said so (peer/neighbourhood.py): a member that answers with its view; or, when
+    none does, the whole directory's announcements. False when `resuming` from a checkpoint."""
+    found = None if resuming else await find(ctx.transport, ctx.rounds.directory, ctx.cfg, ctx.stage)
+    if found is not None:
+        return True, found
+    announcements = await asyncio.to_thread(ctx.rounds.read_peers)
+    return not resuming and ctx.rounds.run_in_progress(announcements, ctx.cfg.replica_counts), None
 
 
 async def look_if_stalled(ctx: PeerContext, t: int, since: float) -> float:

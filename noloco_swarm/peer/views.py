@@ -12,12 +12,13 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import math
 import time
 from collections.abc import Iterable
 
 from noloco_swarm.peer import events, failpoints
 from noloco_swarm.peer.directory import RunDirectory
-from noloco_swarm.peer.liveness import Liveness
+from noloco_swarm.peer.liveness import DHT_ERRORS, Liveness
 from noloco_swarm.peer.net.transport import Transport
 from noloco_swarm.peer.passing import Passing
 from noloco_swarm.peer.tickets import Gate
@@ -29,6 +30,7 @@ from noloco_swarm.protocol.membership import (
     LEFT_BEHIND_ROUNDS,
     Listing,
     MembershipView,
+    directory_bucket,
     entering,
     founders,
     newest,
@@ -48,6 +50,8 @@ Held = tuple[list[Listing], list[tuple[str, str, int]]]
 # the outer exchange: a member that was stopped or cut off while a round's records were passed
 # gets them so (the membership simulator: without it a thawed peer kept itself for a round).
 PULL_TIMEOUT = 2.0
+# A peer whose address we lack is looked up in the directory at most this often (Rounds.look_up).
+LOOK_UP_EVERY = 10.0
 
 
 class PeerExcluded(RuntimeError):
@@ -79,6 +83,7 @@ class Rounds(Liveness):
         self.num_stages = num_stages
         self.views: dict[int, MembershipView] = {}  # round -> frozen view
         self._ready: dict[int, asyncio.Event] = {}
+        self._looked_up: dict[str, float] = {}  # peer -> when we last read its address (monotonic)
         self.gate: Gate | None = None  # a closed run's: members are peers with a valid ticket
         # The round this peer joins at while it has no view (a restarted member that the views
         # may still hold under its old membership gets its rows and exchanges: refused at once).
@@ -175,6 +180,25 @@ class Rounds(Liveness):
             self.addresses[a.peer_id] = a.addresses
         return announcements
 
+    async def look_up(self, peer: str) -> tuple[str, ...]:
+        """`peer`'s announced addresses, read from its bucket in our latest view and the roster
+        (one DHT read, at most once per LOOK_UP_EVERY seconds a peer): a peer that joined through
+        a member knows the addresses of its neighbourhood only (peer/neighbourhood.py), and a
+        boundary may probe any accused member."""
+        now = time.monotonic()
+        if now - self._looked_up.get(peer, -math.inf) < LOOK_UP_EVERY:
+            return self.addresses.get(peer, ())
+        self._looked_up[peer] = now
+        buckets = {directory_bucket(view, peer) for view in self.views.values()} | {None}
+        try:
+            for bucket in sorted(buckets, key=lambda b: -1 if b is None else b):
+                await asyncio.to_thread(lambda b=bucket: self._admitted(self.directory.read_bucket(b)))
+                if peer in self.addresses:
+                    break
+        except DHT_ERRORS as e:
+            logger.info("could not read %s's address from the directory: %s", peer, e)
+        return self.addresses.get(peer, ())
+
     def run_in_progress(self, announcements: list[records.PeerAnnouncement], counts: tuple[int, ...]) -> bool:
         """True when round 0 is already complete (or past): a newcomer must join a later round."""
         others = [a for a in announcements if a.peer_id != self.me]
@@ -207,8 +231,9 @@ class Rounds(Liveness):
         """The records that decide the next view: those members passed us during the round, and
         what one neighbour holds that we lack (asked now). No DHT read: every record that can
         change a view is passed from member to member within seconds (peer/passing.py), so the
-        whole directory, N records read by each of N peers every round, is read only by peers
-        that join, founders before round 0 and `noloco status` (issue 36, item 4). The loop
+        whole directory, N records read by each of N peers every round, is read only by
+        founders before round 0, joiners that no member answers (peer/neighbourhood.py) or that
+        join a closed run, and `noloco status` (issue 36, item 4). The loop
         starts this at the boundary, beside the outer exchange, which hides the neighbour's round
         trip; the records are taken as held then, not when the view is built (after the exchange,
         which may wait seconds for a partner), so that what reaches us meanwhile counts at the

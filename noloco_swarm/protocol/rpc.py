@@ -1,8 +1,9 @@
 """The RPC schemas: the header of each protocol verb's request and reply, and the envelope that
 opens every transport stream.
 
-Named after the verbs: forward, backward, exchange, fetch_state, fetch_chunk, status, eval. Each is
-a message of the codec (codec.py); the tensors a header declares stream beside it.
+Named after the verbs: forward, backward, exchange, fetch_state, fetch_chunk, status, records,
+neighbourhood, eval. Each is a message of the codec (codec.py); the tensors a header declares
+stream beside it.
 """
 
 from __future__ import annotations
@@ -358,6 +359,45 @@ class PassedRecords(Message):
 
 
 SESSION_BYTES = 8
+
+
+@dataclass(frozen=True)
+class NeighbourhoodRequest(Message):
+    """A joiner of `stage` asks a member whom to join with (peer/neighbourhood.py): answered with a
+    Neighbourhood, or refused by a peer that holds no view."""
+
+    TAG: ClassVar[str] = "neighbourhood"
+    run_id: str
+    stage: int
+
+    def __post_init__(self) -> None:
+        check_run_id(self.run_id)
+        check_counters(self.stage)
+
+
+@dataclass(frozen=True)
+class Neighbourhood(Message):
+    """A member's answer to a joiner of `stage`: its latest view (`round`, `view`: sorted peer ids
+    per stage), the announced addresses it knows of the members of `stage` and the stages next to
+    it (`peers[i]` at `addresses[i]`, the member itself among them), and the sealed announcements
+    of the joiners it holds (records.Sealed, each checked on its own by the joiner)."""
+
+    TAG: ClassVar[str] = "neighbourhood_reply"
+    run_id: str
+    stage: int
+    round: int
+    view: tuple[tuple[str, ...], ...]
+    peers: tuple[str, ...] = ()
+    addresses: tuple[tuple[str, ...], ...] = ()
+    joining: tuple[bytes, ...] = ()
+
+    def __post_init__(self) -> None:
+        check_run_id(self.run_id)
+        check_counters(self.stage, self.round)
+        if not 0 <= self.stage < len(self.view):
+            raise ValueError(f"stage {self.stage} is outside the view's {len(self.view)} stages")
+        if len(self.peers) != len(self.addresses):
+            raise ValueError(f"{len(self.peers)} peers with {len(self.addresses)} address lists")
 
 
 @dataclass(frozen=True)

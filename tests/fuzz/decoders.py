@@ -57,6 +57,10 @@ EXAMPLES: list[codec.Message] = [
     rpc.EvalReply((3.5, 4.0)),
     records.Sealed(b"\x81\xa1v\x0a", b"ssh-rsa AAAA", b"\x01" * 256),
     rpc.PassedRecords("run-1", b"session!", (b"\x81\xa1v\x0a",)),
+    rpc.NeighbourhoodRequest("run-1", 1),
+    rpc.Neighbourhood(
+        "run-1", 1, 7, (("a", "b"), ("c",)), ("a", "c"), (("/ip4/1.2.3.4/tcp/1",), ()), (b"\x81",)
+    ),
 ]
 TAGS = sorted({type(e).TAG for e in EXAMPLES})
 assert set(TAGS) == set(codec._REGISTRY), "every message class needs an example here"

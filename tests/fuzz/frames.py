@@ -26,6 +26,7 @@ from noloco_swarm.peer.exchange.board import ExchangeBoard
 from noloco_swarm.peer.exchange.ledger import ByteLedger
 from noloco_swarm.peer.inner import InnerSteps
 from noloco_swarm.peer.joining import Joining
+from noloco_swarm.peer.neighbourhood import NeighbourhoodServer
 from noloco_swarm.peer.net import streams
 from noloco_swarm.peer.net.identity import Identity, peer_id_of
 from noloco_swarm.peer.net.transport import Transport
@@ -81,6 +82,7 @@ VERB_OF = {
     "exchange": "rpc_exchange",
     "decline": "rpc_decline",
     "records": "rpc_records",
+    "neighbourhood": "rpc_neighbourhood",
 }
 
 
@@ -266,6 +268,7 @@ def rig() -> tuple[Transport, PeerContext]:
         inner=inner,
     )
     transport.register("rpc_status", functools.partial(Peer.rpc_status, status))  # type: ignore[arg-type]
+    NeighbourhoodServer(ctx, ("/ip4/127.0.0.1/tcp/4001",))
     board = ExchangeBoard(transport, 8)
     board.provide(EXCHANGE_KEY, torch.zeros(8))
     return transport, ctx
@@ -297,6 +300,8 @@ def _requests() -> list[codec.Message]:
         ),
         rpc.Decline(cfg.peer.run_id, 0, 4, 1),
         rpc.PassedRecords(cfg.peer.run_id, b"session!", (SEALED, b"\x00garbage", SEALED[:-1])),
+        rpc.NeighbourhoodRequest(cfg.peer.run_id, 1),
+        rpc.NeighbourhoodRequest(cfg.peer.run_id, 7),
     ]
 
 
@@ -309,6 +314,7 @@ VERBS = (
     "rpc_exchange",
     "rpc_decline",
     "rpc_records",
+    "rpc_neighbourhood",
     "rpc_nope",
     "reply",
 )

@@ -919,13 +919,17 @@ def test_a_peer_joins_a_running_swarm_at_a_round_boundary(cache: Path, overlap: 
         joiner = swarm.start_peer(0)
         wait(swarm, timeout=400)
         events = {id(p): p.events() for p in swarm.peers}
-        summaries = swarm.summaries()
+        summaries, trouble = swarm.summaries(), troubles(swarm)
         said = [p.log.read_text() for p in swarm.peers if p.stage == 0 and p is not joiner]
     me = next(iter(of_kind(events[id(joiner)], Joined)))
     J = me.round
     assert J >= 2 and me.step == J * H
     final = next(s for s in summaries if s.peer_id == me.peer_id)
     assert final.joined_round == J and final.steps == steps and final.outer_steps == steps // H - J
+    # It learned whom to join with from a member (peer/neighbourhood.py), not the whole directory.
+    members = {s.peer_id for s in summaries if s.peer_id != me.peer_id}
+    through = {e.through for e in of_kind(events[id(joiner)], Joining)}
+    assert through and through <= members, trouble
     # The state it started from is its server's, right after the outer step that closed round J-2,
     # which every member read its announcement by. With overlap the donors read it late, and it is
     # the snapshot a server kept at J's own boundary, with that boundary's outer step in flight.
