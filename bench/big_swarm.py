@@ -202,10 +202,12 @@ def main() -> None:
             faults=tuple(sorted(scripted)),
             seed=args.seed,
             # the peer's layout since 2026-12-07: records passed between members, no boundary read,
-            # no audits (its heartbeats still go to one key: the same operations, on fewer nodes)
+            # no audits (its heartbeats still go to one key: the same operations, on fewer nodes),
+            # joiners that ask members whom to join with
             records="gossip",
             directory="spread",
             audits=0,
+            join="member",
         )
     )
     print(json.dumps({k: v for k, v in real.items() if k != "schedule"}, indent=1))

@@ -15,16 +15,16 @@ Churn, per peer and hour: 0.1 crashes, 0.1 graceful leaves, 0.1 stalls of 90 s, 
 
 The defaults are the peer as it runs (since 2026-12-07): records passed between members
 (--records gossip), heartbeats under a key per bucket of 16 members and reports under a key per
-accused (--directory spread), no audits (--audits 0), a joiner that reads every bucket (--join
-whole). The partition runs only up to N = 256 (--partition-max): its gone reports grow as N^2
+accused (--directory spread), no audits (--audits 0), and since 2026-12-07 a joiner that asks
+members whom to join with (--join member; before, --join whole: it read every bucket). The partition runs only up to N = 256 (--partition-max): its gone reports grow as N^2
 (each side reports the peers of the other it routes rows to), and at N = 1,000 the run did not
 finish in 40 minutes of one core. Rows with "real": true already in --out (bench/big_swarm.py's)
 are kept.
 
     python bench/membership_scale.py --out docs/results/membership_scale.json
 
-A joiner that asks a member instead of reading every bucket (--join member: a design the peer
-does not run yet; issue 36, item 4), against the peer's, fast DHT:
+A joiner that asks members (--join member, the peer since 2026-12-07; issue 36, item 4) against
+one that reads every bucket (the peer before), fast DHT:
 
     python bench/membership_scale.py --peers 8,32,128,256,1000 --rounds 8:60,32:60,128:30,256:16,1000:8 \
         --dhts fast --join whole,member --out docs/results/membership_join.json
@@ -75,7 +75,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 
 from noloco_swarm.peer.directory import bucket_key, gone_key, subkey_of
 from noloco_swarm.peer.net import identity
-from noloco_swarm.protocol import codec, records
+from noloco_swarm.protocol import codec, records, rpc
 from noloco_swarm.sim.membership import Churn, Dht, Partition, Scenario, simulate
 
 RUN = "run-12345678"
@@ -111,6 +111,30 @@ def record_bytes() -> tuple[int, int]:
     return size(bucket_key(RUN, 3), announcement), size(gone_key(RUN, other.peer_id), report)
 
 
+def answer_bytes() -> tuple[int, int]:
+    """Bytes per peer id of a member's view, and per peer it names with two addresses, in a real
+    encoded rpc.Neighbourhood (peer/neighbourhood.py), from the difference of two sizes."""
+    with tempfile.TemporaryDirectory() as d:
+        ids = []
+        for i in range(200):
+            identity.generate(path := os.path.join(d, str(i)))
+            ids.append(identity.load(path).peer_id)
+    stages = tuple(tuple(sorted(ids[s::4])) for s in range(4))
+    addresses = [
+        tuple(f"/ip{v}/{a}/tcp/31337/p2p/{p}" for v, a in ((4, "203.0.113.7"), (6, "2001:db8::7")))
+        for p in ids
+    ]
+
+    def encoded(view: tuple[tuple[str, ...], ...], named: int) -> int:
+        reply = rpc.Neighbourhood(RUN, 1, 5, view, tuple(ids[:named]), tuple(addresses[:named]))
+        return len(codec.encode(reply))
+
+    half = tuple(s[: len(s) // 2] for s in stages)
+    per_id = (encoded(stages, 0) - encoded(half, 0)) / (len(ids) - sum(map(len, half)))
+    per_contact = (encoded(stages, 100) - encoded(stages, 0)) / 100
+    return round(per_id), round(per_contact)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--peers", default="8,32,128,1000")
@@ -137,15 +161,16 @@ def main() -> None:
     )
     ap.add_argument(
         "--join",
-        default="whole",
-        help="how a joiner finds the swarm, comma-separated: whole (the peer: it reads every bucket), "
-        "member (it asks a member; a design the peer does not run yet: sim/membership.py, Scenario.join)",
+        default="member",
+        help="how a joiner finds the swarm, comma-separated: whole (the peer before 2026-12-07: it reads "
+        "every bucket), member (the peer since: it asks members; sim/membership.py, Scenario.join)",
     )
     ap.add_argument("--partition-max", type=int, default=256, help="the partition DHT only up to this N")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     announcement, report = record_bytes()
+    view_id, contact = answer_bytes()
     rounds = dict(tuple(int(x) for x in item.split(":")) for item in args.rounds.split(","))
     runs = []
     for n in (int(x) for x in args.peers.split(",")):
@@ -167,6 +192,8 @@ def main() -> None:
                     partitions=partitions,
                     announcement_bytes=announcement,
                     report_bytes=report,
+                    view_id_bytes=view_id,
+                    contact_bytes=contact,
                     seed=args.seed,
                     records=spread,
                     directory=directory,
@@ -182,6 +209,7 @@ def main() -> None:
     result = {
         "command": "python bench/membership_scale.py " + " ".join(sys.argv[1:]),
         "record_bytes": {"announcement": announcement, "gone_report": report},
+        "answer_bytes": {"per_view_id": view_id, "per_contact": contact},
         "runs": runs,
     }
     if args.out is not None:

@@ -9,11 +9,12 @@ the members of its stage (its donors and exchange partners) and of the stages ne
 routes rows to and from). So it asks a member:
 
 1. it asks ASKED peers its DHT node knows (the run's entry points and its routing table, which
-   hold random members) for their `Neighbourhood`; a peer with no view refuses;
-2. if the one that answered with the newest view is not of its stage, and names none of its
-   stage's addresses, the joiner reads one bucket of its stage's places in that view (one DHT
-   key: directory.bucket_key) and asks a member of its stage found there, which knows its
-   neighbourhood as the joiner will;
+   hold random members) for their `Neighbourhood`; a peer with no view refuses. Of the answers
+   it takes one of the round most agree on (one member lying about its round is outvoted), of
+   its own stage if one is;
+2. if none is of its stage, it asks a member of its stage too (which knows its neighbourhood as
+   the joiner will): one whose address an answer names, or, if none does, one found in a bucket
+   of its stage's places in that view (one DHT key: directory.bucket_key);
 3. it dials the peers named and takes their addresses; the joiners the member holds (their
    sealed announcements, each checked) count too.
 A peer that later has to reach a member outside its neighbourhood (a probe of an accused member at
@@ -193,17 +194,19 @@ async def find(transport: Transport, directory: RunDirectory, cfg: RunConfig, st
     agree = Counter(f.view.round for f in found)
     best = max(found, key=lambda f: (agree[f.view.round], f.view.round, f.asked in f.view.stages[stage]))
     if best.asked not in best.view.stages[stage]:
-        best = await _from_own_stage(transport, directory, cfg, best, stage) or best
+        agreeing = [f for f in found if f.view == best.view]
+        best = await _from_own_stage(transport, directory, cfg, agreeing, stage) or best
     return Found(best.view, [c for c in best.contacts if c.peer_id != me], best.joiners, best.asked)
 
 
 async def _from_own_stage(
-    transport: Transport, directory: RunDirectory, cfg: RunConfig, found: Found, stage: int
+    transport: Transport, directory: RunDirectory, cfg: RunConfig, found: list[Found], stage: int
 ) -> Found | None:
-    """Ask a member of `stage` (its neighbourhood is ours): one whose address `found` names, or
-    one found in a bucket of the stage's places in `found`'s view (one DHT read)."""
-    me, view = transport.peer_id, found.view
-    known = {c.peer_id: c.addresses for c in found.contacts if c.stage == stage}
+    """Ask a member of `stage` (its neighbourhood is ours): one whose address an answer of `found`
+    (all of one view) names, or one found in a bucket of the stage's places in that view (one DHT
+    read)."""
+    me, view = transport.peer_id, found[0].view
+    known = {c.peer_id: c.addresses for f in found for c in f.contacts if c.stage == stage}
     if not known:
         bucket = directory_bucket(view, random.Random(me).choice(view.stages[stage]))
         try:

@@ -119,8 +119,11 @@ class Partition:
 SPREADS = ("dht", "swap", "gossip")  # Scenario.records
 DIRECTORIES = ("whole", "spread")  # Scenario.directory
 JOINS = ("whole", "member")  # Scenario.join
-HANDOVER_PEERS = 8  # join="member": members a joiner hands its announcement to
-STATUS_BYTES = 256  # join="member": a member's answer with its view's replica counts
+# join="member", as peer/neighbourhood.py: peers a joiner asks for their neighbourhood (ASKED),
+# and members of its stage, and as many of the stages next to it, it hands its announcement to
+# (SAMPLED).
+ASKED_MEMBERS = 4
+HANDOVER_PEERS = 8
 JUDGED_SETS = 16  # distinct report sets whose judgement the simulator remembers
 
 
@@ -140,6 +143,10 @@ class Scenario:
     # bench/membership_scale.py measures real signed records (1,116 and 1,005 on 2026-12-06).
     announcement_bytes: int = 1116
     report_bytes: int = 1005
+    # join="member": bytes per peer id in a member's answer (its view), and per peer it names with
+    # its addresses (bench/membership_scale.py measures them from a real rpc.Neighbourhood).
+    view_id_bytes: int = 48
+    contact_bytes: int = 207
     dht: Dht = Dht()
     churn: Churn = Churn()
     partitions: tuple[Partition, ...] = ()
@@ -161,12 +168,14 @@ class Scenario:
     # Where the DHT holds records: "whole" (today) or "spread" (with records="gossip"; see above).
     directory: str = "whole"
     audits: int = 2  # "spread": members whose own key each member reads per round
-    # How a joiner finds the swarm ("spread"): "whole" (the peer: it reads the roster and every
-    # bucket, and hands its announcement to every peer it read) or "member", a design the peer
-    # does not run yet (issue 36, item 4): it asks one member it knows (its DHT node's routing table
-    # holds random members) for the view's replica counts, reads one bucket of its stage's places,
-    # asks one member found there for the announcements of its stage and the stages next to it
-    # (peer to peer), and hands its announcement to HANDOVER_PEERS of them.
+    # How a joiner finds the swarm ("spread"): "whole" (the peer before 2026-12-07: it reads the
+    # roster and every bucket, and hands its announcement to every peer it read) or "member", the
+    # peer since (issue 36, item 4; peer/neighbourhood.py): it asks ASKED_MEMBERS members it knows
+    # (its DHT node's routing table holds random members) for their neighbourhood (the view, and
+    # the addresses of its stage and the stages next to it); unless one of them is of its stage,
+    # it asks a member of its stage too, found in the answer of a member of a stage next to it or
+    # else in one bucket of its stage's places (a DHT read); it hands its announcement to
+    # HANDOVER_PEERS of its stage and as many of the stages next to it.
     join: str = "whole"
 
     def __post_init__(self) -> None:
@@ -352,35 +361,46 @@ class Model:
                 self.node_bytes[holder] += held * sc.announcement_bytes
 
     def _member_read(self, reader: Peer, t: float, reachable: list[Peer]) -> list[Peer]:
-        """join="member": `reader` asks a random member it reaches for the view's replica counts,
-        reads one random bucket of its stage's places in that view, and asks a member of its stage
-        found there for the announcements of its neighbourhood (its stage and the next ones). The
-        members it then hands its announcement to (HANDOVER_PEERS of them). Counts the DHT read,
-        its key's load, and the bytes passed peer to peer."""
+        """join="member": `reader` asks ASKED_MEMBERS random members it reaches for their
+        neighbourhood; unless one is of its stage it asks a member of its stage too, found in the
+        answer of one of a stage next to it, or else by reading one random bucket of its stage's
+        places. The members it then hands its announcement to. Counts the DHT read, its key's
+        load, and the bytes of the answers (peer to peer)."""
         sc = self.sc
         members = [q for q in reachable if q.joining_at is None and q.views]
         if not members:
             return []
-        first = members[int(self.join_rng.integers(len(members)))]
+        picks = self.join_rng.choice(len(members), size=min(ASKED_MEMBERS, len(members)), replace=False)
+        asked = [members[int(i)] for i in picks]
+        first = next((q for q in asked if q.stage == reader.stage), asked[0])
         view = first.views[first.round()]
-        self.passed_bytes += STATUS_BYTES
         counts = [len(s) for s in view.stages]
-        before = sum(counts[: reader.stage])
-        lo, hi = before // BUCKET_PEERS, max(before, before + counts[reader.stage] - 1) // BUCKET_PEERS
-        bucket = int(self.join_rng.integers(lo, hi + 1))
-        held = max(0, min(BUCKET_PEERS, sum(counts) - bucket * BUCKET_PEERS))
-        self.ops[reader.name] += 1
-        self.bytes[reader.name] += KEY_OVERHEAD + held * sc.announcement_bytes * sc.dht.replicas
-        for holder in self._key_holders(("bucket", bucket), t):
-            self.node_bytes[holder] += held * sc.announcement_bytes
-        near = set()
-        for s in (reader.stage - 1, reader.stage, reader.stage + 1):
-            if 0 <= s < view.num_stages:
-                near |= set(view.stages[s])
-        self.passed_bytes += len(near) * sc.announcement_bytes
+        near_stages = [
+            s for s in (reader.stage - 1, reader.stage, reader.stage + 1) if 0 <= s < view.num_stages
+        ]
+        near = {p for s in near_stages for p in view.stages[s]}
+        answer = sum(counts) * sc.view_id_bytes + len(near) * sc.contact_bytes
+        answers = len(asked)
+        if all(q.stage != reader.stage for q in asked):
+            answers += 1  # a member of its stage, asked too
+            if all(abs(q.stage - reader.stage) > 1 for q in asked):  # none named one: read a bucket
+                before = sum(counts[: reader.stage])
+                lo = before // BUCKET_PEERS
+                hi = max(before, before + counts[reader.stage] - 1) // BUCKET_PEERS
+                bucket = int(self.join_rng.integers(lo, hi + 1))
+                held = max(0, min(BUCKET_PEERS, sum(counts) - bucket * BUCKET_PEERS))
+                self.ops[reader.name] += 1
+                self.bytes[reader.name] += KEY_OVERHEAD + held * sc.announcement_bytes * sc.dht.replicas
+                for holder in self._key_holders(("bucket", bucket), t):
+                    self.node_bytes[holder] += held * sc.announcement_bytes
+        self.passed_bytes += answers * answer
         around = [q for q in members if q.name in near]
-        picked = self.join_rng.choice(len(around), size=min(HANDOVER_PEERS, len(around)), replace=False)
-        return [around[int(i)] for i in picked]
+        handed = []
+        for own in (True, False):
+            pool = [q for q in around if (q.stage == reader.stage) == own]
+            picked = self.join_rng.choice(len(pool), size=min(HANDOVER_PEERS, len(pool)), replace=False)
+            handed += [pool[int(i)] for i in picked]
+        return handed
 
     def report(self, reporter: Peer, peer: str, round_: int, t: float) -> None:
         if (peer, reporter.name, round_) in self.report_keys:

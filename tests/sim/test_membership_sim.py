@@ -209,11 +209,11 @@ def test_a_spread_directory_needs_gossip_and_a_known_layout() -> None:
 
 
 def test_a_joiner_that_asks_a_member_reads_one_bucket_and_still_enters_in_agreement() -> None:
-    """join="member" (a design the peer does not run yet; issue 36, item 4): a joiner asks a
-    member for the view's replica counts, reads one bucket of its stage's places, gets its
-    neighbourhood from a member peer to peer and hands its announcement to a few members; gossip
-    takes it to the rest. Every joiner enters, every round agrees, and a join costs the DHT one
-    key's read, where a whole read costs every bucket's."""
+    """join="member" (the peer since 2026-12-07; issue 36, item 4): a joiner asks members for their
+    neighbourhood, reads at most one bucket of its stage's places to find a member of its stage,
+    and hands its announcement to a few members; gossip takes it to the rest. Every joiner
+    enters, every round agrees, and a join costs the DHT at most one key's read, where a whole
+    read costs every bucket's."""
     joins = tuple((150.0 + 30.0 * i, "join", 0) for i in range(6))
     base = Scenario(peers=64, rounds=10, records="gossip", directory="spread", audits=0, faults=joins)
     models = {join: Model(dataclasses.replace(base, join=join)) for join in ("whole", "member")}

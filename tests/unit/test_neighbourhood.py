@@ -157,6 +157,10 @@ def test_a_joiner_asked_by_a_far_member_reads_one_bucket_and_asks_its_own_stage(
     # A member of the joiner's stage answers at once: no bucket read.
     swarm = Swarm(servers, known=["0b", "3a"])
     assert swarm.find(0).asked == "0b" and swarm.buckets_read == []
+    # One of the next stage names a member of the joiner's stage: asked, no bucket read either.
+    servers["1a"] = member("1a", {"0b", "1b"})
+    swarm = Swarm(servers, known=["1a", "3a"])
+    assert swarm.find(0).asked == "0b" and swarm.calls[-1] == "0b" and swarm.buckets_read == []
 
 
 def test_forged_or_malformed_answers_count_as_none() -> None:
