@@ -24,6 +24,7 @@ import torch
 from noloco_swarm.peer import events
 from noloco_swarm.peer.net.streams import PeerUnavailable, RemoteRefused
 from noloco_swarm.peer.net.transport import Transport
+from noloco_swarm.peer.postpone import MAX_LEAD_ROUNDS
 from noloco_swarm.protocol import chunks as chunking
 from noloco_swarm.protocol.chunks import ChunkPlan
 from noloco_swarm.protocol.codec import MessageError, TensorMeta
@@ -138,13 +139,15 @@ async def ask_manifest(
     admitted: bool = False,
 ) -> StateManifest:
     """`donor`'s manifest for a joiner of `round_`: of the state at the start of `round_` or of
-    the round before (StateRequest says when); with `admitted`, with its view of `round_`."""
+    the round before (StateRequest says when), or of an earlier boundary the donor kept for us
+    when we announced an earlier round (at most MAX_LEAD_ROUNDS before: peer/postpone.py); with
+    `admitted`, with its view of `round_`."""
     reply, tensors = await transport.call(
         donor, "rpc_fetch_state", StateRequest(run_id, stage, round_, admitted), timeout=timeout
     )
     if not isinstance(reply, StateManifest) or tensors:
         raise MessageError(f"{donor} answered the state request with something else")
-    rounds = (round_,) if admitted else (round_ - 1, round_)
+    rounds = range(round_, round_ + 1) if admitted else range(round_ - 1 - MAX_LEAD_ROUNDS, round_ + 1)
     if reply.stage != stage or reply.round not in rounds:
         raise MessageError(f"{donor} sent the manifest of stage {reply.stage} round {reply.round}")
     return reply

@@ -24,6 +24,9 @@ Records that reach one peer late:
   keep_round:rpc_fetch_state  a joiner whose download would outlast its round keeps that round
                         anyway (peer/postpone.py), as every joiner did before 2026-12-07: the
                         swarm waits for its download there
+  outpaced:rpc_status   a joiner asks where the swarm is after its announcement only once the
+                        swarm has passed the boundary before its round, and so chooses a later
+                        one, as when the swarm outpaces its announcement (peer/joining.py)
 
 A hostile member, for the tests that prove a partner rejects what it sends (VERB: rpc_exchange;
 each point is reached once per exchange, at its start, whether this peer calls, is called or is
@@ -72,6 +75,7 @@ KINDS = (
     "close_unconfirmed",
     "miss_joiners",
     "keep_round",
+    "outpaced",
     "false_report",
     *POISONS,
 )

@@ -83,6 +83,20 @@ def pick_join_round(furthest: int, clock: StepClock, end_step: int, later: int =
     return target
 
 
+async def after_announcing(
+    transport: Transport, run_id: str, asked: Sequence[Contact], boundary: int
+) -> int | None:
+    """`furthest_step` of `asked` once we announced a round. Failpoint outpaced:rpc_status: not
+    before the swarm has passed `boundary` (the one before our round), as one that outpaced our
+    announcement has (its members kept state there for us if they read it in time)."""
+    if failpoints.fire("outpaced", "rpc_status"):
+        while (step := await furthest_step(transport, run_id, asked, PROBE_TIMEOUT)) is not None:
+            if step >= boundary:
+                return step
+            await asyncio.sleep(0.1)
+    return await furthest_step(transport, run_id, asked, PROBE_TIMEOUT)
+
+
 def servers_for(others: Sequence[Contact], stage: int, round_: int) -> list[str]:
     """Peers of `stage` that were members before `round_` (they hold its state)."""
     return [a.peer_id for a in others if a.stage == stage and a.joined_round < round_]
@@ -158,10 +172,11 @@ class Joining:
             if not await self._announce():
                 problem = f"the DHT did not store our announcement for round {target} (reconnecting)"
                 continue
+            ctx.events.emit(events.Joining(round=target, step=start, through=through))
             # Hand our announcement to them too, in case the DHT is late, while we ask again
             # where they are (a dead one costs each the same timeout, once).
             handing = asyncio.ensure_future(ctx.rounds.passing.hand_over(a.peer_id for a in asked))
-            now = await furthest_step(ctx.transport, ctx.run_id, asked, PROBE_TIMEOUT)
+            now = await after_announcing(ctx.transport, ctx.run_id, asked, ctx.clock.round_start(target - 1))
             await handing
             # Donors keep our state at the boundary before our round if they read us by then: a
             # swarm already there may have passed it without us, and would wait for our download.
@@ -174,7 +189,6 @@ class Joining:
                 )
                 later = JOIN_RETRY_ROUNDS  # the swarm outpaces our announcements: aim one round further
                 continue
-            ctx.events.emit(events.Joining(round=target, step=start, through=through))
             logger.warning("joining the running swarm at round %d (step %d)", target, start)
             servers = servers_for(others, ctx.stage, target)
             # Spread joiners over the servers: each adopts the snapshot of the first in its own order.
@@ -215,7 +229,7 @@ class Joining:
         then); we enter that one. Raises what `download_state` raises, or
         MessageError; the replica is untouched then."""
         ctx, replica = self.ctx, self.ctx.replica
-        watch, asked, until = DownloadWatch(), round_, time.monotonic() + timeout
+        watch, until = DownloadWatch(), time.monotonic() + timeout
 
         def admits(manifest: StateManifest) -> bool:  # the state of a round before ours admits nobody yet
             stages = manifest.view
@@ -253,7 +267,7 @@ class Joining:
                 raise MessageError(f"the state of {got.target} does not hash to what it announced")
             stages = manifest.view
             if manifest.round < round_:  # the state of a boundary before ours: now our view
-                if round_ > asked:  # moved: a donor answers for a round only once it is near
+                if round_ > manifest.round + 1:  # moved: a donor answers for a round once it is near
                     await self._until_swarm_in(round_ - 1, donors, until - time.monotonic())
                 stages = await self._entry_view(
                     got.target, manifest, round_, until - time.monotonic(), admits

@@ -84,6 +84,7 @@ class Found:
     contacts: list[Contact]
     joiners: list[records.PeerAnnouncement]
     asked: str  # the member whose answer this is
+    gone: frozenset[str] = frozenset()  # members it holds for gone (rpc.Neighbourhood.gone)
 
 
 def near_stages(stage: int, num_stages: int) -> list[int]:
@@ -121,8 +122,18 @@ class NeighbourhoodServer:
             if entry.record.joined_round > view.round and size < REPLY_BYTES:
                 joining.append(entry.sealed)
                 size += len(entry.sealed)
+        members = view.members()
+        reported = {peer for peer, _, round_ in ctx.rounds.passing.book.gone() if round_ >= view.round}
+        gone = tuple(sorted((reported | set(ctx.rounds.dead)) & members))
         reply = rpc.Neighbourhood(
-            ctx.run_id, header.stage, view.round, view.stages, tuple(peers), tuple(addresses), tuple(joining)
+            ctx.run_id,
+            header.stage,
+            view.round,
+            view.stages,
+            tuple(peers),
+            tuple(addresses),
+            tuple(joining),
+            gone,
         )
         return reply, []
 
@@ -160,7 +171,7 @@ async def ask(
     contacts += [
         Contact.of(a) for a in joiners if a.stage in near_stages(stage, num_stages) and a.peer_id not in named
     ]
-    return Found(view, contacts, joiners, peer)
+    return Found(view, contacts, joiners, peer, frozenset(reply.gone) & view.members())
 
 
 def candidates(transport: Transport, directory: RunDirectory, cfg: RunConfig) -> list[str]:
@@ -196,7 +207,8 @@ async def find(transport: Transport, directory: RunDirectory, cfg: RunConfig, st
     if best.asked not in best.view.stages[stage]:
         agreeing = [f for f in found if f.view == best.view]
         best = await _from_own_stage(transport, directory, cfg, agreeing, stage) or best
-    return Found(best.view, [c for c in best.contacts if c.peer_id != me], best.joiners, best.asked)
+    gone = frozenset().union(*(f.gone for f in found if f.view == best.view), best.gone)
+    return Found(best.view, [c for c in best.contacts if c.peer_id != me], best.joiners, best.asked, gone)
 
 
 async def _from_own_stage(
@@ -227,9 +239,9 @@ async def _from_own_stage(
 
 
 def stage_counts(found: Found) -> list[tuple[str, int]]:
-    """(peer, stage) of every member of `found`'s view and every joiner it names (a joiner's newest
-    announcement): what --stage auto counts."""
-    pairs = {p: s for s, peers in enumerate(found.view.stages) for p in peers}
+    """(peer, stage) of every member of `found`'s view that no answer holds for gone, and every
+    joiner it names (a joiner's newest announcement): what --stage auto counts."""
+    pairs = {p: s for s, peers in enumerate(found.view.stages) for p in peers if p not in found.gone}
     for a in found.joiners:
         pairs.setdefault(a.peer_id, a.stage)
     return sorted(pairs.items())

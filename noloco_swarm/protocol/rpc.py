@@ -379,8 +379,10 @@ class NeighbourhoodRequest(Message):
 class Neighbourhood(Message):
     """A member's answer to a joiner of `stage`: its latest view (`round`, `view`: sorted peer ids
     per stage), the announced addresses it knows of the members of `stage` and the stages next to
-    it (`peers[i]` at `addresses[i]`, the member itself among them), and the sealed announcements
-    of the joiners it holds (records.Sealed, each checked on its own by the joiner)."""
+    it (`peers[i]` at `addresses[i]`, the member itself among them), the sealed announcements
+    of the joiners it holds (records.Sealed, each checked on its own by the joiner), and the
+    members of its view it holds for gone since the view's round began (reported, or failed it):
+    the view drops them only at a later boundary, and --stage auto must not count them."""
 
     TAG: ClassVar[str] = "neighbourhood_reply"
     run_id: str
@@ -390,6 +392,7 @@ class Neighbourhood(Message):
     peers: tuple[str, ...] = ()
     addresses: tuple[tuple[str, ...], ...] = ()
     joining: tuple[bytes, ...] = ()
+    gone: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         check_run_id(self.run_id)

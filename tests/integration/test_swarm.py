@@ -911,8 +911,10 @@ def test_a_peer_joins_a_running_swarm_at_a_round_boundary(cache: Path, overlap: 
     )
     late = overlap > 0
 
+    # Every time it would keep a snapshot for a joiner at the boundary before its round: a joiner
+    # that chooses a later round while it announces (see below) meets the fault there too.
     def donors_read_late(stage: int | None, replica: int) -> dict[str, str]:
-        return {"NOLOCO_FAILPOINTS": "miss_joiners:rpc_fetch_state=1"} if late and stage == 0 else {}
+        return {"NOLOCO_FAILPOINTS": "miss_joiners:rpc_fetch_state=8"} if late and stage == 0 else {}
 
     with local_swarm(cfg, steps, step_timeout=60, peer_env=donors_read_late) as swarm:
         until_every_peer_holds_a_view(swarm)
@@ -933,7 +935,12 @@ def test_a_peer_joins_a_running_swarm_at_a_round_boundary(cache: Path, overlap: 
     # The state it started from is its server's, right after the outer step that closed round J-2,
     # which every member read its announcement by. With overlap the donors read it late, and it is
     # the snapshot a server kept at J's own boundary, with that boundary's outer step in flight.
-    assert me.from_step == (J if late else J - 1) * H
+    # (A joiner that saw the swarm reach the boundary before its round while it announced it
+    # chooses a later one; donors that had read it in time keep the state of that boundary for it,
+    # and it enters the later round with that: the boundary before a round it announced.)
+    announced = {e.round for e in of_kind(events[id(joiner)], Joining)}
+    expected = {J * H} if late else {(j - 1) * H for j in announced}
+    assert me.from_step in expected, (me, sorted(announced), trouble)
     assert all(
         (f"miss_joiners:rpc_fetch_state: no state kept for ['{me.peer_id}']" in x) == late for x in said
     )
@@ -944,7 +951,7 @@ def test_a_peer_joins_a_running_swarm_at_a_round_boundary(cache: Path, overlap: 
         for e in of_kind(events[id(p)], Outer)
         if e.step == me.from_step
     ]
-    kept = [e.snapshot for p in swarm.peers for e in of_kind(events[id(p)], Joiners) if e.round == J]
+    kept = [e.snapshot for p in swarm.peers for e in of_kind(events[id(p)], Joiners) if e.round in announced]
     assert me.snapshot in kept
     assert (me.state_hash in server_outer) == (overlap == 0)
     # Every peer holds the same view of every round; the joiner is in it from round J on.
@@ -996,6 +1003,57 @@ def test_a_member_that_misses_a_joiners_handover_still_admits_it_at_its_round(ca
     for r, v in sorted(views.items()):
         assert len(v) == 1 and (newcomer in next(iter(v))[0]) == (r >= J), (r, v)
     assert all(s.steps == steps for s in summaries) and len(summaries) == 5, trouble
+    bad = [
+        e for ev in events.values() for e in ev if isinstance(e, Dropped | Refused | ViewMismatch | PeerGone)
+    ]
+    assert bad == [], trouble
+
+
+def test_a_joiner_that_chooses_a_later_round_enters_it_with_the_state_kept_for_the_first(
+    cache: Path,
+) -> None:
+    """A joiner that sees the swarm at the boundary before its round while it announces it chooses
+    a later round (failpoint outpaced:rpc_status: it asks only once the swarm is there). The donors
+    that read its
+    first announcement in time keep that boundary's state for it, as for a joiner that moved its
+    round (peer/snapshots.py), and answer its request for the later round with it. Until
+    2026-12-07 the joiner refused any state older than the boundary before its round, asked again
+    until its join deadline and gave up. It now enters the later round with that state; every
+    round has one view, nothing is dropped or refused."""
+    steps, H = JOINER_STEPS, 4
+    cfg = small("noloco", **{**SLOWER, "outer.inner_steps": str(H), "inner.total_steps": str(steps)})
+
+    def outpaced(stage: int | None, replica: int) -> dict[str, str]:
+        return {"NOLOCO_FAILPOINTS": "outpaced:rpc_status=1"} if stage == 0 and replica == 2 else {}
+
+    with local_swarm(cfg, steps, step_timeout=60, peer_env=outpaced) as swarm:
+        until_every_peer_holds_a_view(swarm)
+        joiner = swarm.start_peer(0)
+        wait(swarm, timeout=400)
+        events = {id(p): p.events() for p in swarm.peers}
+        summaries, trouble = swarm.summaries(), troubles(swarm)
+    me = next(iter(of_kind(events[id(joiner)], Joined)))
+    first, *later = [e.round for e in of_kind(events[id(joiner)], Joining)]
+    assert later and me.round == later[-1] > first, (first, later, trouble)
+    # Whom the donors kept state for at the boundary before the first round: the joiner, unless
+    # its announcement reached them only after that boundary (then they keep it before the later).
+    kept = {
+        (e.round, e.snapshot)
+        for p in swarm.peers
+        if p is not joiner
+        for e in of_kind(events[id(p)], Joiners)
+        if me.peer_id in e.peers
+    }
+    assert (me.from_step // H + 1, me.snapshot) in kept, (kept, me)
+    # The case this test is for: its handover reached the donors before the boundary (a step or
+    # more after the furthest step it saw). If not, they kept state for the later round only.
+    if first in {r for r, _ in kept}:
+        assert me.from_step == (first - 1) * H, (me, kept)
+    final = next(s for s in summaries if s.peer_id == me.peer_id)
+    assert final.joined_round == me.round and final.steps == steps, trouble
+    views = views_since(events[id(p)] for p in swarm.peers)
+    for r, v in sorted(views.items()):
+        assert len(v) == 1 and (me.peer_id in next(iter(v))[0]) == (r >= me.round), (r, v)
     bad = [
         e for ev in events.values() for e in ev if isinstance(e, Dropped | Refused | ViewMismatch | PeerGone)
     ]

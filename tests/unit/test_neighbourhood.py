@@ -47,12 +47,15 @@ def addr(peer: str) -> tuple[str, ...]:
     return (f"/ip4/10.0.0.1/tcp/1/p2p/{peer}",)
 
 
-def member(me: str, knows: set[str], book: RecordBook | None = None) -> NeighbourhoodServer:
-    """A member holding VIEW that knows the addresses of `knows` (and its own)."""
+def member(
+    me: str, knows: set[str], book: RecordBook | None = None, dead: dict[str, int] | None = None
+) -> NeighbourhoodServer:
+    """A member holding VIEW that knows the addresses of `knows` (and its own), and found `dead`."""
     rounds = SimpleNamespace(
         latest=lambda: VIEW,
         addresses={p: addr(p) for p in knows},
         passing=SimpleNamespace(book=book or RecordBook(H)),
+        dead=dead or {},
     )
     ctx = SimpleNamespace(
         run_id=RUN, me=me, rounds=rounds, transport=SimpleNamespace(register=lambda verb, handler: None)
@@ -71,13 +74,18 @@ def test_a_member_names_its_view_the_addresses_it_knows_near_the_stage_and_the_j
     book.at_round(5)
     early = seal(JOINER, records.PeerAnnouncement(RUN, JOINER.peer_id, 2, 6, addr("x")))
     book.add(early)
-    reply = serve(member("1a", {"0a", "0b", "1b", "2a", "3a"}, book), stage=1)
+    reporter = identity()
+    book.add(seal(reporter, records.GoneReport(RUN, "2b", reporter.peer_id, 5)))
+    book.add(seal(reporter, records.GoneReport(RUN, "9x", reporter.peer_id, 5)))  # no member
+    reply = serve(member("1a", {"0a", "0b", "1b", "2a", "3a"}, book, dead={"0b": 5}), stage=1)
     assert (reply.round, reply.view) == (5, VIEW.stages)
     # Stages 0, 1 and 2 only, and only peers whose addresses it knows (2b it does not).
     assert dict(zip(reply.peers, reply.addresses, strict=True)) == {
         p: addr(p) for p in ("0a", "0b", "1a", "1b", "2a")
     }
     assert reply.joining == (early.sealed,)
+    # The members it holds for gone: reported in the view's round, or failed it (not yet dropped).
+    assert reply.gone == ("0b", "2b")
     assert serve(member("3b", {"3a", "2b"}), stage=3).peers == ("2b", "3a", "3b")
 
 
@@ -189,10 +197,9 @@ def test_forged_or_malformed_answers_count_as_none() -> None:
 
 def test_what_auto_stage_counts_and_whom_a_joiner_asks() -> None:
     j = records.PeerAnnouncement(RUN, "9z", 2, 6)
-    found = SimpleNamespace(view=VIEW, joiners=[j, records.PeerAnnouncement(RUN, "2a", 2, 6)])
-    assert stage_counts(found) == sorted(
-        [*((p, s) for s, ps in enumerate(VIEW.stages) for p in ps), ("9z", 2)]
-    )
+    found = Found(VIEW, [], [j, records.PeerAnnouncement(RUN, "2a", 2, 6)], "0a", frozenset({"1b"}))
+    counted = sorted([*((p, s) for s, ps in enumerate(VIEW.stages) for p in ps if p != "1b"), ("9z", 2)])
+    assert stage_counts(found) == counted  # a member held for gone is not counted
     many = [Contact(f"p{i}", i % 3, (), 0, 0) for i in range(60)]
     chosen = sampled(many, 1, "me", 8)
     assert len(chosen) == 16 and sum(c.stage == 1 for c in chosen) == 8
