@@ -63,9 +63,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -91,11 +89,7 @@ CHURN = Churn(
 
 def record_bytes() -> tuple[int, int]:
     """Bytes of a signed announcement and a signed gone report as a DHT node holds them."""
-    with tempfile.TemporaryDirectory() as d:
-        paths = [os.path.join(d, name) for name in ("me", "other")]
-        for path in paths:
-            identity.generate(path)
-        me, other = (identity.load(path) for path in paths)
+    me, other = identity.fresh(), identity.fresh()
     validator = me.validator()
 
     def size(key: str, record: records.PeerAnnouncement | records.GoneReport) -> int:
@@ -114,11 +108,7 @@ def record_bytes() -> tuple[int, int]:
 def answer_bytes() -> tuple[int, int]:
     """Bytes per peer id of a member's view, and per peer it names with two addresses, in a real
     encoded rpc.Neighbourhood (peer/neighbourhood.py), from the difference of two sizes."""
-    with tempfile.TemporaryDirectory() as d:
-        ids = []
-        for i in range(200):
-            identity.generate(path := os.path.join(d, str(i)))
-            ids.append(identity.load(path).peer_id)
+    ids = [identity.fresh().peer_id for _ in range(200)]
     stages = tuple(tuple(sorted(ids[s::4])) for s in range(4))
     addresses = [
         tuple(f"/ip{v}/{a}/tcp/31337/p2p/{p}" for v, a in ((4, "203.0.113.7"), (6, "2001:db8::7")))

@@ -230,9 +230,7 @@ class RunDirectory:
         places (membership.directory_bucket), or the roster with None. One DHT read, where
         read_peers reads every key: for a joiner that asks a member (peer/neighbourhood.py)."""
         key = peers_key(self.run_id) if bucket is None else bucket_key(self.run_id, bucket)
-        found = self._get_many([key]).get(key)
-        good, _ = signed_items(None if found is None else found.value, records.PeerAnnouncement, self.run_id)
-        return [a for a, _ in good]
+        return self._records(self._get_many([key]).get(key), records.PeerAnnouncement)[0]
 
     def known_nodes(self) -> list[str]:
         """Peer ids in our DHT node's routing table (random peers of the DHT: members, mostly),

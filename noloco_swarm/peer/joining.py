@@ -19,19 +19,24 @@ outer step averages it with a partner like any other replica.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-
-from hivemind.utils.multiaddr import Multiaddr
 
 from noloco_swarm.peer import events, failpoints
 from noloco_swarm.peer.context import PeerContext
 from noloco_swarm.peer.donors import DONOR_ERRORS, ask_manifest, download_state
 from noloco_swarm.peer.exchange.ledger import ByteLedger
 from noloco_swarm.peer.liveness import DHT_ERRORS, PROBE_TIMEOUT, ask_status
-from noloco_swarm.peer.neighbourhood import SAMPLED, Contact, Found, contacts, sampled
+from noloco_swarm.peer.neighbourhood import (
+    SAMPLED,
+    Contact,
+    Found,
+    contacts,
+    entry_point_ids,
+    in_our_order,
+    sampled,
+)
 from noloco_swarm.peer.net.transport import Transport
 from noloco_swarm.peer.postpone import (
     CHECK_SECONDS,
@@ -118,10 +123,9 @@ class Joining:
         self._retire_before = retire_before
         self.joined_round = 0
         self.entering: asyncio.Future[bool] | None = None  # our announcement once we entered
-        self.found: Found | None = None  # a member's answer, for our first attempt (runtime.py)
         self.server = StateServer(ctx, ledger)  # the state we keep for joiners of our stage
 
-    async def join_late(self, end_step: int, *, stale: bool = False) -> None:
+    async def join_late(self, end_step: int, *, stale: bool = False, found: Found | None = None) -> None:
         """Enter a running swarm two rounds ahead with a live replica's state.
 
         Each attempt asks the live peers where they are, announces the round two after the
@@ -131,7 +135,8 @@ class Joining:
         it ask for the state. An attempt that learns nothing fresh (no peer answered: our link
         was cut, or our connections went stale with it) or whose announcement was not stored
         reconnects and tries again instead of fetching a round the swarm may have left. With
-        `stale` (we were excluded, maybe cut off) it dials every peer afresh from the start."""
+        `stale` (we were excluded, maybe cut off) it dials every peer afresh from the start.
+        `found`: a member's answer in hand (peer/neighbourhood.py), for the first attempt."""
         ctx = self.ctx
         timeout = ctx.cfg.peer.join_timeout
         deadline = time.monotonic() + timeout
@@ -144,9 +149,9 @@ class Joining:
                 if reconnect:
                     await self._reconnect()
                 await asyncio.sleep(1.0)
-            others, through = await contacts(ctx, ctx.stage, self.found, ask=not problem)
+            others, through = await contacts(ctx, ctx.stage, found, ask=not problem)
             problem, reconnect = "", True
-            self.found, asked = None, sampled(others, ctx.stage, ctx.me, SAMPLED)
+            found, asked = None, sampled(others, ctx.stage, ctx.me, SAMPLED)
             if not any(a.stage == ctx.stage for a in others):  # our DHT node lost its neighbours in a cut?
                 problem = f"no replica of stage {ctx.stage} is in the run's directory (reconnecting)"
                 continue
@@ -192,7 +197,7 @@ class Joining:
             logger.warning("joining the running swarm at round %d (step %d)", target, start)
             servers = servers_for(others, ctx.stage, target)
             # Spread joiners over the servers: each adopts the snapshot of the first in its own order.
-            servers.sort(key=lambda p: hashlib.sha256(f"{ctx.me}/{p}".encode()).digest())
+            servers = in_our_order(ctx.me, servers)
             try:
                 view, step = await self._fetch_state(
                     servers,
@@ -392,7 +397,7 @@ class Joining:
     async def _reconnect(self) -> None:
         """Dial the run's entry points again and refill our DHT node's routing table from them."""
         ctx, entry = self.ctx, self.ctx.cfg.network.initial_peers
-        ids = [str(Multiaddr(m)["p2p"]) for m in entry]
+        ids = entry_point_ids(entry)
         async with asyncio.TaskGroup() as group:
             for peer, maddr in zip(ids, entry, strict=True):
                 group.create_task(ctx.transport.connect(peer, [maddr], timeout=PROBE_TIMEOUT))

@@ -207,7 +207,7 @@ async def _least_served_stage(transport: Transport, directory: RunDirectory, cfg
     and that no member reported gone since they joined: a dead peer's announcement outlives it
     by up to a heartbeat ttl, and must not hold its stage's place. Or, when a member answers
     (peer/neighbourhood.py), its view's members and the joiners it holds: no directory read."""
-    found = await find(transport, directory, cfg, 0)
+    found = await find(transport, directory, cfg, 0, own_stage=False)
     if found is not None:
         view = MembershipView.from_announcements(found.view.round, cfg.num_stages, stage_counts(found))
         return view.least_served_stage(cfg.replica_counts)

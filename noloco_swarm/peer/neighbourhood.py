@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from hivemind.utils.multiaddr import Multiaddr
 
 from noloco_swarm.peer.context import PeerContext
-from noloco_swarm.peer.directory import DHT_CALL_TIMEOUT, RunDirectory
+from noloco_swarm.peer.directory import RunDirectory
 from noloco_swarm.peer.liveness import DHT_ERRORS, PROBE_TIMEOUT
 from noloco_swarm.peer.net.transport import PeerUnavailable, RemoteRefused, Transport
 from noloco_swarm.peer.passing import PASS_BYTES, open_sealed
@@ -89,6 +89,21 @@ class Found:
 
 def near_stages(stage: int, num_stages: int) -> list[int]:
     return [s for s in (stage - 1, stage, stage + 1) if 0 <= s < num_stages]
+
+
+def our_rank(me: str, peer: str) -> bytes:
+    """Where `peer` stands in an order of `me`'s own (sha256 of our id / theirs): joiners that go
+    through the same peers spread their questions and downloads over them."""
+    return hashlib.sha256(f"{me}/{peer}".encode()).digest()
+
+
+def in_our_order(me: str, peers: Iterable[str]) -> list[str]:
+    return sorted(peers, key=lambda p: our_rank(me, p))
+
+
+def entry_point_ids(maddrs: Iterable[str]) -> list[str]:
+    """The peer ids of the run's entry points (multiaddrs ending in /p2p/ID)."""
+    return [str(Multiaddr(m)["p2p"]) for m in maddrs]
 
 
 class NeighbourhoodServer:
@@ -152,7 +167,8 @@ async def ask(
         raise MessageError(f"{peer}'s view is malformed: {e}") from e
     if view.num_stages != num_stages or peer not in view.members():
         raise MessageError(f"{peer}'s view has {view.num_stages} stages, or leaves {peer} out")
-    near = {p for s in near_stages(stage, num_stages) for p in view.stages[s]}
+    stages = near_stages(stage, num_stages)
+    near = {p for s in stages for p in view.stages[s]}
     contacts = [
         Contact(p, view.rank_of(p)[0], a, reply.round, reply.round * inner_steps)
         for p, a in zip(reply.peers, reply.addresses, strict=True)
@@ -168,9 +184,7 @@ async def ask(
         if isinstance(record, records.PeerAnnouncement) and 0 <= record.stage < num_stages:
             joiners.append(record)
     named = {c.peer_id for c in contacts}
-    contacts += [
-        Contact.of(a) for a in joiners if a.stage in near_stages(stage, num_stages) and a.peer_id not in named
-    ]
+    contacts += [Contact.of(a) for a in joiners if a.stage in stages and a.peer_id not in named]
     return Found(view, contacts, joiners, peer, frozenset(reply.gone) & view.members())
 
 
@@ -178,14 +192,16 @@ def candidates(transport: Transport, directory: RunDirectory, cfg: RunConfig) ->
     """Peers that may be members: the run's entry points and the peers our DHT node knows, in an
     order of our own (so joiners spread their questions)."""
     me = transport.peer_id
-    entry = [str(Multiaddr(m)["p2p"]) for m in cfg.network.initial_peers]
-    known = [p for p in dict.fromkeys([*entry, *directory.known_nodes()]) if p != me]
-    return sorted(known, key=lambda p: hashlib.sha256(f"{me}/{p}".encode()).digest())
+    entry = entry_point_ids(cfg.network.initial_peers)
+    return in_our_order(me, (p for p in dict.fromkeys([*entry, *directory.known_nodes()]) if p != me))
 
 
-async def find(transport: Transport, directory: RunDirectory, cfg: RunConfig, stage: int) -> Found | None:
+async def find(
+    transport: Transport, directory: RunDirectory, cfg: RunConfig, stage: int, *, own_stage: bool = True
+) -> Found | None:
     """The neighbourhood of a joiner of `stage`, from a member (the module's steps 1-3); None if
-    no member answered (or in a closed run)."""
+    no member answered (or in a closed run). Without `own_stage` (--stage auto, which needs the
+    view only), no member of `stage` is asked besides the first ones (step 2)."""
     if cfg.authority:
         return None
     me, run_id, num_stages = transport.peer_id, directory.run_id, cfg.num_stages
@@ -204,7 +220,7 @@ async def find(transport: Transport, directory: RunDirectory, cfg: RunConfig, st
     # newest on a tie; of those, a member of our stage's answer.
     agree = Counter(f.view.round for f in found)
     best = max(found, key=lambda f: (agree[f.view.round], f.view.round, f.asked in f.view.stages[stage]))
-    if best.asked not in best.view.stages[stage]:
+    if own_stage and best.asked not in best.view.stages[stage]:
         agreeing = [f for f in found if f.view == best.view]
         best = await _from_own_stage(transport, directory, cfg, agreeing, stage) or best
     gone = frozenset().union(*(f.gone for f in found if f.view == best.view), best.gone)
@@ -221,15 +237,13 @@ async def _from_own_stage(
     known = {c.peer_id: c.addresses for f in found for c in f.contacts if c.stage == stage}
     if not known:
         bucket = directory_bucket(view, random.Random(me).choice(view.stages[stage]))
-        try:
-            listed = await asyncio.wait_for(
-                asyncio.to_thread(directory.read_bucket, bucket), DHT_CALL_TIMEOUT
-            )
+        try:  # bounded by DHT_CALL_TIMEOUT (directory.answer)
+            listed = await asyncio.to_thread(directory.read_bucket, bucket)
         except DHT_ERRORS as e:
             logger.info("could not read bucket %s of the directory: %s", bucket, e)
             return None
         known = {a.peer_id: tuple(a.addresses) for a in listed if a.peer_id in view.stages[stage]}
-    for peer in sorted(known, key=lambda p: hashlib.sha256(f"{me}/{p}".encode()).digest())[:2]:
+    for peer in in_our_order(me, known)[:2]:
         await transport.connect(peer, known[peer], timeout=PROBE_TIMEOUT)
         try:
             return await ask(transport, peer, directory.run_id, stage, cfg.num_stages, cfg.outer.inner_steps)
@@ -250,7 +264,7 @@ def stage_counts(found: Found) -> list[tuple[str, int]]:
 def sampled(contacts: Iterable[Contact], stage: int, me: str, most: int) -> list[Contact]:
     """At most `most` of `contacts` of `stage` and `most` of the others, in an order of ours:
     whom a joiner asks where the swarm is and hands its announcement to (the members pass it on)."""
-    order = sorted(contacts, key=lambda c: hashlib.sha256(f"{me}/{c.peer_id}".encode()).digest())
+    order = sorted(contacts, key=lambda c: our_rank(me, c.peer_id))
     own = [c for c in order if c.stage == stage][:most]
     return own + [c for c in order if c.stage != stage][:most]
 

@@ -105,12 +105,12 @@ class Peer:
         """Train to the end: from round 0, as a late joiner, or (given `checkpoint`) from it
         together with the other members of its round when the swarm had stopped."""
         ctx = self.ctx
-        late, self.joining.found = await late_or_founder(ctx, checkpoint is not None)
+        late, found = await late_or_founder(ctx, checkpoint is not None)
         if ctx.is_first:  # tokenize the corpus (or open the dataset) before anyone routes work to us
             await asyncio.to_thread(lambda: next(train_batches(ctx.cfg.data, 0, 1, ctx.B, ctx.cfg.seed)))
         heartbeat = asyncio.create_task(self._heartbeat())  # owned here: cancelled and awaited below
         try:
-            seconds, val_loss = await self._train_and_evaluate(late, checkpoint)
+            seconds, val_loss = await self._train_and_evaluate(late, checkpoint, found)
         finally:
             heartbeat.cancel()
             await asyncio.gather(heartbeat, return_exceptions=True)
@@ -142,7 +142,7 @@ class Peer:
         return final
 
     async def _train_and_evaluate(
-        self, late: bool, checkpoint: Checkpoint | None
+        self, late: bool, checkpoint: Checkpoint | None, found: Found | None
     ) -> tuple[float, float | None]:
         ctx = self.ctx
         if checkpoint is not None:
@@ -152,7 +152,7 @@ class Peer:
                 logger.warning("%s: its state is stale, so this peer joins as a late joiner", e)
                 late, self.resumed_pending = True, None
         if late:
-            await self.joining.join_late(self.steps)
+            await self.joining.join_late(self.steps, found=found)
         elif checkpoint is None:
             await self._announce()
             await ctx.rounds.freeze_round_zero(ctx.cfg.replica_counts, ctx.cfg.peer.start_timeout)

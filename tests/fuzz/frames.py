@@ -15,7 +15,6 @@ from typing import Any, TypeVar
 from unittest import mock
 
 import torch
-from hivemind.utils.crypto import RSAPrivateKey
 from hypothesis import strategies as st
 
 from noloco_swarm.peer.context import PeerContext
@@ -28,7 +27,7 @@ from noloco_swarm.peer.inner import InnerSteps
 from noloco_swarm.peer.joining import Joining
 from noloco_swarm.peer.neighbourhood import NeighbourhoodServer
 from noloco_swarm.peer.net import streams
-from noloco_swarm.peer.net.identity import Identity, peer_id_of
+from noloco_swarm.peer.net.identity import fresh
 from noloco_swarm.peer.net.transport import Transport
 from noloco_swarm.peer.passing import seal
 from noloco_swarm.peer.runtime import Peer
@@ -67,8 +66,7 @@ METAS = st.one_of(
 def _sealed() -> bytes:
     """A founder's announcement, validly sealed: checked in full, and held by nobody (founders'
     records change no view), so the handler passes nothing on."""
-    key = RSAPrivateKey()
-    writer = Identity(key, peer_id_of(key.get_public_key()))
+    writer = fresh()
     return seal(writer, records.PeerAnnouncement("run-1", writer.peer_id, 0, 0)).sealed
 
 

@@ -11,7 +11,6 @@ from collections.abc import Callable
 from types import SimpleNamespace
 
 import pytest
-from hivemind.utils.crypto import RSAPrivateKey
 
 from noloco_swarm.peer import events
 from noloco_swarm.peer.neighbourhood import (
@@ -22,7 +21,7 @@ from noloco_swarm.peer.neighbourhood import (
     sampled,
     stage_counts,
 )
-from noloco_swarm.peer.net.identity import Identity, peer_id_of
+from noloco_swarm.peer.net.identity import fresh
 from noloco_swarm.peer.net.transport import PeerUnavailable
 from noloco_swarm.peer.passing import RecordBook, seal
 from noloco_swarm.peer.views import Rounds
@@ -33,12 +32,7 @@ from noloco_swarm.protocol.membership import MembershipView, directory_bucket
 RUN, H = "run-n", 4
 
 
-def identity() -> Identity:
-    key = RSAPrivateKey()
-    return Identity(key, peer_id_of(key.get_public_key()))
-
-
-JOINER = identity()
+JOINER = fresh()
 # A view of round 5 with four stages of two members each; stage s's members are s0 and s1.
 VIEW = MembershipView(5, tuple((f"{s}a", f"{s}b") for s in range(4)))
 
@@ -74,7 +68,7 @@ def test_a_member_names_its_view_the_addresses_it_knows_near_the_stage_and_the_j
     book.at_round(5)
     early = seal(JOINER, records.PeerAnnouncement(RUN, JOINER.peer_id, 2, 6, addr("x")))
     book.add(early)
-    reporter = identity()
+    reporter = fresh()
     book.add(seal(reporter, records.GoneReport(RUN, "2b", reporter.peer_id, 5)))
     book.add(seal(reporter, records.GoneReport(RUN, "9x", reporter.peer_id, 5)))  # no member
     reply = serve(member("1a", {"0a", "0b", "1b", "2a", "3a"}, book, dead={"0b": 5}), stage=1)
@@ -173,7 +167,7 @@ def test_a_joiner_asked_by_a_far_member_reads_one_bucket_and_asks_its_own_stage(
 
 def test_forged_or_malformed_answers_count_as_none() -> None:
     forged_joiner = seal(JOINER, records.PeerAnnouncement(RUN, JOINER.peer_id, 0, 6, addr("j")))
-    other = identity()
+    other = fresh()
     lying = seal(other, records.PeerAnnouncement(RUN, other.peer_id, 0, 6)).sealed[:-1]  # cut short
     replies = {
         "1a": lambda: rpc.Neighbourhood(RUN, 1, 5, VIEW.stages, ("1a",), (addr("1a"),)),  # another stage

@@ -8,9 +8,8 @@ import asyncio
 from types import SimpleNamespace
 
 import pytest
-from hivemind.utils.crypto import RSAPrivateKey
 
-from noloco_swarm.peer.net.identity import Identity, peer_id_of
+from noloco_swarm.peer.net.identity import Identity, fresh
 from noloco_swarm.peer.passing import (
     MAX_REPORTS_PER_REPORTER,
     Passing,
@@ -25,12 +24,7 @@ from noloco_swarm.protocol.membership import Listing, newest
 RUN, H = "run-p", 4
 
 
-def identity() -> Identity:
-    key = RSAPrivateKey()
-    return Identity(key, peer_id_of(key.get_public_key()))
-
-
-A, B, C = identity(), identity(), identity()
+A, B, C = fresh(), fresh(), fresh()
 
 
 def joiner(who: Identity, joined_round: int, step: int = 0, run: str = RUN) -> records.PeerAnnouncement:

@@ -88,6 +88,13 @@ def generate(path: str | Path) -> None:
     P2P.generate_identity(str(path))
 
 
+def fresh() -> Identity:
+    """A new identity held in memory only, of the kind `generate` writes (tests and benches that
+    need signed records and keep nothing)."""
+    key = RSAPrivateKey()
+    return Identity(key, peer_id_of(key.get_public_key()))
+
+
 def load(path: str | Path) -> Identity:
     """The identity in `path`; IdentityError if it is not an RSA key in hivemind's format."""
     try:
