@@ -82,7 +82,8 @@ class Liveness:
     ) -> None:
         self.me, self.stage = me, stage
         self.transport, self.directory, self.events = transport, directory, sink
-        self.dead: dict[str, int] = {}  # peer id -> the round it failed us in (also reported in the DHT)
+        self.dead: dict[str, int] = {}  # peer id -> the round it failed us in
+        self.filed: set[str] = set()  # those of `dead` we reported gone (see `files`)
         self.detours = Detours(me, stage, self.dead)  # whom rows are routed around
         self.addresses: dict[str, tuple[str, ...]] = {}  # peer id -> announced addresses
         self.answered: dict[str, float] = {}  # peer id -> when it last answered a probe (monotonic)
@@ -183,14 +184,23 @@ class Liveness:
         would corroborate each other's report (evidence.py), so it takes two."""
         return await self.suspect(peer, why, twice=True)
 
+    def files(self, peer: str) -> bool:
+        """Do we report `peer` gone when it fails us? (views.Rounds: only as one of its monitors.)"""
+        return True
+
     def mark_dead(self, peer: str, why: str) -> None:
-        """Stop waiting for, and sending to, a peer that failed us; tell the swarm through the DHT."""
+        """Stop waiting for, and sending to, a peer that failed us; tell the swarm (members pass
+        the report on, and the DHT holds it) if we are one of those that report it (`files`)."""
         if peer in self.dead:
             return
         round_ = self.round
         self.dead[peer] = round_
         logger.warning("peer %s is gone (%s); continuing without it", peer, why)
         self.events.emit(events.PeerGone(peer=peer, round=round_, reason=why))
+        if not self.files(peer):
+            self.filed.discard(peer)
+            return
+        self.filed.add(peer)
         report = records.GoneReport(self.directory.run_id, peer, self.me, round_)
         if self.passing is not None:
             self.passing.own(report)

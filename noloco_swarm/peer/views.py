@@ -33,6 +33,7 @@ from noloco_swarm.protocol.membership import (
     directory_bucket,
     entering,
     founders,
+    monitors,
     newest,
     reports_to_weigh,
     round_zero_complete,
@@ -112,6 +113,13 @@ class Rounds(Liveness):
 
     def _members(self) -> set[str]:
         return {p for view in self.views.values() for p in view.members()}
+
+    def files(self, peer: str) -> bool:
+        """We report a peer that failed us only as one of its monitors in our latest view
+        (protocol.membership.monitors: its stage, and at most MONITORS of the stages next to it);
+        the others route around it and leave the report to them. Without a view, always."""
+        view = self.latest()
+        return view is None or self.me in monitors(view, peer)
 
     def adopt(self, view: MembershipView) -> None:
         """Take a donor's view on (re)joining: its members are alive by the swarm's consensus, so
@@ -269,7 +277,7 @@ class Rounds(Liveness):
         # What we saw ourselves counts too, in case a report of ours was not passed (weighed with
         # the rest). A member that died is found by the peers it fails: those that route rows to
         # it, and its exchange partner.
-        seen = [(peer, self.me, round_) for peer, round_ in self.dead.items()]
+        seen = [(peer, self.me, round_) for peer, round_ in self.dead.items() if peer in self.filed]
         joined = {item.peer: item.joined_round for item in listings}
         due = reports_to_weigh(current, reports, seen)
         kept = await self.evidence.weigh(current, joined, due, self.alive)

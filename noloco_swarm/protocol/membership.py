@@ -45,6 +45,12 @@ CORROBORATION = 2
 # A member whose reports named this many live peers goes unheard for LIAR_ROUNDS rounds.
 LIAR_STRIKES = 2
 LIAR_ROUNDS = 20
+# A member that fails its peers is reported by at most this many of the stages next to it, its
+# monitors (see `monitors`): with every peer that noticed reporting, a swarm of N peers filed
+# about N/2 reports per death and N^2/8 in a partition, and every member receives and weighs
+# each one. Fewer reporters leave more reports to one reporter, decided by a probe whose answer
+# depends on when each member probes: at 16 the simulator's slow DHT at N = 1,000 split a round.
+MONITORS = 32
 
 Report = tuple[str, str, int]  # (peer, reporter, round)
 
@@ -237,6 +243,29 @@ def directory_bucket(view: MembershipView | None, peer: str) -> int | None:
     return (sum(len(peers) for peers in view.stages[:stage]) + rank) // BUCKET_PEERS
 
 
+def monitors(view: MembershipView, peer: str) -> frozenset[str]:
+    """The members of `view` that report `peer` gone when it fails them: the other members of its
+    stage (one of them, its exchange partner, finds it at an outer exchange) and MONITORS of the
+    members of the stages next to it (which route rows to it), the first by a hash of both ids,
+    so that every member names the same ones and a peer's monitors stay put as others come and
+    go. With up to MONITORS members in the stages next to it (every swarm of up to 16 replicas
+    a stage), all of them. Empty for a non-member.
+
+    Every member of a stage next to a dead peer finds it within a round or two (it routes some
+    of its B x H rows there), and each filed a report: about N/2 per death at N = 1,000, N^2/8
+    in a partition, every one received and weighed by every member. With monitors, a death costs
+    at most MONITORS reports from those stages, and credible_gone still tells the two sides of a
+    partition apart by their reporters: a peer cut off with a quarter of the swarm has three
+    quarters of its monitors on the other side, a peer of the other side a quarter."""
+    if peer not in view.members():
+        return frozenset()
+    stage = view.rank_of(peer)[0]
+    near = [m for s in (stage - 1, stage + 1) if 0 <= s < view.num_stages for m in view.stages[s]]
+    if len(near) > MONITORS:
+        near = sorted(near, key=lambda member: hashlib.sha256(f"{peer}/{member}".encode()).digest())
+    return frozenset(near[:MONITORS]) | (frozenset(view.stages[stage]) - {peer})
+
+
 def newest(listings: Iterable[Listing]) -> list[Listing]:
     """One listing per peer, of its newest membership (the latest round it joined, entered before
     not yet), from listings read in several places (the DHT, records members passed on)."""
@@ -282,24 +311,40 @@ def credible_gone(reports: Iterable[tuple[str, str, int]]) -> dict[str, set[int]
     fail and reports them all, once its link is back, while those peers report it. Counting every
     report would evict healthy peers on the word of the one that was cut off. So accusations are
     weighed: the peer reported by the most distinct reporters is judged gone first (on a tie, the
-    one accused in the earliest round; on a full tie, all of them), and its own reports from one
-    round before its earliest accusation on no longer count; repeat until no report is left. A
-    report by a peer about itself (it leaves) always stands. Pure and order-independent: peers
+    one accused in the earliest round; on a full tie, the least peer id), and its own reports
+    from one round before its earliest accusation on no longer count; repeat until no report is
+    left. (Before 2026-12-07 a full tie judged all of them at once: two peers that reported each
+    other both left, where one must, and the other's reports of it fall with it.)
+    Then a judged peer is gone in the rounds of the reports of it that still count once every
+    judgement is made: a report by a peer judged after it, from that peer's earliest accusation
+    on, counts no more than one by a peer judged before it (and a judged peer left with no such
+    round is not gone; the last one judged always keeps its own). Not from one round before:
+    a member that truly reported a death in round r, and that a cut-off side reported in round
+    r + 1, must not undo the death after the fact. The order of judgement follows the
+    reporters' numbers, which reports filed in a boundary's last seconds can change at some
+    peers and not others; the rounds a judged peer is gone in no longer do. (The simulator's
+    case: a member that stalled while a partition lasted was reported by both sides, ranked among
+    the cut-off peers where the latest reports had arrived, and kept their older reports of it.)
+    A report by a peer about itself (it leaves) always stands. Pure and order-independent: peers
     that read the same reports judge the same peers gone.
     """
     gone: dict[str, set[int]] = {}
+    leaving: dict[str, set[int]] = {}  # a peer -> the rounds it reported itself in
     accused: dict[str, dict[str, set[int]]] = {}  # accused -> reporter -> rounds, standing
+    judged: dict[str, tuple[int, int]] = {}  # judged peer -> (its turn, its earliest accusation)
+    support: dict[str, dict[str, set[int]]] = {}  # judged peer -> reporter -> rounds, standing then
     rounds: defaultdict[str, Counter[int]] = defaultdict(Counter)  # accused -> standing reports per round
     filed: dict[str, list[tuple[str, int]]] = {}  # reporter -> (accused, round), standing or not
     for peer, reporter, round_ in reports:
         if peer == reporter:
-            gone.setdefault(peer, set()).add(round_)
+            leaving.setdefault(peer, set()).add(round_)
         elif round_ not in accused.setdefault(peer, {}).setdefault(reporter, set()):
             accused[peer][reporter].add(round_)
             rounds[peer][round_] += 1
             filed.setdefault(reporter, []).append((peer, round_))
-    # The weighing, incrementally: a heap of (-reporters, earliest round, peer) whose stale entries
-    # are skipped; judging a peer withdraws its reports, which changes only the peers they accuse.
+    # The weighing, incrementally: a heap of (-reporters, earliest round, peer), one judged at a
+    # time, whose stale entries are skipped; judging a peer withdraws its reports, which changes
+    # only the peers they accuse.
     heap = [(-len(by), min(rounds[p]), p) for p, by in accused.items() if by]
     heapq.heapify(heap)
 
@@ -307,36 +352,42 @@ def credible_gone(reports: Iterable[tuple[str, str, int]]) -> dict[str, set[int]
         return -len(accused[peer]), min(rounds[peer])
 
     while heap:
-        key, peer = heap[0][:2], heap[0][2]
-        if peer not in accused or rank(peer) != key:
-            heapq.heappop(heap)  # stale
-            continue
-        judged: dict[str, int] = {}  # judged peer -> its earliest accusation
-        while heap and heap[0][:2] == key:
-            _, first, p = heapq.heappop(heap)
-            if p in accused and rank(p) == key:
-                judged[p] = first
-        for p in judged:
-            gone.setdefault(p, set()).update(rounds.pop(p))
-            del accused[p]
+        count, first, peer = heapq.heappop(heap)
+        if peer not in accused or rank(peer) != (count, first):
+            continue  # stale
+        support[peer] = accused.pop(peer)
+        del rounds[peer]
+        judged[peer] = (len(judged), first)
         touched = set()
-        for reporter, first in judged.items():
-            for p, round_ in filed.get(reporter, ()):
-                by = accused.get(p)
-                if by is None or round_ < first - 1 or round_ not in by.get(reporter, ()):
-                    continue
-                by[reporter].discard(round_)
-                if not by[reporter]:
-                    del by[reporter]
-                rounds[p][round_] -= 1
-                if not rounds[p][round_]:
-                    del rounds[p][round_]
-                touched.add(p)
+        for p, round_ in filed.get(peer, ()):  # its reports from a round before `first` on fall
+            by = accused.get(p)
+            if by is None or round_ < first - 1 or round_ not in by.get(peer, ()):
+                continue
+            by[peer].discard(round_)
+            if not by[peer]:
+                del by[peer]
+            rounds[p][round_] -= 1
+            if not rounds[p][round_]:
+                del rounds[p][round_]
+            touched.add(p)
         for p in touched:
             if accused[p]:
                 heapq.heappush(heap, (*rank(p), p))
             else:
                 del accused[p], rounds[p]
+    for peer, by in support.items():
+        turn = judged[peer][0]
+        later = {r: judged[r][1] for r in by if r in judged and judged[r][0] > turn}
+        counted = {
+            round_
+            for reporter, when in by.items()
+            for round_ in when
+            if reporter not in later or round_ < later[reporter]
+        }
+        if counted:
+            gone[peer] = counted
+    for peer, when in leaving.items():
+        gone.setdefault(peer, set()).update(when)
     return gone
 
 

@@ -160,7 +160,9 @@ def test_gone_reports_are_shared_and_only_members_count(two_peers: tuple[DHT, DH
     )
     members = {me(a), me(b), "crashed"}
     everyone = members | {me(stranger)}  # the stranger's report counts once it is a member, in its name
-    assert db.read_gone(everyone) == {"crashed": {4, 5}, me(b): {4}}
+    # ... and b, judged gone from round 4 on (after crashed), no longer counts for crashed in
+    # round 5 (credible_gone since 2026-12-07)
+    assert db.read_gone(everyone) == {"crashed": {4}, me(b): {4}}
     assert db.read_gone(members) == da.read_gone(members) == {"crashed": {4, 5}}
     reports = sorted([("crashed", me(a), 4), ("crashed", me(b), 5), (me(b), me(stranger), 4)])
     assert sorted(db.read_reports(["crashed", me(b)])) == reports

@@ -208,9 +208,45 @@ def test_credible_reports_keep_real_deaths_leavers_and_old_reports_by_the_judged
     assert credible_gone([("l", "l", 3), ("a", "l", 3)]) == {"l": {3}, "a": {3}}
     # two peers reporting each other: the one accused first is judged, the late counter-report is not
     assert credible_gone([("b", "a", 3), ("a", "b", 4)]) == {"b": {3}}
-    # ... and a full tie judges both (as before this rule existed)
-    assert credible_gone([("b", "a", 3), ("a", "b", 3)]) == {"a": {3}, "b": {3}}
+    # ... and of a full tie, the least id (before 2026-12-07 both: one of them must leave, and
+    # the other's reports of it fall with it)
+    assert credible_gone([("b", "a", 3), ("a", "b", 3)]) == {"a": {3}}
     assert credible_gone([]) == {}
+
+
+def test_a_member_that_stalls_in_a_partition_leaves_at_one_boundary_whatever_reports_arrived_last() -> None:
+    """s stalls while c1 and c2 are cut off: in round 4 the cut-off pair (wrongly) and three
+    members report each other, and in round 5 four members report s, whose reports reach some
+    peers before the boundary that builds round 6 and others after. With them s has the most
+    reporters and is judged before c1 and c2; their round-4 reports of s still fall (they were
+    judged after it), so s is gone from round 5 on for every peer, and every peer keeps it in
+    round 6 (the simulator's partition at N = 1,000 split one round here before)."""
+    early = [("s", "c1", 4), ("s", "c2", 4)] + [(c, m, 4) for c in ("c1", "c2") for m in ("m5", "m6", "m7")]
+    late = [("s", m, 5) for m in ("m1", "m2", "m3", "m4")]
+    assert credible_gone(early + late) == {"s": {5}, "c1": {4}, "c2": {4}}
+    assert credible_gone(early) == {"c1": {4}, "c2": {4}}
+    round5 = MembershipView.from_announcements(
+        5, 2, [("s", 0), ("c1", 0), ("c2", 1), *((f"m{i}", i % 2) for i in range(1, 8))]
+    )
+    assert next_view(round5, [], credible_gone(early + late)) == next_view(round5, [], credible_gone(early))
+    assert "s" in next_view(round5, [], credible_gone(early + late)).members()
+
+
+def test_a_death_reported_before_a_partition_stands_on_the_side_that_reports_its_reporters() -> None:
+    """d died in round 3 and m1, m2, m3 reported it; in round 4 a cut-off pair reported those
+    three, and (on the cut-off side) nobody reported the pair yet. The three are judged after d,
+    but their round-3 reports were filed before anyone accused them: d is gone in round 3 on
+    both sides, and both drop it from round 5 (the simulator's partition at N = 1,000 split a
+    round here while reports one round before a later-judged reporter's accusation fell)."""
+    death = [("d", m, 3) for m in ("m1", "m2", "m3")]
+    cut = [(m, c, 4) for m in ("m1", "m2", "m3") for c in ("c1", "c2")]
+    back = [(c, m, 4) for c in ("c1", "c2") for m in ("m4", "m5", "m6")]
+    assert credible_gone(death + cut)["d"] == {3} == credible_gone(death + cut + back)["d"]
+    round4 = MembershipView.from_announcements(
+        4, 2, [("d", 0), ("c1", 0), ("c2", 1), *((f"m{i}", i % 2) for i in range(1, 7))]
+    )
+    views = [next_view(round4, [], credible_gone(seen)) for seen in (death + cut, death + cut + back)]
+    assert views[0] == views[1] and "d" not in views[0].members()
 
 
 @given(
@@ -305,11 +341,9 @@ def test_the_old_membership_of_a_restarted_member_is_judged_without_a_probe() ->
 def _credible_gone_by_the_letter(reports: list[tuple[str, str, int]]) -> dict[str, set[int]]:
     """credible_gone's docstring, step by step: recount every standing report after each judgement
     (quadratic; the rule's first version, which a partition of 1,000 simulated peers made too slow)."""
-    gone: dict[str, set[int]] = {}
-    for peer, reporter, round_ in reports:
-        if peer == reporter:
-            gone.setdefault(peer, set()).add(round_)
     standing = {r for r in reports if r[0] != r[1]}
+    earliest: dict[str, tuple[int, int]] = {}  # judged peer -> (its turn, its earliest accusation)
+    then: dict[str, set[tuple[str, int]]] = {}  # judged peer -> (reporter, round) standing when judged
     while standing:
         support: dict[str, set[str]] = {}
         first: dict[str, int] = {}
@@ -317,14 +351,22 @@ def _credible_gone_by_the_letter(reports: list[tuple[str, str, int]]) -> dict[st
             support.setdefault(peer, set()).add(reporter)
             first[peer] = min(first.get(peer, round_), round_)
         most = max(len(r) for r in support.values())
-        earliest = min(first[p] for p, r in support.items() if len(r) == most)
-        judged = {p for p, r in support.items() if len(r) == most and first[p] == earliest}
-        for peer, _, round_ in standing:
-            if peer in judged:
-                gone.setdefault(peer, set()).add(round_)
+        least = min(first[p] for p, r in support.items() if len(r) == most)
+        judged = min(p for p, r in support.items() if len(r) == most and first[p] == least)
+        then[judged] = {(reporter, round_) for peer, reporter, round_ in standing if peer == judged}
+        earliest[judged] = (len(earliest), first[judged])
         standing = {
-            (p, r, n) for p, r, n in standing if p not in judged and not (r in judged and n >= first[r] - 1)
+            (p, r, n) for p, r, n in standing if p != judged and not (r == judged and n >= first[judged] - 1)
         }
+    gone: dict[str, set[int]] = {}
+    for peer, held in then.items():  # the rounds of reports by peers judged after it fall too
+        later = {r: first for r, (turn, first) in earliest.items() if turn > earliest[peer][0]}
+        counted = {n for r, n in held if r not in later or n < later[r]}
+        if counted:
+            gone[peer] = counted
+    for peer, reporter, round_ in reports:
+        if peer == reporter:
+            gone.setdefault(peer, set()).add(round_)
     return gone
 
 
