@@ -16,12 +16,20 @@ Churn, per peer and hour: 0.1 crashes, 0.1 graceful leaves, 0.1 stalls of 90 s, 
 The defaults are the peer as it runs (since 2026-12-07): records passed between members
 (--records gossip), heartbeats under a key per bucket of 16 members and reports under a key per
 accused (--directory spread), no audits (--audits 0), and since 2026-12-07 a joiner that asks
-members whom to join with (--join member; before, --join whole: it read every bucket). The partition runs only up to N = 256 (--partition-max): its gone reports grow as N^2
-(each side reports the peers of the other it routes rows to), and at N = 1,000 the run did not
-finish in 40 minutes of one core. Rows with "real": true already in --out (bench/big_swarm.py's)
+members whom to join with (--join member; before, --join whole: it read every bucket), and since
+2026-12-07 only a peer's monitors report it gone (--reporters monitors; before, --reporters all:
+every member that found it). The partition runs only up to N = 256 by default (--partition-max):
+with every finder reporting, its gone reports grow as N^2 (each side reports the peers of the
+other it routes rows to), and at N = 1,000 the run did not finish in 40 minutes of one core; with
+monitors it takes about 2.5 minutes. Rows with "real": true already in --out (bench/big_swarm.py's)
 are kept.
 
-    python bench/membership_scale.py --out docs/results/membership_scale.json
+    python bench/membership_scale.py --partition-max 1000 --out docs/results/membership_scale.json
+
+Monitors against every finder reporting (the peer before 2026-12-07; the partition up to N = 256):
+
+    python bench/membership_scale.py --peers 32,128,256,1000 --rounds 32:60,128:30,256:16,1000:8 \
+        --dhts fast,slow,partition --reporters all,monitors --out docs/results/membership_monitors.json
 
 A joiner that asks members (--join member, the peer since 2026-12-07; issue 36, item 4) against
 one that reads every bucket (the peer before), fast DHT:
@@ -29,8 +37,11 @@ one that reads every bucket (the peer before), fast DHT:
     python bench/membership_scale.py --peers 8,32,128,256,1000 --rounds 8:60,32:60,128:30,256:16,1000:8 \
         --dhts fast --join whole,member --out docs/results/membership_join.json
 
-The designs before, each run by the same simulator. The rules since 2026-12-06 with the DHT alone
-(every member reads the whole directory at every boundary):
+The designs before, each run by the simulator of their date (the commands below give other
+figures since 2026-12-07 unless run at the commit their results name: only monitors report,
+which --reporters all undoes, and the simulator passes a report on at once, as the peer does).
+The rules since 2026-12-06
+with the DHT alone (every member reads the whole directory at every boundary):
 
     python bench/membership_scale.py --records dht --directory whole --audits 2 \
         --partition-max 1000 --out docs/results/membership_dht_only.json
@@ -155,6 +166,12 @@ def main() -> None:
         help="how a joiner finds the swarm, comma-separated: whole (the peer before 2026-12-07: it reads "
         "every bucket), member (the peer since: it asks members; sim/membership.py, Scenario.join)",
     )
+    ap.add_argument(
+        "--reporters",
+        default="monitors",
+        help="who reports a member that failed it, comma-separated: all (the peer before 2026-12-07: every "
+        "member that found it) or monitors (the peer since: protocol.membership.monitors)",
+    )
     ap.add_argument("--partition-max", type=int, default=256, help="the partition DHT only up to this N")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None)
@@ -168,11 +185,12 @@ def main() -> None:
             if name == "partition" and n > args.partition_max:
                 continue
             dht, partitions = DHTS[name]
-            for spread, directory, join in (
-                (s, d, j)
+            for spread, directory, join, reporters in (
+                (s, d, j, r)
                 for s in args.records.split(",")
                 for d in args.directory.split(",")
                 for j in args.join.split(",")
+                for r in args.reporters.split(",")
             ):
                 scenario = Scenario(
                     peers=n,
@@ -189,10 +207,11 @@ def main() -> None:
                     directory=directory,
                     audits=args.audits,
                     join=join,
+                    reporters=reporters,
                 )
                 began = time.monotonic()
                 row = simulate(scenario) | {"dht": name, "seconds": round(time.monotonic() - began, 1)}
-                runs.append(row | ({"records": spread} if spread != "dht" else {}))
+                runs.append(row | ({"records": spread} if spread != "dht" else {}) | {"reporters": reporters})
                 print(json.dumps(runs[-1]), flush=True)
     if args.out is not None and args.out.exists():  # bench/big_swarm.py's real runs stay
         runs += [row for row in json.loads(args.out.read_text())["runs"] if row.get("real")]

@@ -64,6 +64,7 @@ from noloco_swarm.protocol.membership import (
     credible_gone,
     directory_bucket,
     entering,
+    monitors,
     newest,
     reports_to_weigh,
 )
@@ -119,6 +120,7 @@ class Partition:
 SPREADS = ("dht", "swap", "gossip")  # Scenario.records
 DIRECTORIES = ("whole", "spread")  # Scenario.directory
 JOINS = ("whole", "member")  # Scenario.join
+REPORTERS = ("all", "monitors")  # Scenario.reporters
 # join="member", as peer/neighbourhood.py: peers a joiner asks for their neighbourhood (ASKED),
 # and members of its stage, and as many of the stages next to it, it hands its announcement to
 # (SAMPLED).
@@ -177,6 +179,10 @@ class Scenario:
     # else in one bucket of its stage's places (a DHT read); it hands its announcement to
     # HANDOVER_PEERS of its stage and as many of the stages next to it.
     join: str = "whole"
+    # Who reports a member that failed it: "all" (the peer before 2026-12-07: every member that
+    # found it) or "monitors", the peer since (protocol.membership.monitors: at most MONITORS
+    # members of its stage and the stages next to it).
+    reporters: str = "monitors"
 
     def __post_init__(self) -> None:
         if self.records not in SPREADS:
@@ -185,6 +191,8 @@ class Scenario:
             raise ValueError(f"directory={self.directory!r}: one of {', '.join(DIRECTORIES)}")
         if self.join not in JOINS:
             raise ValueError(f"join={self.join!r}: one of {', '.join(JOINS)}")
+        if self.reporters not in REPORTERS:
+            raise ValueError(f"reporters={self.reporters!r}: one of {', '.join(REPORTERS)}")
         if self.join == "member" and self.directory != "spread":
             raise ValueError("join='member' reads buckets: directory must be 'spread'")
         if self.directory == "spread" and self.records != "gossip":
@@ -245,6 +253,10 @@ class Model:
         self.node_bytes = Counter()  # DHT node (peer name) -> bytes served and stored
         self.report_keys: set[tuple[str, str, int]] = set()
         self.judged: dict[frozenset, dict[str, set[int]]] = {}
+        # Scenario.reporters "monitors": view id -> (the view, peer -> its monitors), one dict per
+        # set of stages (`watched`)
+        self.watchers: dict[int, tuple[MembershipView, dict[str, frozenset[str]]]] = {}
+        self.watched: dict[tuple, dict[str, frozenset[str]]] = {}
         self.holders: list[str] = []  # this round's holders of the run's keys
         self.sides = [
             np.array([self._side(i, x) for x in range(self.capacity)]) for i in range(len(sc.partitions))
@@ -407,14 +419,25 @@ class Model:
             return
         self.report_keys.add((peer, reporter.name, round_))
         key = ("gone", int(peer[1:]))
-        self.reports.append(
-            (
-                self.store(reporter, t, self.sc.report_bytes, repeat=False, key=key),
-                peer,
-                reporter.name,
-                round_,
-            )
+        record = self.store(reporter, t, self.sc.report_bytes, repeat=False, key=key)
+        self.reports.append((record, peer, reporter.name, round_))
+        if self.sc.records == "gossip":
+            self._pass_on(record, reporter, t)
+
+    def _pass_on(self, record: Record, writer: Peer, t: float) -> None:
+        """A record its writer passes at once, and each member that lacked it passes on at once
+        (peer/passing.py): every member connected to the writer has it within one hop per stage.
+        (Model._spread, once a round, is too coarse for a record written just before a
+        partition: it reached one side only, and split the view of the next round.)"""
+        sc = self.sc
+        reached = np.array(
+            [q.index for q in self.peers if q.views and q.joining_at is None and self.reaches(writer, q, t)],
+            dtype=int,
         )
+        if len(reached):
+            hops = t + sc.handover_seconds * sc.stages
+            self.passed_bytes += sc.report_bytes * int((record.readable[reached] > hops).sum())
+            record.readable[reached] = np.minimum(record.readable[reached], hops)
 
     def read(self, reader: Peer, t: float) -> tuple[list[Listing], list[Report]] | None:
         """What `reader` reads at t: the live announcements and every gone report; None if the
@@ -719,6 +742,8 @@ class Model:
         for q in gone:
             if abs(peer.stage - q.stage) != 1 or q.name not in view.stages[q.stage]:
                 continue
+            if sc.reporters == "monitors" and peer.name not in self._monitors(view, q.name):
+                continue  # it routes around q, and leaves reporting it to q's monitors
             n = len(view.stages[q.stage])
             if self.rng.random() < 1 - (1 - 1 / n) ** (sc.batch * sc.inner_steps):
                 found = t + float(self.rng.uniform(0, sc.round_seconds)) + sc.probe_seconds
@@ -726,6 +751,20 @@ class Model:
                     round_ = int(found // sc.round_seconds)
                     peer.dead[q.name] = round_
                     self.report(peer, q.name, round_, found)
+
+    def _monitors(self, view: MembershipView, peer: str) -> frozenset[str]:
+        """protocol.membership.monitors, once per peer and set of stages (each peer builds its own
+        view objects, mostly equal)."""
+        held = self.watchers.get(id(view))
+        if held is None or held[0] is not view:
+            if len(self.watchers) > 64 * JUDGED_SETS:
+                self.watchers.clear()
+            if len(self.watched) > JUDGED_SETS:
+                self.watched.clear()
+            held = self.watchers[id(view)] = (view, self.watched.setdefault(view.stages, {}))
+        if peer not in held[1]:
+            held[1][peer] = monitors(view, peer)
+        return held[1][peer]
 
     def run(self) -> dict:
         sc = self.sc
@@ -802,7 +841,9 @@ class Model:
                 gets[a[had[b]]] = True
                 gets[b[had[a]]] = True
             gets &= ~had
-            self.passed_bytes += size * int(gets.sum())  # each record once to each peer that lacked it
+            # each record once to each peer that lacked it then (not one that has it by `at`: a
+            # record its writer passed on at once, `_pass_on`, was counted there)
+            self.passed_bytes += size * int((gets & (record.readable > at)).sum())
             record.readable = np.where(gets, np.minimum(record.readable, at), record.readable)
         self.passing_pairs += len(pairs)
 

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 
 import pytest
 
-from noloco_swarm.protocol.membership import BUCKET_PEERS, CORROBORATION
+from noloco_swarm.protocol.membership import BUCKET_PEERS, CORROBORATION, MONITORS
 from noloco_swarm.sim.membership import KEY_OVERHEAD, Churn, Dht, Model, Partition, Scenario, simulate
 
 QUIET = Scenario(peers=8, rounds=6)
@@ -187,9 +188,9 @@ def test_a_spread_directory_drops_a_crashed_peer_in_agreement_with_fewer_reports
 
 def test_a_spread_directory_heals_a_partition_as_the_whole_one_does() -> None:
     """A quarter of the swarm cut off for 90 s: each side reports the other, and credible_gone
-    lets the side with more reporters stand (docs/membership.md). Capping the reports filed per
-    accused (a reporter reading the accused's key and filing only while fewer than CORROBORATION
-    stand) tied the two sides, and every peer of both left: it is not done."""
+    lets the side with more reporters stand (docs/membership.md). (Capping the reports filed per
+    accused at CORROBORATION, a reporter reading the accused's key and filing only while fewer
+    stand, tied the two sides, and every peer of both left; monitors cap them otherwise: below.)"""
     cut = Scenario(
         peers=32,
         rounds=16,
@@ -199,6 +200,35 @@ def test_a_spread_directory_heals_a_partition_as_the_whole_one_does() -> None:
     )
     row = simulate(cut)
     assert row["rounds_all_agree"] == 16 and row["stalls"] == 0, row
+
+
+def test_monitors_file_fewer_reports_and_still_heal_a_partition() -> None:
+    """Scenario.reporters "monitors" (the peer since 2026-12-07): only a peer's monitors report it
+    (protocol.membership.monitors: MONITORS of the stages next to it, and its own stage), not
+    every member that finds it. At N = 128 (64 members next to each stage but the ends), with a
+    quarter cut off: every round agrees and the cut-off side rejoins, as when everyone reports,
+    from fewer reports, and no peer is reported in a round by more than its monitors."""
+    cut = Scenario(
+        peers=128,
+        rounds=8,
+        records="gossip",
+        directory="spread",
+        audits=0,
+        partitions=(Partition(start=240.0, seconds=90.0, share=0.25),),
+    )
+    models = {who: Model(dataclasses.replace(cut, reporters=who)) for who in ("all", "monitors")}
+    rows = {who: model.run() for who, model in models.items()}
+    for who, row in rows.items():
+        assert row["rounds_all_agree"] == 8 and row["stalls"] == 0, (who, row)
+        assert row["joins"] > 24, (who, row)  # the cut-off quarter rejoined
+    assert rows["monitors"]["gone_reports"] < 0.8 * rows["all"]["gone_reports"], rows
+    filed = {
+        who: Counter((peer, round_) for _, peer, reporter, round_ in m.reports if peer != reporter)
+        for who, m in models.items()
+    }
+    assert max(filed["monitors"].values()) <= MONITORS < max(filed["all"].values()), filed
+    with pytest.raises(ValueError, match="reporters='some'"):
+        Scenario(peers=8, reporters="some")
 
 
 def test_a_spread_directory_needs_gossip_and_a_known_layout() -> None:
