@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from noloco_swarm.harness.chaos import splits, views_since
-from noloco_swarm.harness.local import LocalSwarm, local_swarm, wait
+from noloco_swarm.harness.local import LocalSwarm, PeerProcess, local_swarm, wait
 from noloco_swarm.model import num_flat
 from noloco_swarm.peer.events import (
     Carried,
@@ -892,6 +892,17 @@ def until_every_peer_holds_a_view(swarm: LocalSwarm) -> None:
         time.sleep(0.2)
 
 
+def a_joiner_runs_to_the_end(
+    swarm: LocalSwarm, timeout: float
+) -> tuple[PeerProcess, dict[int, list], list, str]:
+    """Start a peer on stage 0 of a running `swarm` and wait until every peer ends: (the joiner,
+    every peer's events by id(peer), the summaries, what went wrong)."""
+    joiner = swarm.start_peer(0)
+    wait(swarm, timeout=timeout)
+    events = {id(p): p.events() for p in swarm.peers}
+    return joiner, events, swarm.summaries(), troubles(swarm)
+
+
 @pytest.mark.parametrize("overlap", [0, 2])
 def test_a_peer_joins_a_running_swarm_at_a_round_boundary(cache: Path, overlap: int) -> None:
     """A fifth peer started while a 2x2 swarm trains announces a round J two ahead, downloads its
@@ -918,10 +929,7 @@ def test_a_peer_joins_a_running_swarm_at_a_round_boundary(cache: Path, overlap: 
 
     with local_swarm(cfg, steps, step_timeout=60, peer_env=donors_read_late) as swarm:
         until_every_peer_holds_a_view(swarm)
-        joiner = swarm.start_peer(0)
-        wait(swarm, timeout=400)
-        events = {id(p): p.events() for p in swarm.peers}
-        summaries, trouble = swarm.summaries(), troubles(swarm)
+        joiner, events, summaries, trouble = a_joiner_runs_to_the_end(swarm, timeout=400)
         said = [p.log.read_text() for p in swarm.peers if p.stage == 0 and p is not joiner]
     me = next(iter(of_kind(events[id(joiner)], Joined)))
     J = me.round
@@ -988,10 +996,7 @@ def test_a_member_that_misses_a_joiners_handover_still_admits_it_at_its_round(ca
     with local_swarm(cfg, steps, step_timeout=60, peer_env=late) as swarm:
         until_every_peer_holds_a_view(swarm)
         reader = next(p for p in swarm.peers if (p.stage, p.replica) == (1, 0))
-        joiner = swarm.start_peer(0)
-        wait(swarm, timeout=400)
-        events = {id(p): p.events() for p in swarm.peers}
-        summaries, trouble = swarm.summaries(), troubles(swarm)
+        joiner, events, summaries, trouble = a_joiner_runs_to_the_end(swarm, timeout=400)
         said = reader.log.read_text()
     J = next(iter(of_kind(events[id(joiner)], Joined))).round
     newcomer = next(s.peer_id for s in summaries if s.joined_round == J)
@@ -1028,10 +1033,7 @@ def test_a_joiner_that_chooses_a_later_round_enters_it_with_the_state_kept_for_t
 
     with local_swarm(cfg, steps, step_timeout=60, peer_env=outpaced) as swarm:
         until_every_peer_holds_a_view(swarm)
-        joiner = swarm.start_peer(0)
-        wait(swarm, timeout=400)
-        events = {id(p): p.events() for p in swarm.peers}
-        summaries, trouble = swarm.summaries(), troubles(swarm)
+        joiner, events, summaries, trouble = a_joiner_runs_to_the_end(swarm, timeout=400)
     me = next(iter(of_kind(events[id(joiner)], Joined)))
     first, *later = [e.round for e in of_kind(events[id(joiner)], Joining)]
     assert later and me.round == later[-1] > first, (first, later, trouble)
@@ -1141,10 +1143,7 @@ def test_a_joiner_whose_download_outlasts_a_round_enters_a_later_one_and_nobody_
     cfg = cfg.replace(peer=dataclasses.replace(cfg.peer, state_serve_rate=0.4))
     with local_swarm(cfg, steps, step_timeout=60) as swarm:
         until_every_peer_holds_a_view(swarm)
-        joiner = swarm.start_peer(0)
-        wait(swarm, timeout=600)
-        events = {id(p): p.events() for p in swarm.peers}
-        summaries, trouble = swarm.summaries(), troubles(swarm)
+        joiner, events, summaries, trouble = a_joiner_runs_to_the_end(swarm, timeout=600)
         said = joiner.log_tail(60)
     mine = events[id(joiner)]
     me = next(iter(of_kind(mine, Joined)))
