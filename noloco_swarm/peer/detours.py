@@ -146,12 +146,18 @@ def said_routing(
     if view is not None:
         places = detours.around(view)
         said["around_round"] = view.round
-        said["routes_around"] = tuple(sorted(r for s, r in places if s == stage + 1))
+        said["routes_around"] = next_stage_ranks(places, stage)
         said["stands_in"] = tuple(sorted(r for s, r in places if s == stage == 0))
     (step, microbatch), receivers = sent
     if step >= 0:
         said["sent"], said["sent_to"] = (step, microbatch), receivers
     return said
+
+
+def next_stage_ranks(places: Iterable[Place], stage: int) -> tuple[int, ...]:
+    """The ranks of the stage after `stage` among `places`, ascending: whom a replica of `stage`
+    routes around, as its forward headers and its status answer both say."""
+    return tuple(sorted(r for s, r in places if s == stage + 1))
 
 
 def _place(view: MembershipView, peer: str) -> Place | None:

@@ -19,6 +19,7 @@ outer step averages it with a partner like any other replica.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -199,13 +200,12 @@ class Joining:
             # Spread joiners over the servers: each adopts the snapshot of the first in its own order.
             servers = in_our_order(ctx.me, servers)
             try:
+                donors = [a for a in others if a.peer_id in servers]
+                watcher = functools.partial(
+                    self._postpone_while, others, end_step, (asked_at, furthest), donors
+                )
                 view, step = await self._fetch_state(
-                    servers,
-                    target,
-                    max(1.0, deadline - time.monotonic()),
-                    others,
-                    end_step,
-                    (asked_at, furthest),
+                    servers, target, max(1.0, deadline - time.monotonic()), donors, watcher
                 )
             except (*DONOR_ERRORS, TimeoutError) as e:
                 problem, reconnect = f"state fetch for round {target} failed: {e}", False
@@ -223,16 +223,15 @@ class Joining:
         servers: list[str],
         round_: int,
         timeout: float,
-        others: list[Contact],
-        end_step: int,
-        seen: tuple[float, int],
+        donors: list[Contact],
+        watcher: Callable[[DownloadWatch], Awaitable[None]],
     ) -> tuple[MembershipView, int]:
         """Download and load our stage's state at the start of `round_` from `servers` (in order of
-        preference); the first's view of the round (it admits us) and the step the round starts at.
-        A download that would outlast the swarm's way to `round_` moves our round further off
-        (`_postpone_while`; `seen`: when we last asked where the swarm is, and its furthest step
-        then); we enter that one. Raises what `download_state` raises, or
-        MessageError; the replica is untouched then."""
+        preference; `donors`: their contacts); the first's view of the round (it admits us) and the
+        step the round starts at. `watcher(watch)` runs while the download does (`_postpone_while`):
+        a download that would outlast the swarm's way to `round_` moves our round further off, and
+        we enter that one. Raises what `download_state` raises, or MessageError; the replica is
+        untouched then."""
         ctx, replica = self.ctx, self.ctx.replica
         watch, until = DownloadWatch(), time.monotonic() + timeout
 
@@ -246,8 +245,7 @@ class Joining:
             watch.seen(event)
             ctx.events.emit(event)
 
-        donors = [a for a in others if a.peer_id in servers]
-        watching = asyncio.ensure_future(self._postpone_while(watch, donors, others, end_step, seen))
+        watching = asyncio.ensure_future(watcher(watch))
         try:
             got = await download_state(
                 ctx.transport,
@@ -308,15 +306,16 @@ class Joining:
 
     async def _postpone_while(
         self,
-        watch: DownloadWatch,
-        donors: list[Contact],
         others: list[Contact],
         end_step: int,
         first: tuple[float, int],
+        donors: list[Contact],
+        watch: DownloadWatch,
     ) -> None:
-        """While the download runs: ask the donors where they are every CHECK_SECONDS, and
-        announce a later round whenever the download would end after the swarm reaches ours (its
-        pace measured since `first`: (when, furthest step))."""
+        """While the download `watch` sees runs: ask the donors where they are every CHECK_SECONDS,
+        and announce a later round (to `others`) whenever the download would end after the swarm
+        reaches ours (its pace measured since `first`: (when, furthest step)) and before
+        `end_step`."""
         ctx = self.ctx
         while True:
             await asyncio.sleep(CHECK_SECONDS)

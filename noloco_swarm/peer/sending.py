@@ -26,6 +26,7 @@ import torch
 
 from noloco_swarm.peer import carry, events
 from noloco_swarm.peer.context import PeerContext
+from noloco_swarm.peer.detours import next_stage_ranks
 from noloco_swarm.peer.net.streams import PeerUnavailable, RemoteRefused, StreamClosed, StreamTruncated
 from noloco_swarm.protocol import plausible, routing
 from noloco_swarm.protocol.codec import MessageError, TensorMeta
@@ -113,7 +114,7 @@ class RowSender:
         self.sent = ((t, m), tuple(routes))
         around = Around(
             stands_in_for=plan.stands_in_for(t, ctx.stage, rank, rows),
-            routes_around=tuple(sorted(r for s, r in plan.around if s == ctx.stage + 1)),
+            routes_around=next_stage_ranks(plan.around, ctx.stage),
         )
         if around.routes_around:
             self._note_rerouted(t, base.route(t, ctx.stage, rows), planned, around.routes_around)
