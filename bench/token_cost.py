@@ -24,8 +24,13 @@ Per (wire, rank, H) and seed, against the dense run of the same seed (fp32, H = 
 - for NoLoCo fp32 at H: its final loss over heavy-ball DiLoCo's at 2H, paired by seed.
 
 Stretched runs (--stretched; STRETCHED) train longer than the dense run, their cosine decay
-stretched to the longer run (warmup and evaluation interval unchanged), so a format that never reaches the dense loss in 1,000 steps gets a measured
-tokens-to-loss multiplier (subspace k = 14 over 2,000 steps).
+stretched to the longer run (warmup and evaluation interval unchanged), so a format that never
+reaches the dense loss in 1,000 steps gets a measured tokens-to-loss multiplier (subspace k = 14
+over 2,000 steps). A run whose rate has not decayed yet reaches a loss later than one that ends
+there, so the dense run stretched 2x is run too, as their control: a stretched row's
+`tokens_to_dense_loss_ratio_same_schedule` is its tokens to the dense run's final loss over the
+control's (same seed, same schedule), where `tokens_to_dense_loss_ratio` compares it with the
+1,000-step dense run, whose rate had decayed by then.
 
     nice -n 19 python bench/token_cost.py --out docs/results/token_cost        # run or continue
     # on 2 cores: the same with --shard 0/2 and --shard 1/2, side by side; then --stretched
@@ -57,7 +62,10 @@ BASE = {  # the sweep's data and optimiser (bench/sweep.py) on the mini preset's
 DENSE = ("fp32", 0, 50, "noloco", 1)
 # Runs longer than the dense one, each with its own schedule stretched (total steps x s): for a
 # format that never reaches the dense loss in the dense run's steps, how many more tokens it takes.
-STRETCHED = [("subspace", 14, 50, "noloco", 2), ("subspace", 2, 50, "noloco", 3)]
+# The dense run stretched alike is their control: a run whose learning rate has not decayed yet
+# reaches a loss later than one that ends there, whatever its format.
+STRETCHED = [("subspace", 14, 50, "noloco", 2), ("subspace", 2, 50, "noloco", 3),
+             ("fp32", 0, 100, "noloco", 2), ("fp32", 0, 250, "noloco", 2), ("fp32", 0, 50, "noloco", 2)]  # fmt: skip
 
 
 def plan(seeds: int, stretched: bool = False) -> list[dict]:
@@ -161,8 +169,33 @@ def rows(runs: dict[str, dict]) -> list[dict]:
             "dense_tokens_to_final_loss_ratio_per_seed": worth,
             "final_val_loss": statistics.fmean(r["final"]["val_loss"] for r, _ in paired),
             "val_tokens": paired[0][0]["final"]["val_tokens"],
-        } | against_diloco(runs, kind))  # fmt: skip
+        } | against_diloco(runs, kind) | same_schedule(runs, kind))  # fmt: skip
     return out
+
+
+def same_schedule(runs: dict[str, dict], kind: tuple[str, int, int, str, int]) -> dict:
+    """For a stretched run: its tokens to the dense run's final loss over those of the dense run
+    stretched alike (the control, same seed), both on the same learning-rate schedule; {} for the
+    control itself, for runs not stretched, or without a control of that stretch."""
+    stretch = kind[-1]
+    control_kind = (*DENSE[:-1], stretch)
+    if stretch == 1 or kind == control_kind:
+        return {}
+    dense = {r["seed"]: r for r in runs.values() if kind_of(r) == DENSE}
+    control = {r["seed"]: r for r in runs.values() if kind_of(r) == control_kind}
+    ratios: list[float | None] = []
+    for run in runs.values():
+        if kind_of(run) != kind or run["seed"] not in control or run["seed"] not in dense:
+            continue
+        target = dense[run["seed"]]["final"]["val_loss"]
+        ours, theirs = tokens_to(run["curve"], target), tokens_to(control[run["seed"]]["curve"], target)
+        ratios.append(ours / theirs if ours is not None and theirs else None)
+    if not ratios:
+        return {}
+    reached = [x for x in ratios if x is not None]
+    mean, se = mean_se(reached) if len(reached) == len(ratios) else (None, None)
+    return {"tokens_to_dense_loss_ratio_same_schedule": mean, "tokens_to_dense_loss_ratio_same_schedule_se": se,
+            "tokens_to_dense_loss_ratio_same_schedule_per_seed": ratios, "same_schedule_seeds": len(ratios)}  # fmt: skip
 
 
 def against_diloco(runs: dict[str, dict], kind: tuple[str, int, int, str, int]) -> dict:

@@ -13,6 +13,10 @@ Tokens needed = the dense run's tokens to the target x the schedule's token mult
   (the dense one's is 1 by definition). Nothing is interpolated between measured ranks or H, nor
   carried from one format to another: a schedule without its row is *unmeasured*, gets no time,
   and ranks after every measured one (among themselves by tokens/s);
+- a row measured over a longer run than the dense one (its learning-rate schedule stretched) gives
+  its tokens to the dense loss over those of the dense run stretched alike where that control was
+  run (a run whose rate has not decayed reaches a loss later whatever its format), else over the
+  dense run's own;
 - an overlapped exchange (k = H/2, the largest k measured) takes the multiplier of its k = 0
   schedule: NoLoCo showed no cost the seeds could resolve up to k = H/2
   (docs/results/overlap.json; tiny preset, H = 10, 3 seeds). Each projection names its sources;
@@ -67,6 +71,16 @@ class TokenCost:
     """Tokens this schedule needs to reach the dense run's final loss, over the dense run's."""
     loss_ratio_at_equal_tokens: float | None
     """None for a run longer than the dense one (a stretched schedule): no equal-token point."""
+    same_schedule_ratio: float | None = None
+    """For a stretched run: its tokens to the dense loss over the dense run's stretched alike
+    (`tokens_to_dense_loss_ratio_same_schedule`), where that control was run; the multiplier then."""
+
+    @property
+    def multiplier(self) -> float:
+        """Tokens to the target over the dense run's, on like schedules where measured so."""
+        return (
+            self.tokens_to_dense_loss_ratio if self.same_schedule_ratio is None else self.same_schedule_ratio
+        )
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> TokenCost:
@@ -95,9 +109,16 @@ class TokenCost:
                 if row["loss_ratio_at_equal_tokens"] is None
                 else float(row["loss_ratio_at_equal_tokens"])
             ),
+            same_schedule_ratio=(
+                None if (same := row.get("tokens_to_dense_loss_ratio_same_schedule")) is None else float(same)
+            ),
         )
-        if not (math.isfinite(cost.tokens_to_dense_loss_ratio) and cost.tokens_to_dense_loss_ratio > 0):
-            raise ValueError(f"token cost row {dict(row)}: tokens_to_dense_loss_ratio must be a number > 0")
+        for name, value in (
+            ("tokens_to_dense_loss_ratio", cost.tokens_to_dense_loss_ratio),
+            ("tokens_to_dense_loss_ratio_same_schedule", cost.same_schedule_ratio),
+        ):
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise ValueError(f"token cost row {dict(row)}: {name} must be a number > 0")
         return cost
 
 
@@ -245,13 +266,16 @@ def multiplier(candidate: Candidate, costs: Sequence[TokenCost]) -> tuple[float 
     )
     if candidate.overlap_steps > OVERLAP_MEASURED * candidate.inner_steps:
         return None, f"unmeasured: overlap beyond k = H/2{overlap}"
+    if key == (DENSE_WIRE, 0, DENSE_H):  # its stretched control's row measures the schedule, not it
+        return 1.0, "the dense run itself" + overlap
     rows = [c for c in costs if (c.wire, c.rank, c.H) == key]
     if rows:
-        row = max(rows, key=lambda c: (c.seeds, c.steps))  # the best-measured row of that schedule
+        # the best-measured row of that schedule, a control's over one without
+        row = max(rows, key=lambda c: (c.same_schedule_ratio is not None, c.seeds, c.steps))
         source = f"token_cost.json: {row.seeds} seeds, {row.steps} steps"
-        return row.tokens_to_dense_loss_ratio, source + overlap
-    if key == (DENSE_WIRE, 0, DENSE_H):
-        return 1.0, "the dense run itself" + overlap
+        if row.same_schedule_ratio is not None:
+            source += ", against the dense run stretched alike"
+        return row.multiplier, source + overlap
     rank = f" rank {candidate.rank}" if candidate.rank else ""
     return None, f"unmeasured: no token_cost.json row for {candidate.wire}{rank} at H={candidate.inner_steps}"
 

@@ -101,6 +101,39 @@ def test_token_cost_rows_are_checked() -> None:
         row | {"tokens_to_dense_loss_ratio": 1.7, "loss_ratio_at_equal_tokens": None}
     )
     assert stretched.loss_ratio_at_equal_tokens is None and stretched.tokens_to_dense_loss_ratio == 1.7
+    assert stretched.multiplier == 1.7  # no control of its stretch: against the dense run itself
+    with pytest.raises(ValueError, match="same_schedule must be a number > 0"):
+        TokenCost.from_row(
+            row
+            | {
+                "tokens_to_dense_loss_ratio": 1.7,
+                "loss_ratio_at_equal_tokens": None,
+                "tokens_to_dense_loss_ratio_same_schedule": math.nan,
+            }
+        )
+
+
+def test_a_stretched_row_with_a_control_counts_against_the_dense_run_stretched_alike() -> None:
+    row = {"rank": 0, "seeds": 3, "steps": 2000, "loss_ratio_at_equal_tokens": None}
+    control = TokenCost.from_row(row | {"wire": "fp32", "H": 50, "tokens_to_dense_loss_ratio": 1.25})
+    longer_h = TokenCost.from_row(
+        row
+        | {
+            "wire": "fp32",
+            "H": 100,
+            "tokens_to_dense_loss_ratio": 1.35,
+            "tokens_to_dense_loss_ratio_same_schedule": 1.08,
+        }
+    )
+    # A longer run of the same schedule without a control ranks after the one with.
+    uncontrolled = TokenCost.from_row(
+        row | {"wire": "fp32", "H": 100, "steps": 3000, "tokens_to_dense_loss_ratio": 1.5}
+    )
+    costs = [control, uncontrolled, longer_h]
+    dense, source_dense = multiplier(Candidate(8, 1, "fp32", 0, 50, 0, True), costs)
+    h100, source = multiplier(Candidate(8, 1, "fp32", 0, 100, 0, True), costs)
+    assert dense == 1.0 and source_dense.startswith("the dense run itself")  # not its control's 1.25
+    assert h100 == 1.08 and source.endswith("against the dense run stretched alike")
 
 
 def test_measured_schedules_rank_first_by_time_then_unmeasured_by_tokens_per_s() -> None:
