@@ -65,7 +65,8 @@ DENSE = ("fp32", 0, 50, "noloco", 1)
 # The dense run stretched alike is their control: a run whose learning rate has not decayed yet
 # reaches a loss later than one that ends there, whatever its format.
 STRETCHED = [("subspace", 14, 50, "noloco", 2), ("subspace", 2, 50, "noloco", 3),
-             ("fp32", 0, 100, "noloco", 2), ("fp32", 0, 250, "noloco", 2), ("fp32", 0, 50, "noloco", 2)]  # fmt: skip
+             ("fp32", 0, 100, "noloco", 2), ("fp32", 0, 250, "noloco", 2), ("fp32", 0, 50, "noloco", 2),
+             ("int8", 0, 50, "noloco", 2)]  # fmt: skip
 
 
 def plan(seeds: int, stretched: bool = False) -> list[dict]:
