@@ -228,6 +228,7 @@ def main() -> None:
         "--shard", default="0/1", help="I/N: run only every N-th run from the I-th (one process per core)"
     )
     ap.add_argument("--stretched", action="store_true", help="run only the stretched runs (STRETCHED)")
+    ap.add_argument("--only", default="", help="run only these runs (names, comma-separated) of the plan")
     ap.add_argument("--summarise", action="store_true", help="only write the rows")
     ap.add_argument("--json", type=Path, help="write the rows here (default: OUT/rows.json)")
     args = ap.parse_args()
@@ -238,6 +239,8 @@ def main() -> None:
         torch.set_num_threads(1)
         index, shards = (int(x) for x in args.shard.split("/"))
         todo = plan(args.seeds, args.stretched)[index::shards]
+        if args.only:
+            todo = [r for r in todo if r["name"] in args.only.split(",")]
         left = [r for r in todo if not (args.out / f"{r['name']}.json").exists()]
         print(f"{len(todo) - len(left)} of {len(todo)} runs done, {len(left)} to go", flush=True)
         for i, run in enumerate(left):
