@@ -81,11 +81,18 @@ def plan(seeds: int, stretched: bool = False) -> list[dict]:
         for seed in range(seeds):
             name = f"{method}-{wire}-k{rank}-H{h}" + (f"-x{stretch}" if stretch > 1 else "") + f"-seed{seed}"
             runs.append({"name": name, "wire": wire, "rank": rank, "H": h, "method": method, "seed": seed}
-                        | ({"stretch": stretch} if stretch > 1 else {}))  # fmt: skip
+                        | ({"stretch": stretch} if stretch > 1 else {})
+                        | ({"stop_at_dense_loss": True} if stretch > 1 and (wire, rank, h, method) == DENSE[:-1] else {}))  # fmt: skip
     return runs
 
 
-def run_one(run: dict, steps: int, warmup: int, eval_every: int) -> dict:
+class Reached(Exception):
+    """A control run reached the dense run's final loss: what it measures is known."""
+
+
+def run_one(run: dict, steps: int, warmup: int, eval_every: int, stop_below: float | None = None) -> dict:
+    """One run; with `stop_below`, it ends at its first evaluation at or below that loss (a
+    control: only its tokens to the dense loss are wanted), its final point that evaluation."""
     from noloco_swarm.sim.run import run_simulation
     from noloco_swarm.train.layering import build_config
 
@@ -106,11 +113,22 @@ def run_one(run: dict, steps: int, warmup: int, eval_every: int) -> dict:
     else:
         a["outer.gamma"] = 0.7
     cfg = build_config("mini", run["method"], assignments={k: str(v) for k, v in a.items()}, env={})
+    evals: list[dict] = []
+
+    def seen(_sim: Any, row: dict) -> None:
+        evals.append(row)
+        if stop_below is not None and row["val_loss"] <= stop_below:
+            raise Reached
+
     start = time.perf_counter()
-    result = run_simulation(cfg, steps)
-    curve = [{"step": e["step"], "tokens": e["tokens"], "val_loss": e["val_loss"]} for e in result.evals]
-    return {**run, "steps": steps, "config": cfg.manifest(), "curve": curve, "final": result.final,
-            "seconds": time.perf_counter() - start}  # fmt: skip
+    try:
+        run_simulation(cfg, steps, on_eval=seen)
+        stopped = {}
+    except Reached:
+        stopped = {"stopped_at_step": evals[-1]["step"]}
+    curve = [{"step": e["step"], "tokens": e["tokens"], "val_loss": e["val_loss"]} for e in evals]
+    return {**run, "steps": steps, "config": cfg.manifest(), "curve": curve, "final": evals[-1],
+            "seconds": time.perf_counter() - start} | stopped  # fmt: skip
 
 
 def tokens_to(curve: list[dict], target: float) -> float | None:
@@ -160,6 +178,9 @@ def rows(runs: dict[str, dict]) -> list[dict]:
         tok_mean, tok_se = mean_se(reached) if len(reached) == len(token_ratios) else (None, None)
         wire, rank, h, method, stretch = kind
         equal = stretch == 1
+        if any("stopped_at_step" in r for r, _ in paired):  # a control: its final loss means nothing
+            loss_mean = loss_se = None
+            worth = [None] * len(paired)
         out.append({
             "wire": wire, "rank": rank, "H": h, "method": method, "seeds": len(paired),
             "steps": paired[0][0]["steps"], "tokens_to_dense_loss_ratio": tok_mean,
@@ -168,7 +189,7 @@ def rows(runs: dict[str, dict]) -> list[dict]:
             "loss_ratio_at_equal_tokens_se": loss_se if equal else None,
             **({} if equal else {"stretch": stretch, "final_loss_ratio": loss_mean, "final_loss_ratio_se": loss_se}),
             "dense_tokens_to_final_loss_ratio_per_seed": worth,
-            "final_val_loss": statistics.fmean(r["final"]["val_loss"] for r, _ in paired),
+            "final_val_loss": statistics.fmean(r["final"]["val_loss"] for r, _ in paired) if loss_mean else None,
             "val_tokens": paired[0][0]["final"]["val_tokens"],
         } | against_diloco(runs, kind) | same_schedule(runs, kind))  # fmt: skip
     return out
@@ -246,7 +267,11 @@ def main() -> None:
         for i, run in enumerate(left):
             if (args.out / f"{run['name']}.json").exists():  # another process took it meanwhile
                 continue
-            row = run_one(run, args.steps, args.warmup, args.eval_every)
+            stop = None
+            if run.get("stop_at_dense_loss"):
+                dense = args.out / f"{plan(args.seeds)[run['seed']]['name']}.json"
+                stop = json.loads(dense.read_text())["final"]["val_loss"]
+            row = run_one(run, args.steps, args.warmup, args.eval_every, stop)
             tmp = args.out / f".{run['name']}.{os.getpid()}.tmp"
             tmp.write_text(json.dumps(row))
             os.replace(tmp, args.out / f"{run['name']}.json")  # a run counts once its file is whole
