@@ -26,11 +26,12 @@ Per (wire, rank, H) and seed, against the dense run of the same seed (fp32, H = 
 Stretched runs (--stretched; STRETCHED) train longer than the dense run, their cosine decay
 stretched to the longer run (warmup and evaluation interval unchanged), so a format that never
 reaches the dense loss in 1,000 steps gets a measured tokens-to-loss multiplier (subspace k = 14
-over 2,000 steps). A run whose rate has not decayed yet reaches a loss later than one that ends
-there, so the dense run stretched 2x is run too, as their control: a stretched row's
-`tokens_to_dense_loss_ratio_same_schedule` is its tokens to the dense run's final loss over the
-control's (same seed, same schedule), where `tokens_to_dense_loss_ratio` compares it with the
-1,000-step dense run, whose rate had decayed by then.
+over 2,000 steps). A stretched schedule by itself changes when a loss is reached (the dense run
+stretched 2x reaches its 1,000-step final loss with 0.855x the tokens, its rate still high), so
+the dense run stretched 2x is run too, as their control, stopped once it reaches that loss: a
+stretched row's `tokens_to_dense_loss_ratio_same_schedule` is its tokens to the dense run's final
+loss over the control's (same seed, same schedule), where `tokens_to_dense_loss_ratio` compares it
+with the 1,000-step dense run.
 
     nice -n 19 python bench/token_cost.py --out docs/results/token_cost        # run or continue
     # on 2 cores: the same with --shard 0/2 and --shard 1/2, side by side; then --stretched
@@ -62,8 +63,8 @@ BASE = {  # the sweep's data and optimiser (bench/sweep.py) on the mini preset's
 DENSE = ("fp32", 0, 50, "noloco", 1)
 # Runs longer than the dense one, each with its own schedule stretched (total steps x s): for a
 # format that never reaches the dense loss in the dense run's steps, how many more tokens it takes.
-# The dense run stretched alike is their control: a run whose learning rate has not decayed yet
-# reaches a loss later than one that ends there, whatever its format.
+# The dense run stretched alike is their control: the stretched schedule alone changes when a
+# loss is reached, whatever the format.
 STRETCHED = [("subspace", 14, 50, "noloco", 2), ("subspace", 2, 50, "noloco", 3),
              ("fp32", 0, 100, "noloco", 2), ("fp32", 0, 250, "noloco", 2), ("fp32", 0, 50, "noloco", 2),
              ("int8", 0, 50, "noloco", 2)]  # fmt: skip
@@ -189,7 +190,7 @@ def rows(runs: dict[str, dict]) -> list[dict]:
             "loss_ratio_at_equal_tokens_se": loss_se if equal else None,
             **({} if equal else {"stretch": stretch, "final_loss_ratio": loss_mean, "final_loss_ratio_se": loss_se}),
             "dense_tokens_to_final_loss_ratio_per_seed": worth,
-            "final_val_loss": statistics.fmean(r["final"]["val_loss"] for r, _ in paired) if loss_mean else None,
+            "final_val_loss": statistics.fmean(r["final"]["val_loss"] for r, _ in paired) if loss_mean is not None else None,
             "val_tokens": paired[0][0]["final"]["val_tokens"],
         } | against_diloco(runs, kind) | same_schedule(runs, kind))  # fmt: skip
     return out

@@ -15,8 +15,8 @@ Tokens needed = the dense run's tokens to the target x the schedule's token mult
   and ranks after every measured one (among themselves by tokens/s);
 - a row measured over a longer run than the dense one (its learning-rate schedule stretched) gives
   its tokens to the dense loss over those of the dense run stretched alike where that control was
-  run (a run whose rate has not decayed reaches a loss later whatever its format), else over the
-  dense run's own;
+  run (the stretched schedule alone changes when a loss is reached: the dense run stretched 2x
+  gets there with 0.855x the tokens), else over the dense run's own;
 - an overlapped exchange (k = H/2, the largest k measured) takes the multiplier of its k = 0
   schedule: NoLoCo showed no cost the seeds could resolve up to k = H/2
   (docs/results/overlap.json; tiny preset, H = 10, 3 seeds). Each projection names its sources;
