@@ -80,11 +80,17 @@ def plan(seeds: int, stretched: bool = False) -> list[dict]:
     runs = []
     for wire, rank, h, method, stretch in STRETCHED if stretched else kinds:
         for seed in range(seeds):
-            name = f"{method}-{wire}-k{rank}-H{h}" + (f"-x{stretch}" if stretch > 1 else "") + f"-seed{seed}"
+            name = run_name((wire, rank, h, method, stretch), seed)
             runs.append({"name": name, "wire": wire, "rank": rank, "H": h, "method": method, "seed": seed}
                         | ({"stretch": stretch} if stretch > 1 else {})
                         | ({"stop_at_dense_loss": True} if stretch > 1 and (wire, rank, h, method) == DENSE[:-1] else {}))  # fmt: skip
     return runs
+
+
+def run_name(kind: tuple[str, int, int, str, int], seed: int) -> str:
+    """A run's name, and its file's under --out: (wire, rank, H, method, stretch) and seed."""
+    wire, rank, h, method, stretch = kind
+    return f"{method}-{wire}-k{rank}-H{h}" + (f"-x{stretch}" if stretch > 1 else "") + f"-seed{seed}"
 
 
 class Reached(Exception):
@@ -270,7 +276,7 @@ def main() -> None:
                 continue
             stop = None
             if run.get("stop_at_dense_loss"):
-                dense = args.out / f"{plan(args.seeds)[run['seed']]['name']}.json"
+                dense = args.out / f"{run_name(DENSE, run['seed'])}.json"
                 stop = json.loads(dense.read_text())["final"]["val_loss"]
             row = run_one(run, args.steps, args.warmup, args.eval_every, stop)
             tmp = args.out / f".{run['name']}.{os.getpid()}.tmp"

@@ -83,7 +83,9 @@ class Liveness:
         self.me, self.stage = me, stage
         self.transport, self.directory, self.events = transport, directory, sink
         self.dead: dict[str, int] = {}  # peer id -> the round it failed us in
-        self.filed: set[str] = set()  # those of `dead` we reported gone (see `files`)
+        # Of `dead`, those we reported gone when we marked them (`files`); mark_dead sets it
+        # afresh each time, so an entry left from an earlier marking never counts.
+        self.filed: set[str] = set()
         self.detours = Detours(me, stage, self.dead)  # whom rows are routed around
         self.addresses: dict[str, tuple[str, ...]] = {}  # peer id -> announced addresses
         self.answered: dict[str, float] = {}  # peer id -> when it last answered a probe (monotonic)
